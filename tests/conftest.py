@@ -1,0 +1,44 @@
+"""Shared fixtures: the tiny test model and, for slow tests, the default model.
+
+Torch-free test modules must not import anything from here that pulls torch;
+the model fixtures import it lazily.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random MistralForCausalLM (4 layers, GQA, sliding window 8) + tokenizer."""
+    pytest.importorskip("torch")
+    from zmqllm.models import prepare_tiny_model
+
+    return prepare_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_sharded_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same tiny model saved as several safetensors files with an index."""
+    pytest.importorskip("torch")
+    from zmqllm.models import prepare_tiny_model
+
+    return prepare_tiny_model(tmp_path_factory.mktemp("models") / "tiny-sharded", sharded=True)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The converted SmolLM2-135M-Instruct (prepared once under $ZMQLLM_HOME)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("gguf")
+    from zmqllm.config import default_model_dir as target
+    from zmqllm.models import prepare_default_model
+
+    path = target()
+    prepare_default_model(path)
+    os.environ.setdefault("ZMQLLM_DEFAULT_MODEL_DIR", str(path))
+    return path

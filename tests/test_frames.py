@@ -1,0 +1,153 @@
+"""torch <-> Payload round trips through the real wire format, zero-copy on the CPU path."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+
+torch = pytest.importorskip("torch")
+
+from zmqllm.engine.frames import payload_to_tensor, tensor_to_payload  # noqa: E402
+from zmqllm.protocol import Header, MsgType, Payload, ProtocolError, decode, encode  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.bool]
+
+
+def _sample(dtype: Any, shape: tuple[int, ...] = (4, 8)) -> Any:
+    gen = torch.Generator().manual_seed(0)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=gen).to(dtype)
+    return torch.randint(-(2**31), 2**31 - 1, shape, generator=gen, dtype=dtype)
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[zmq.Socket[bytes], zmq.Socket[bytes]]]:
+    ctx = zmq.Context()
+    a = ctx.socket(zmq.PAIR)
+    b = ctx.socket(zmq.PAIR)
+    a.bind("inproc://frames-test")
+    b.connect("inproc://frames-test")
+    try:
+        yield a, b
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+        ctx.term()
+
+
+def _address(buf: Any) -> int:
+    addr: int = np.frombuffer(buf, np.uint8).__array_interface__["data"][0]
+    return addr
+
+
+@pytest.mark.parametrize("dtype", _DTYPES, ids=str)
+def test_round_trip_over_zmq_is_exact_and_zero_copy(
+    pair: tuple[zmq.Socket[bytes], zmq.Socket[bytes]], dtype: Any
+) -> None:
+    sender, receiver = pair
+    src = _sample(dtype, (16, 512))
+    header = Header(MsgType.ACTIVATION, session="s", step=2)
+    sender.send_multipart(encode(header, [tensor_to_payload(src)]), copy=False)
+    frames = receiver.recv_multipart(copy=False)
+    _, (p,) = decode(frames)
+    out = payload_to_tensor(p)
+    assert out.dtype == src.dtype
+    assert out.shape == src.shape
+    assert torch.equal(out, src)
+    assert out.data_ptr() == _address(frames[1].buffer)
+
+
+@pytest.mark.parametrize("dtype", _DTYPES, ids=str)
+def test_round_trip_bytes_frames(dtype: Any) -> None:
+    src = _sample(dtype)
+    frames = [bytes(f) for f in encode(Header(MsgType.ACTIVATION), [tensor_to_payload(src)])]
+    _, (p,) = decode(frames)
+    out = payload_to_tensor(p)
+    assert torch.equal(out, src)
+    assert out.data_ptr() == _address(frames[1])
+
+
+def test_int32_token_ids() -> None:
+    ids = torch.tensor([1, 415, 32000, 7], dtype=torch.int32)
+    p = tensor_to_payload(ids)
+    assert p.dtype == "int32"
+    _, (q,) = decode(encode(Header(MsgType.OPEN, fields=_open_fields()), [p]))
+    assert torch.equal(payload_to_tensor(q), ids)
+
+
+def _open_fields() -> dict[str, Any]:
+    return {"max_tokens": 8, "prompt_len": 4, "sampling": {}, "stop_ids": [2]}
+
+
+def test_bfloat16_bits_exact() -> None:
+    words = torch.tensor([0x3F80, -0x4000, 0x7F80, 0x7FC1, 0x0001], dtype=torch.int16)
+    src = words.view(torch.bfloat16)
+    p = tensor_to_payload(src)
+    assert p.dtype == "bfloat16"
+    assert p.array.dtype == np.uint16
+    _, (q,) = decode(encode(Header(MsgType.ACTIVATION), [p]))
+    out = payload_to_tensor(q)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out.view(torch.int16), words)  # NaN included: compare the bits
+
+
+def test_tensor_to_payload_shares_memory() -> None:
+    src = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    p = tensor_to_payload(src)
+    assert p.array.__array_interface__["data"][0] == src.data_ptr()
+
+
+def test_non_contiguous_tensor_is_copied_contiguous() -> None:
+    src = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()
+    p = tensor_to_payload(src)
+    assert p.array.flags.c_contiguous
+    _, (q,) = decode(encode(Header(MsgType.ACTIVATION), [p]))
+    assert torch.equal(payload_to_tensor(q), src)
+
+
+def test_requires_grad_tensor() -> None:
+    src = torch.ones(3, requires_grad=True)
+    assert torch.equal(payload_to_tensor(tensor_to_payload(src)), src.detach())
+
+
+def test_zero_size_and_scalar() -> None:
+    for src in (torch.empty(0, 4096, dtype=torch.bfloat16), torch.tensor(3.5)):
+        _, (q,) = decode(encode(Header(MsgType.ACTIVATION), [tensor_to_payload(src)]))
+        out = payload_to_tensor(q)
+        assert out.shape == src.shape
+        assert torch.equal(out, src)
+
+
+def test_read_only_payload_does_not_warn() -> None:
+    frames = [
+        bytes(f) for f in encode(Header(MsgType.ACTIVATION), [tensor_to_payload(torch.ones(4))])
+    ]
+    _, (q,) = decode(frames)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        payload_to_tensor(q)
+
+
+def test_unsupported_dtype() -> None:
+    with pytest.raises(ProtocolError):
+        tensor_to_payload(torch.ones(2, dtype=torch.float64))
+    with pytest.raises(ProtocolError):
+        payload_to_tensor(Payload(np.zeros(2, np.float32), "int32"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_round_trip() -> None:
+    src = _sample(torch.bfloat16).cuda()
+    _, (q,) = decode(encode(Header(MsgType.ACTIVATION), [tensor_to_payload(src)]))
+    out = payload_to_tensor(q, device="cuda")
+    assert out.device.type == "cuda"
+    assert torch.equal(out, src)

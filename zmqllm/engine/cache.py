@@ -1,0 +1,139 @@
+"""Per-session key/value caches of one pipeline stage.
+
+A session's cache is allocated once, when it opens, for its whole length
+(prompt + max_tokens are both known then), and written in place: the decode
+loop never grows a tensor by concatenation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zmqllm.engine.args import ModelArgs
+
+
+class CacheFullError(RuntimeError):
+    """No room for a new session on this stage (sessions or KV tokens)."""
+
+
+class KVCache:
+    """Keys and values of one session on one stage.
+
+    ``k`` and ``v`` are [num_layers, num_kv_heads, max_len, head_dim]; positions
+    ``[0, length)`` hold valid entries.
+    """
+
+    __slots__ = ("k", "length", "max_len", "v")
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (num_layers, num_kv_heads, max_len, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.length = 0
+
+    def room(self) -> int:
+        return self.max_len - self.length
+
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+@dataclass
+class CacheStats:
+    sessions: int
+    tokens_reserved: int
+    bytes_reserved: int
+    max_sessions: int
+    max_tokens: int
+
+
+class CachePool:
+    """The caches of all sessions on one stage, with admission limits."""
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        num_layers: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        max_sessions: int = 64,
+        max_tokens: int = 1 << 20,
+    ) -> None:
+        self.args = args
+        self.num_layers = num_layers
+        self.dtype = dtype
+        self.device = device
+        self.max_sessions = max_sessions
+        self.max_tokens = max_tokens
+        self._caches: dict[str, KVCache] = {}
+        self._reserved = 0
+
+    def __contains__(self, session: str) -> bool:
+        return session in self._caches
+
+    def __len__(self) -> int:
+        return len(self._caches)
+
+    def get(self, session: str) -> KVCache:
+        return self._caches[session]
+
+    def can_admit(self, max_len: int) -> bool:
+        return len(self._caches) < self.max_sessions and self._reserved + max_len <= self.max_tokens
+
+    def allocate(self, session: str, max_len: int) -> KVCache:
+        if session in self._caches:
+            raise ValueError(f"session {session!r} already has a cache")
+        if max_len > self.args.max_position_embeddings:
+            raise ValueError(
+                f"{max_len} tokens exceed the model's context of "
+                f"{self.args.max_position_embeddings}"
+            )
+        if not self.can_admit(max_len):
+            raise CacheFullError(
+                f"stage full: {len(self._caches)}/{self.max_sessions} sessions, "
+                f"{self._reserved}+{max_len} > {self.max_tokens} KV tokens"
+            )
+        cache = KVCache(
+            self.num_layers,
+            self.args.num_kv_heads,
+            max_len,
+            self.args.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self._caches[session] = cache
+        self._reserved += max_len
+        return cache
+
+    def free(self, session: str) -> bool:
+        """Drop a session's cache; False if it had none (closing twice is harmless)."""
+        cache = self._caches.pop(session, None)
+        if cache is None:
+            return False
+        self._reserved -= cache.max_len
+        return True
+
+    def sessions(self) -> list[str]:
+        return list(self._caches)
+
+    def stats(self) -> CacheStats:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        per_token = self.args.kv_bytes_per_token(self.num_layers, itemsize)
+        return CacheStats(
+            sessions=len(self._caches),
+            tokens_reserved=self._reserved,
+            bytes_reserved=self._reserved * per_token,
+            max_sessions=self.max_sessions,
+            max_tokens=self.max_tokens,
+        )

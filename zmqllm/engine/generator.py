@@ -1,0 +1,136 @@
+"""Whole-model generation in one process: shards chained in-process.
+
+Used by ``zmqllm generate``, the engine benchmark and the exactness tests.
+Workers use :func:`load_shard` and the same sampling.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from zmqllm.engine.args import ModelArgs
+from zmqllm.engine.cache import CachePool
+from zmqllm.engine.model import MistralShard, Segment
+from zmqllm.engine.sampling import SamplingParams, sample
+from zmqllm.engine.weights import load_shard_tensors
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}") from None
+
+
+def load_shard(
+    directory: Path,
+    start: int,
+    end: int,
+    dtype: str = "float32",
+    device: str = "cpu",
+    args: ModelArgs | None = None,
+) -> MistralShard:
+    """Build the shard for layers [start, end) and read only its tensors."""
+    args = args or ModelArgs.from_dir(directory)
+    shard = MistralShard(args, start, end, torch_dtype(dtype), device)
+    shard.load(load_shard_tensors(directory, args, start, end).tensors)
+    return shard.eval()
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    finish_reason: str = ""
+
+
+class Generator:
+    """A model split into ``bounds`` shards, chained in one process."""
+
+    def __init__(
+        self,
+        directory: str | Path,
+        bounds: Sequence[tuple[int, int]] | None = None,
+        dtype: str = "float32",
+        device: str = "cpu",
+    ) -> None:
+        self.directory = Path(directory)
+        self.args = ModelArgs.from_dir(self.directory)
+        bounds = bounds or [(0, self.args.num_layers)]
+        self.shards = [
+            load_shard(self.directory, s, e, dtype, device, self.args) for s, e in bounds
+        ]
+        self.pools = [
+            CachePool(self.args, sh.num_local_layers, sh.dtype, device) for sh in self.shards
+        ]
+
+    def forward(self, sessions: Sequence[str], inputs: Sequence[Sequence[int]]) -> torch.Tensor:
+        """One batched step through every shard: each session brings its tokens
+        (a prefill chunk or one decode token). Returns last-token logits [B, vocab]."""
+        flat = torch.tensor([t for toks in inputs for t in toks], dtype=torch.long)
+        h: torch.Tensor = flat
+        for shard, pool in zip(self.shards, self.pools, strict=True):
+            segs = [
+                Segment(pool.get(s), len(toks)) for s, toks in zip(sessions, inputs, strict=True)
+            ]
+            h = shard(h, segs)
+        return h
+
+    def open(self, session: str, max_len: int) -> None:
+        for pool in self.pools:
+            pool.allocate(session, max_len)
+
+    def close(self, session: str) -> None:
+        for pool in self.pools:
+            pool.free(session)
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        params: SamplingParams | None = None,
+        stop_ids: Sequence[int] = (),
+        stats: GenerationStats | None = None,
+        session: str = "local",
+    ) -> Iterator[int]:
+        """Yield generated token ids one by one (a stop token is yielded, then it ends)."""
+        params = params or SamplingParams()
+        stats = stats if stats is not None else GenerationStats()
+        stats.prompt_tokens = len(prompt)
+        if not prompt:
+            raise ValueError("empty prompt")
+        self.open(session, len(prompt) + max_tokens)
+        try:
+            t0 = time.perf_counter()
+            logits = self.forward([session], [list(prompt)])
+            stats.prefill_s = time.perf_counter() - t0
+            stop = set(stop_ids)
+            t1 = time.perf_counter()
+            for step in range(max_tokens):
+                token = sample(logits[0].numpy(), params, step)
+                stats.generated_tokens += 1
+                yield token
+                if token in stop:
+                    stats.finish_reason = "stop"
+                    break
+                if step + 1 == max_tokens:
+                    stats.finish_reason = "length"
+                    break
+                logits = self.forward([session], [[token]])
+            stats.decode_s = time.perf_counter() - t1
+        finally:
+            self.close(session)
+
+
+def logits_to_numpy(logits: torch.Tensor) -> np.ndarray:
+    return logits.detach().to(torch.float32).cpu().numpy()

@@ -1,0 +1,286 @@
+"""A contiguous range of a Mistral model's decoder layers, in plain PyTorch.
+
+One forward call runs a batch of sessions at once. Their tokens are packed
+into one flat [tokens, hidden] tensor, so every matrix multiply reads each
+weight once for the whole batch; only attention runs per session, against that
+session's own cache. A session may bring a prefill chunk (many tokens) or one
+decode token, at any past length: prefill and decode mix freely in one call.
+
+The arithmetic follows transformers' MistralForCausalLM operation for
+operation (RMSNorm in float32, rotate-half rotary embeddings, a window where
+query i sees key j when 0 <= i - j < sliding_window), so greedy output matches
+it token for token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zmqllm.engine.args import ModelArgs
+from zmqllm.engine.cache import KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 whatever the model dtype, then scale in it.
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+@dataclass
+class Segment:
+    """One session's share of a batched forward: ``n`` tokens after its cache."""
+
+    cache: KVCache
+    n: int
+
+
+@dataclass
+class _Plan:
+    """What every layer of one forward call needs, computed once per call."""
+
+    cos: torch.Tensor  # [T, 1, head_dim/2]
+    sin: torch.Tensor  # [T, 1, head_dim/2]
+    # per segment: (row offset, n, past length, first visible key, mask or None)
+    spans: list[tuple[int, int, int, int, torch.Tensor | None]]
+    segments: Sequence[Segment]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.args = args
+        h, kvh, d = args.num_heads, args.num_kv_heads, args.head_dim
+        # q, k and v projections fused into one weight: one matmul, one read.
+        self.wqkv = nn.Parameter(
+            torch.empty((h + 2 * kvh) * d, args.hidden_size, dtype=dtype), requires_grad=False
+        )
+        self.wo = nn.Parameter(
+            torch.empty(args.hidden_size, h * d, dtype=dtype), requires_grad=False
+        )
+        # gate and up projections fused the same way.
+        self.w_gate_up = nn.Parameter(
+            torch.empty(2 * args.intermediate_size, args.hidden_size, dtype=dtype),
+            requires_grad=False,
+        )
+        self.w_down = nn.Parameter(
+            torch.empty(args.hidden_size, args.intermediate_size, dtype=dtype), requires_grad=False
+        )
+        self.input_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, plan: _Plan, local: int) -> torch.Tensor:
+        args = self.args
+        t = x.shape[0]
+        h, kvh, d = args.num_heads, args.num_kv_heads, args.head_dim
+        qkv = F.linear(self.input_norm(x), self.wqkv)  # [T, (H + 2 KVH) * D]
+        qk = _rope(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), plan.cos, plan.sin)
+        q, k = qk[:, :h], qk[:, h:]  # [T, H, D], [T, KVH, D]
+        v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
+
+        attn = torch.empty(t, h * d, dtype=x.dtype, device=x.device)
+        for (off, n, past, lo, mask), seg in zip(plan.spans, plan.segments, strict=True):
+            ck, cv = seg.cache.k[local], seg.cache.v[local]  # [KVH, max_len, D]
+            ck[:, past : past + n].copy_(k[off : off + n].transpose(0, 1))
+            cv[:, past : past + n].copy_(v[off : off + n].transpose(0, 1))
+            attn[off : off + n] = _attend(
+                q[off : off + n], ck[:, lo : past + n], cv[:, lo : past + n], mask
+            )
+        x = x + F.linear(attn, self.wo)
+        gate, up = F.linear(self.post_norm(x), self.w_gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.w_down)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, rotate-half layout; x is [T, heads, D], cos/sin [T, 1, D/2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """Grouped-query attention of one session.
+
+    q is [n, H, D]; k and v are [KVH, L, D] views into the cache. The G query
+    heads that share a key/value head are stacked as extra query rows, so the
+    cache is read in place with no repeat: q becomes [KVH, G * n, D].
+    Returns [n, H * D].
+    """
+    n, h, d = q.shape
+    kvh = k.shape[0]
+    g = h // kvh
+    qg = q.view(n, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * n, d)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)  # [KVH, G*n, D]
+    return out.view(kvh, g, n, d).permute(2, 0, 1, 3).reshape(n, h * d)
+
+
+class MistralShard(nn.Module):
+    """Decoder layers ``[start, end)``; stage 0 also embeds, the last stage also
+    applies the final norm and the lm_head. Layers keep their global indices
+    for loading; ``local`` indices address the cache."""
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        start: int,
+        end: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        if not 0 <= start < end <= args.num_layers:
+            raise ValueError(f"layer range [{start}, {end}) is outside [0, {args.num_layers})")
+        self.args = args
+        self.start, self.end = start, end
+        self.is_first = start == 0
+        self.is_last = end == args.num_layers
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.embed: torch.Tensor | None = None  # [vocab, hidden]
+        self.lm_head: torch.Tensor | None = None  # [vocab, hidden]
+        self.layers = nn.ModuleList(DecoderLayer(args, dtype) for _ in range(start, end))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if self.is_last else None
+        self._rope_len = 0
+        self._cos = torch.empty(0)
+        self._sin = torch.empty(0)
+
+    @property
+    def num_local_layers(self) -> int:
+        return self.end - self.start
+
+    def load(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy in checkpoint tensors named as in the HF checkpoint (global indices)."""
+
+        def take(name: str) -> torch.Tensor:
+            try:
+                t = tensors[name]
+            except KeyError:
+                raise KeyError(f"checkpoint tensor {name!r} missing for this shard") from None
+            return t.to(device=self.device, dtype=self.dtype)
+
+        with torch.no_grad():
+            for local, layer in enumerate(self.layers):
+                p = f"model.layers.{self.start + local}."
+                assert isinstance(layer, DecoderLayer)
+                attn = p + "self_attn."
+                layer.wqkv.copy_(
+                    torch.cat([take(attn + f"{x}_proj.weight") for x in ("q", "k", "v")])
+                )
+                layer.wo.copy_(take(attn + "o_proj.weight"))
+                mlp = p + "mlp."
+                layer.w_gate_up.copy_(
+                    torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
+                )
+                layer.w_down.copy_(take(mlp + "down_proj.weight"))
+                layer.input_norm.weight.copy_(take(p + "input_layernorm.weight"))
+                layer.post_norm.weight.copy_(take(p + "post_attention_layernorm.weight"))
+            if self.is_first:
+                self.embed = take("model.embed_tokens.weight")
+            if self.is_last:
+                assert self.norm is not None
+                self.norm.weight.copy_(take("model.norm.weight"))
+                if self.args.tie_word_embeddings:
+                    head = take("model.embed_tokens.weight")
+                    # Share storage with the embedding when this stage holds both.
+                    self.lm_head = self.embed if self.embed is not None else head
+                else:
+                    self.lm_head = take("lm_head.weight")
+
+    def num_parameters(self) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if self.embed is not None:
+            n += self.embed.numel()
+        if self.lm_head is not None and self.lm_head is not self.embed:
+            n += self.lm_head.numel()
+        return n
+
+    def _rope_tables(self, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if upto > self._rope_len:
+            # Grow in powers of two; computed in float32 exactly as transformers does.
+            size = max(256, 1 << (upto - 1).bit_length())
+            d = self.args.head_dim
+            inv_freq = 1.0 / (
+                self.args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+            )
+            freqs = torch.arange(size, dtype=torch.float32)[:, None] * inv_freq[None, :]
+            self._cos = freqs.cos().to(device=self.device, dtype=self.dtype)
+            self._sin = freqs.sin().to(device=self.device, dtype=self.dtype)
+            self._rope_len = size
+        return self._cos, self._sin
+
+    def _plan(self, segments: Sequence[Segment]) -> _Plan:
+        window = self.args.sliding_window
+        spans: list[tuple[int, int, int, int, torch.Tensor | None]] = []
+        positions: list[torch.Tensor] = []
+        off = 0
+        for seg in segments:
+            past, n = seg.cache.length, seg.n
+            if n <= 0:
+                raise ValueError("a segment needs at least one token")
+            if past + n > seg.cache.max_len:
+                raise ValueError(
+                    f"segment of {n} tokens after {past} overflows a cache of {seg.cache.max_len}"
+                )
+            # First key any query of this segment can see.
+            lo = max(0, past + 1 - window) if window else 0
+            mask = None
+            if n > 1 or (window and past + n - lo > window):
+                qpos = torch.arange(past, past + n, device=self.device)[:, None]
+                kpos = torch.arange(lo, past + n, device=self.device)[None, :]
+                visible = kpos <= qpos
+                if window:
+                    visible &= qpos - kpos < window
+                g = self.args.kv_groups
+                mask = visible.repeat(g, 1)  # [G * n, L]: rows ordered (group, token)
+            spans.append((off, n, past, lo, mask))
+            positions.append(torch.arange(past, past + n, device=self.device))
+            off += n
+        pos = torch.cat(positions) if len(positions) > 1 else positions[0]
+        cos, sin = self._rope_tables(int(pos.max()) + 1)
+        return _Plan(
+            cos=cos[pos][:, None, :], sin=sin[pos][:, None, :], spans=spans, segments=segments
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self, x: torch.Tensor, segments: Sequence[Segment], all_logits: bool = False
+    ) -> torch.Tensor:
+        """Run the shard over a batch.
+
+        x is token ids [T] (int64/int32) on stage 0, hidden states [T, hidden]
+        elsewhere, with T = sum of the segments' n, in segment order. Returns
+        hidden states [T, hidden], or on the last stage logits [B, vocab] for
+        each segment's last token ([T, vocab] with all_logits) in float32.
+        Each segment's cache length advances by its n.
+        """
+        plan = self._plan(segments)
+        if self.is_first:
+            assert self.embed is not None
+            h = F.embedding(x.to(device=self.device, dtype=torch.long), self.embed)
+        else:
+            h = x.to(device=self.device, dtype=self.dtype)
+        for local, layer in enumerate(self.layers):
+            h = layer(h, plan, local)
+        for seg in segments:
+            seg.cache.length += seg.n
+        if not self.is_last:
+            return h
+        assert self.norm is not None and self.lm_head is not None
+        if not all_logits:
+            last = torch.tensor([off + n - 1 for off, n, *_ in plan.spans], device=self.device)
+            h = h[last]
+        return F.linear(self.norm(h), self.lm_head).float()

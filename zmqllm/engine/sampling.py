@@ -1,0 +1,179 @@
+"""Token sampling on numpy logits: greedy, temperature, top-k, top-p.
+
+The random draw for step t comes from a generator seeded by (seed, t) alone, so a session
+replayed on a fresh route (see DESIGN.md, reliability) reproduces the same tokens, and which
+other sessions share the batch never changes them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+_MAX_SEED = 2**63 - 1
+# top-p first sorts only this many of the most likely tokens, growing ×8 until the nucleus
+# fits: a full sort of a 32k–150k vocabulary costs milliseconds per token.
+_NUCLEUS_BLOCK = 64
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next token. temperature 0 means greedy; top_k 0 means no limit."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad parameter."""
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number, got {self.temperature!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not _is_int(self.seed) or not 0 <= self.seed <= _MAX_SEED:
+            raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {self.seed!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types only: this travels in msgpack headers."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SamplingParams:
+        """Build and validate from a header dict; missing keys take their defaults."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"sampling params must be a map, got {type(data).__name__}")
+        unknown = sorted(str(key) for key in data if key not in _FIELD_KINDS)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        values: dict[str, Any] = {}
+        for name, value in data.items():
+            if _FIELD_KINDS[name] is float:
+                if not _is_real(value):
+                    raise ValueError(f"{name} must be a number, got {type(value).__name__}")
+                values[name] = float(value)
+            else:
+                if not _is_int(value):
+                    raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
+                values[name] = int(value)
+        params = cls(**values)
+        params.validate()
+        return params
+
+
+_FIELD_KINDS: dict[str, type] = {"temperature": float, "top_p": float, "top_k": int, "seed": int}
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an int subclass, but `top_k: true` is a client bug, not 1.
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
+
+
+def sample(logits: np.ndarray, params: SamplingParams, step: int) -> int:
+    """Pick the token for decode step ``step`` from ``logits`` [vocab]."""
+    params.validate()
+    if not _is_int(step) or step < 0:
+        raise ValueError(f"step must be an integer >= 0, got {step!r}")
+    x = np.asarray(logits)
+    if x.ndim != 1 or x.size == 0:
+        raise ValueError(f"logits must be a non-empty 1-D array, got shape {x.shape}")
+    if np.isnan(x).any():
+        raise ValueError("logits contain NaN")
+    if not (x > -np.inf).any():
+        raise ValueError("logits are all -inf: no token can be sampled")
+    if params.greedy:
+        # Ties go to the lowest id, as with torch.argmax.
+        return int(np.argmax(x))
+
+    x = x.astype(np.float64)
+    positive_inf = np.isposinf(x)
+    if positive_inf.any():
+        # +inf tokens hold all the probability, shared equally.
+        x = np.where(positive_inf, 0.0, -np.inf)
+    # Subtracting the max first keeps a tiny temperature from overflowing to +inf; what
+    # overflows to -inf had negligible probability anyway.
+    with np.errstate(over="ignore"):
+        x = (x - x.max()) / params.temperature
+
+    # Walk the inverse CDF in id order: the pick then depends only on the kept set, its
+    # probabilities and u, never on how the set was found.
+    kept = np.sort(_kept_tokens(x, params.top_k, params.top_p))
+    cdf = np.cumsum(np.exp(x[kept]))
+    u = np.random.default_rng([params.seed, step]).random()
+    pick = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    return int(kept[min(pick, kept.size - 1)])
+
+
+def sample_batch(
+    logits: np.ndarray, params: Sequence[SamplingParams], steps: Sequence[int]
+) -> list[int]:
+    """Pick one token per row of ``logits`` [batch, vocab]; row i uses params[i], steps[i]."""
+    rows = np.asarray(logits)
+    if rows.ndim != 2:
+        raise ValueError(f"logits must be [batch, vocab], got shape {rows.shape}")
+    if not len(params) == len(steps) == rows.shape[0]:
+        raise ValueError(
+            f"batch of {rows.shape[0]} rows but {len(params)} params and {len(steps)} steps"
+        )
+    return [sample(rows[i], params[i], steps[i]) for i in range(rows.shape[0])]
+
+
+def _kept_tokens(x: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """Ids (in no particular order) of the tokens left after top-k, then top-p.
+
+    ``x`` is float64 [vocab] with max 0. Among equal values the lower ids are kept, so the
+    set is well defined even with ties at the boundary.
+    """
+    if top_k == 0 and top_p >= 1.0:
+        return np.arange(x.size)  # -inf tokens stay but weigh 0: never picked
+    live = int(np.count_nonzero(x > -np.inf))
+    k = live if top_k == 0 else min(top_k, live)
+    if top_p >= 1.0:
+        return _largest_unordered(x, k)
+    if k == x.size:
+        total = float(np.exp(x).sum())
+    else:
+        total = float(np.exp(x[_largest_unordered(x, k)]).sum())
+    m = min(k, _NUCLEUS_BLOCK)
+    while True:
+        candidates = _largest(x, m)
+        # cumsum is sequential, so this prefix sum is the same whatever m is.
+        mass = np.cumsum(np.exp(x[candidates])) / total
+        if mass[-1] >= top_p or m == k:
+            # Smallest prefix whose mass reaches top_p; all m if rounding never gets there.
+            cut = int(np.searchsorted(mass, top_p, side="left")) + 1
+            return candidates[: min(cut, m)]
+        m = min(k, m * 8)
+
+
+def _largest_unordered(x: np.ndarray, m: int) -> np.ndarray:
+    """Ids of the m largest values, ties at the boundary resolved to the lowest ids."""
+    if m >= x.size:
+        return np.arange(x.size)
+    threshold = np.partition(x, x.size - m)[x.size - m]
+    above = np.flatnonzero(x > threshold)
+    ties = np.flatnonzero(x == threshold)
+    return np.concatenate([above, ties[: m - above.size]])
+
+
+def _largest(x: np.ndarray, m: int) -> np.ndarray:
+    """Ids of the m largest values, ordered by value descending then id ascending."""
+    ids = _largest_unordered(x, m)
+    # A stable sort keeps equal values in id order (ids within each value group ascend).
+    return ids[np.argsort(-x[ids], kind="stable")]

@@ -1,0 +1,193 @@
+"""Find a checkpoint and read only the tensors one shard needs.
+
+A model is a local directory or a Hugging Face Hub repo id. From the Hub a
+worker downloads config and tokenizer files, the index, and then only the
+safetensors files that hold its own tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from zmqllm.engine.args import ModelArgs
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Small files every process wants: the config, tokenizer and chat template.
+META_PATTERNS = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    INDEX_FILE,
+]
+# Config keys that say nothing about the computation.
+_VOLATILE_CONFIG_KEYS = {
+    "transformers_version",
+    "_name_or_path",
+    "architectures",
+    "dtype",
+    "torch_dtype",
+    "use_cache",
+}
+
+
+class CheckpointError(RuntimeError):
+    """The checkpoint is missing, incomplete or not in safetensors format."""
+
+
+def shard_tensor_names(args: ModelArgs, start: int, end: int) -> list[str]:
+    """Checkpoint names of every tensor a shard for layers [start, end) needs."""
+    names: list[str] = []
+    if start == 0:
+        names.append("model.embed_tokens.weight")
+    for i in range(start, end):
+        p = f"model.layers.{i}."
+        names += [p + f"self_attn.{x}_proj.weight" for x in ("q", "k", "v", "o")]
+        names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+    if end == args.num_layers:
+        names.append("model.norm.weight")
+        head = "model.embed_tokens.weight" if args.tie_word_embeddings else "lm_head.weight"
+        if head not in names:
+            names.append(head)
+    return names
+
+
+def weight_map(directory: Path) -> dict[str, str]:
+    """Tensor name -> safetensors file name, from the index or the single file."""
+    index = directory / INDEX_FILE
+    if index.exists():
+        data = json.loads(index.read_text())
+        return dict(data["weight_map"])
+    single = directory / SINGLE_FILE
+    if single.exists():
+        with safe_open(str(single), framework="pt") as f:
+            return {name: SINGLE_FILE for name in f.keys()}  # noqa: SIM118
+    raise CheckpointError(f"{directory} holds no {SINGLE_FILE} nor {INDEX_FILE}")
+
+
+def is_local(model: str) -> bool:
+    return Path(model).expanduser().is_dir()
+
+
+def resolve_checkpoint(
+    model: str,
+    args_for: tuple[int, int] | None = None,
+    revision: str | None = None,
+) -> Path:
+    """A local directory holding what a shard needs.
+
+    ``model`` is a directory or a Hub repo id. For a repo id the config,
+    tokenizer and index come first; then, if ``args_for`` = (start, end) is
+    given, only the safetensors files that hold those layers' tensors, else all
+    of them. Honours the usual HF_HOME / HF_HUB_OFFLINE settings.
+    """
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_absolute() or model.startswith((".", "~")) or model.count("/") > 1:
+        raise CheckpointError(f"model directory {model} does not exist")
+    from huggingface_hub import snapshot_download
+
+    try:
+        local = Path(snapshot_download(model, revision=revision, allow_patterns=META_PATTERNS))
+        args = ModelArgs.from_dir(local)
+        if (local / INDEX_FILE).exists():
+            wmap = weight_map(local)
+            names = shard_tensor_names(args, *args_for) if args_for else list(wmap)
+            files = sorted({wmap[n] for n in names if n in wmap})
+        else:
+            files = [SINGLE_FILE]
+        local = Path(snapshot_download(model, revision=revision, allow_patterns=files))
+    except CheckpointError:
+        raise
+    except Exception as exc:  # hub errors come in many classes; say which model failed
+        raise CheckpointError(f"cannot fetch {model!r} from the Hugging Face Hub: {exc}") from exc
+    return local
+
+
+@dataclass
+class ShardTensors:
+    """Tensors read for one shard, and a record of what was read."""
+
+    tensors: dict[str, torch.Tensor]
+    files_opened: list[str] = field(default_factory=list)
+
+    @property
+    def names_read(self) -> list[str]:
+        return list(self.tensors)
+
+
+def load_shard_tensors(directory: Path, args: ModelArgs, start: int, end: int) -> ShardTensors:
+    """Read exactly the tensors of layers [start, end) (+ embedding / head)."""
+    wmap = weight_map(directory)
+    names = shard_tensor_names(args, start, end)
+    missing = [n for n in names if n not in wmap]
+    if missing:
+        raise CheckpointError(
+            f"{directory} lacks {len(missing)} tensors this shard needs, e.g. {missing[0]}"
+        )
+    by_file: dict[str, list[str]] = {}
+    for name in names:
+        by_file.setdefault(wmap[name], []).append(name)
+    out = ShardTensors(tensors={})
+    for fname, fnames in sorted(by_file.items()):
+        fpath = directory / fname
+        if not fpath.exists():
+            raise CheckpointError(f"{fpath} is missing (needed for {fnames[0]})")
+        out.files_opened.append(fname)
+        with safe_open(str(fpath), framework="pt") as f:
+            for name in fnames:
+                out.tensors[name] = f.get_tensor(name)
+    return out
+
+
+def _canonical_config(directory: Path) -> dict[str, Any]:
+    cfg = json.loads((directory / "config.json").read_text())
+    return {k: v for k, v in sorted(cfg.items()) if k not in _VOLATILE_CONFIG_KEYS}
+
+
+def model_fingerprint(directory: Path, args: ModelArgs, runtime_dtype: str) -> dict[str, Any]:
+    """What every worker of one cluster must agree on.
+
+    The digest covers the computation-relevant config and the full list of
+    tensor names; the summary fields let a refusal name what differs.
+    """
+    cfg = _canonical_config(directory)
+    names = sorted(weight_map(directory))
+    cfg_digest = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
+    names_digest = hashlib.sha256("\n".join(names).encode()).hexdigest()[:16]
+    summary: dict[str, Any] = {
+        "model_type": args.model_type,
+        "num_layers": args.num_layers,
+        "hidden_size": args.hidden_size,
+        "vocab_size": args.vocab_size,
+        "num_tensors": len(names),
+        "dtype": runtime_dtype,
+        "config": cfg_digest,
+        "tensors": names_digest,
+    }
+    summary["digest"] = hashlib.sha256(json.dumps(summary, sort_keys=True).encode()).hexdigest()[
+        :16
+    ]
+    return summary
+
+
+def fingerprint_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """Human-readable differences between two fingerprints ("num_layers: 30 != 4")."""
+    keys: Iterable[str] = sorted(set(a) | set(b) - {"digest"})
+    return [
+        f"{k}: {a.get(k)!r} != {b.get(k)!r}" for k in keys if k != "digest" and a.get(k) != b.get(k)
+    ]

@@ -1,0 +1,189 @@
+"""Structured logging shared by every zmqllm process.
+
+Each process writes one JSON object per line on stderr with ``timestamp`` (ISO 8601, UTC),
+``level``, ``service`` and ``event``, plus whatever is bound with ``bind_request``, so the
+lines of one request can be followed across the gateway, the broker and the workers with
+a single filter on ``request_id``. Records from the standard ``logging`` module (uvicorn,
+asyncio, warnings) are rendered the same way, so nothing on stderr breaks the format.
+
+This module runs in the broker and the gateway, so it must not import torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import uuid
+from typing import Any, TextIO
+
+import structlog
+from structlog.typing import EventDict, FilteringBoundLogger, Processor, WrappedLogger
+
+__all__ = [
+    "LOG_FORMATS",
+    "LOG_LEVELS",
+    "bind_request",
+    "configure_logging",
+    "get_logger",
+    "new_request_id",
+]
+
+LOG_LEVELS: dict[str, int] = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
+LOG_FORMATS = ("auto", "json", "console")
+
+# Keys a reader scans first; the rest follow in the order they were bound.
+_LEADING_KEYS = ("timestamp", "level", "service", "event")
+
+# Loggers that install their own handlers and stop propagation; they are pointed back at
+# the root handler so their lines come out in our format too.
+_SELF_HANDLING_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
+
+
+class _ZmqllmHandler(logging.StreamHandler):
+    """The root handler this module installs, marked so a reconfigure can replace it."""
+
+
+def _add_service(service: str) -> Processor:
+    def add_service(_logger: WrappedLogger, _method: str, event_dict: EventDict) -> EventDict:
+        event_dict.setdefault("service", service)
+        return event_dict
+
+    return add_service
+
+
+class _NamedWriteLogger(structlog.WriteLogger):
+    """A WriteLogger that remembers the name it was asked for, like a stdlib logger."""
+
+    def __init__(self, file: TextIO, name: str | None) -> None:
+        super().__init__(file)
+        self.name = name
+
+
+class _NamedWriteLoggerFactory:
+    # structlog passes get_logger's positional arguments to the factory; keeping the name
+    # on the logger (not in the context) lets a module-level logger follow reconfiguration.
+    def __init__(self, file: TextIO) -> None:
+        self._file = file
+
+    def __call__(self, *args: Any) -> _NamedWriteLogger:
+        return _NamedWriteLogger(self._file, args[0] if args else None)
+
+
+def _add_logger_name(logger: WrappedLogger, _method: str, event_dict: EventDict) -> EventDict:
+    # A record from the logging module names the library that spoke ("uvicorn.error").
+    record = event_dict.get("_record")
+    name = record.name if record is not None else getattr(logger, "name", None)
+    if name:
+        event_dict.setdefault("logger", name)
+    return event_dict
+
+
+def _leading_keys_first(_logger: WrappedLogger, _method: str, event_dict: EventDict) -> EventDict:
+    ordered = {key: event_dict.pop(key) for key in _LEADING_KEYS if key in event_dict}
+    ordered.update(event_dict)
+    return ordered
+
+
+def _use_console(fmt: str, stream: TextIO) -> bool:
+    if fmt == "auto":
+        isatty = getattr(stream, "isatty", None)
+        return bool(isatty and isatty())
+    return fmt == "console"
+
+
+def configure_logging(
+    service: str, level: str = "info", fmt: str = "auto", stream: TextIO | None = None
+) -> None:
+    """Set up structlog and the ``logging`` root for this process.
+
+    Calling it again replaces the previous setup (a CLI reconfigures once flags are read).
+    """
+    levelno = LOG_LEVELS.get(level.lower())
+    if levelno is None:
+        raise ValueError(f"unknown log level {level!r}; valid levels: {', '.join(LOG_LEVELS)}")
+    if fmt.lower() not in LOG_FORMATS:
+        raise ValueError(f"unknown log format {fmt!r}; valid formats: {', '.join(LOG_FORMATS)}")
+    # Resolved at call time, not import time, so a swapped sys.stderr (tests) is honoured.
+    out = stream if stream is not None else sys.stderr
+    console = _use_console(fmt.lower(), out)
+
+    shared: list[Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        _add_service(service),
+        _add_logger_name,
+        structlog.processors.StackInfoRenderer(),
+    ]
+    render: list[Processor]
+    if console:
+        isatty = getattr(out, "isatty", None)
+        # ConsoleRenderer formats exc_info itself, so no traceback processor goes before it.
+        render = [structlog.dev.ConsoleRenderer(colors=bool(isatty and isatty()))]
+    else:
+        render = [
+            structlog.processors.dict_tracebacks,
+            _leading_keys_first,
+            structlog.processors.JSONRenderer(),
+        ]
+
+    structlog.configure(
+        processors=[*shared, *render],
+        # The filtering logger turns calls below the level into no-ops, which keeps debug
+        # logging in the per-token path nearly free.
+        wrapper_class=structlog.make_filtering_bound_logger(levelno),
+        logger_factory=_NamedWriteLoggerFactory(out),
+        # Caching would pin loggers created at import time to the first configuration,
+        # and processes reconfigure once their flags are parsed.
+        cache_logger_on_first_use=False,
+    )
+
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=shared,
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *render],
+    )
+    handler = _ZmqllmHandler(out)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if isinstance(h, _ZmqllmHandler)]:
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(levelno)
+    for name in _SELF_HANDLING_LOGGERS:
+        library_logger = logging.getLogger(name)
+        library_logger.handlers.clear()
+        library_logger.propagate = True
+    # warnings.warn would otherwise print free text on stderr.
+    logging.captureWarnings(True)
+
+
+def get_logger(name: str | None = None, **initial: Any) -> FilteringBoundLogger:
+    """A structlog logger; ``name`` appears as the ``logger`` key."""
+    args = (name,) if name else ()
+    logger: FilteringBoundLogger = structlog.get_logger(*args, **initial)
+    return logger
+
+
+def new_request_id() -> str:
+    """A fresh request id: 32 hex characters."""
+    return uuid.uuid4().hex
+
+
+def bind_request(
+    request_id: str, session: str = "", **extra: Any
+) -> contextlib.AbstractContextManager[None]:
+    """Tag every log line inside the ``with`` block with the request (and session).
+
+    Context variables follow asyncio tasks, so concurrent requests don't see each other's ids.
+    """
+    values: dict[str, Any] = {"request_id": request_id, **extra}
+    if session:
+        values["session"] = session
+    return structlog.contextvars.bound_contextvars(**values)
