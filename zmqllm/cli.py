@@ -7,17 +7,25 @@ them, so ``zmqllm --help`` and the front-end roles start without the ML stack.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from zmqllm import __version__
+from zmqllm.config import (
+    Config,
+    ConfigError,
+    default_model_dir,
+    load_config,
+    resolve_model_path,
+    with_overrides,
+)
+from zmqllm.log import configure_logging
 
 
 def _model_dir(spec: str, prepare: bool = True) -> Path:
     """Resolve "default"/"tiny"/a directory; prepare the default model on first use."""
-    from zmqllm.config import default_model_dir, resolve_model_path
-
     path = Path(resolve_model_path(spec))
     if prepare and path == default_model_dir():
         from zmqllm.models import is_prepared, prepare_default_model
@@ -28,7 +36,6 @@ def _model_dir(spec: str, prepare: bool = True) -> Path:
 
 
 def cmd_prepare_model(ns: argparse.Namespace) -> int:
-    from zmqllm.config import default_model_dir
     from zmqllm.models import prepare_default_model, prepare_tiny_model
 
     if ns.tiny:
@@ -126,6 +133,162 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_prepare_model)
 
 
+# -- roles --------------------------------------------------------------------
+
+
+def _load(ns: argparse.Namespace, overrides: dict[str, dict[str, object]]) -> Config:
+    """The config file (if any) with the command-line flags applied on top."""
+    cfg = load_config(ns.config)
+    for section, values in overrides.items():
+        cfg = with_overrides(cfg, section, values)
+    return with_overrides(cfg, "log", {"level": ns.log_level, "format": ns.log_format})
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="TOML config file (see configs/)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", choices=["auto", "json", "console"])
+
+
+def _beats(ns: argparse.Namespace) -> dict[str, object]:
+    return {
+        "heartbeat_interval": ns.heartbeat_interval,
+        "heartbeat_liveness": ns.heartbeat_liveness,
+    }
+
+
+def _beat_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--heartbeat-interval", type=float, metavar="S")
+    p.add_argument("--heartbeat-liveness", type=int, metavar="N")
+
+
+def cmd_broker(ns: argparse.Namespace) -> int:
+    from zmqllm.broker import serve
+
+    broker = dict(
+        frontend=ns.frontend,
+        backend=ns.backend,
+        queue_size=ns.queue_size,
+        queue_timeout=ns.queue_timeout,
+        **_beats(ns),
+    )
+    cfg = _load(ns, {"broker": broker})
+    configure_logging("broker", cfg.log.level, cfg.log.format)
+    serve(cfg.broker)
+    return 0
+
+
+def cmd_worker(ns: argparse.Namespace) -> int:
+    from zmqllm.worker import serve
+
+    layers = ns.layers
+    if ns.stage:
+        if layers:
+            raise ConfigError("give --layers or --stage, not both")
+        layers = ns.stage
+    worker = dict(
+        broker=ns.broker,
+        layers=layers,
+        threads=ns.threads,
+        max_sessions=ns.max_sessions,
+        max_kv_tokens=ns.max_kv_tokens,
+        prefill_chunk=ns.prefill_chunk,
+        name=ns.name,
+    )
+    model = dict(path=ns.model, dtype=ns.dtype, device=ns.device, revision=ns.revision)
+    cfg = _load(ns, {"worker": worker, "model": model, "broker": _beats(ns)})
+    configure_logging("worker", cfg.log.level, cfg.log.format)
+    if resolve_model_path(cfg.model.path) == str(default_model_dir()):
+        _model_dir(cfg.model.path)  # convert the default model on first use
+    return serve(cfg)
+
+
+def cmd_gateway(ns: argparse.Namespace) -> int:
+    from zmqllm.gateway.server import serve
+
+    gateway = dict(host=ns.host, port=ns.port, broker=ns.broker)
+    model = dict(path=ns.model, name=ns.model_name)
+    cfg = _load(ns, {"gateway": gateway, "model": model, "broker": _beats(ns)})
+    serve(cfg)
+    return 0
+
+
+def cmd_status(ns: argparse.Namespace) -> int:
+    from zmqllm.status import fetch_status, format_status
+
+    cfg = _load(ns, {})
+    address = ns.broker or cfg.gateway.broker
+    try:
+        status = fetch_status(address, timeout=ns.timeout)
+    except TimeoutError as exc:
+        print(f"zmqllm status: {exc}", file=sys.stderr)
+        return 1
+    if ns.json:
+        print(json.dumps(status, indent=2))
+    else:
+        print(format_status(status))
+    return 0
+
+
+def cmd_up(ns: argparse.Namespace) -> int:
+    from zmqllm.launcher import run_up
+
+    return run_up(ns)
+
+
+def _add_roles(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("broker", help="route messages between gateways and workers")
+    _common(p)
+    p.add_argument("--frontend", metavar="ADDR", help="for gateways (tcp://127.0.0.1:5555)")
+    p.add_argument("--backend", metavar="ADDR", help="for workers (tcp://127.0.0.1:5556)")
+    p.add_argument("--queue-size", type=int)
+    p.add_argument("--queue-timeout", type=float, metavar="S")
+    _beat_flags(p)
+    p.set_defaults(func=cmd_broker)
+
+    p = sub.add_parser("worker", help="serve a range of the model's layers")
+    _common(p)
+    p.add_argument("--model", help='model directory, Hub repo id, "default" or "tiny"')
+    p.add_argument("--revision", help="Hub revision")
+    p.add_argument("--layers", help='half-open layer range, e.g. "0:15"')
+    p.add_argument("--stage", metavar="K/N", help='stage K of N, layers split evenly, e.g. "1/2"')
+    p.add_argument("--device", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--broker", metavar="ADDR", help="the broker's backend (tcp://HOST:5556)")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--max-sessions", type=int)
+    p.add_argument("--max-kv-tokens", type=int)
+    p.add_argument("--prefill-chunk", type=int, metavar="TOKENS")
+    p.add_argument("--name", help="a name for logs and status")
+    _beat_flags(p)
+    p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("gateway", help="the HTTP API (/chat, OpenAI-compatible /v1)")
+    _common(p)
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--broker", metavar="ADDR", help="the broker's frontend (tcp://HOST:5555)")
+    p.add_argument("--model", help="where the tokenizer and config come from")
+    p.add_argument("--model-name", help="the model name clients ask for")
+    _beat_flags(p)
+    p.set_defaults(func=cmd_gateway)
+
+    p = sub.add_parser("status", help="workers, pools, routes and queue of a running broker")
+    _common(p)
+    p.add_argument("--broker", metavar="ADDR", help="the broker's frontend (tcp://HOST:5555)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--timeout", type=float, default=3.0)
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("up", help="start broker, workers and gateway on this machine")
+    _common(p)
+    p.add_argument("--port", type=int, help="gateway port (default from the config: 8080)")
+    p.add_argument("--model", help='model directory, Hub repo id, "default" or "tiny"')
+    p.add_argument("--log-dir", metavar="DIR", help="where each process writes its log")
+    p.add_argument("--ready-timeout", type=float, default=600.0, metavar="S")
+    p.set_defaults(func=cmd_up)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zmqllm", description="Serve a Mistral LLM split across processes over ZeroMQ."
@@ -134,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_prepare(sub)
     _add_generate(sub)
+    _add_roles(sub)
     return parser
 
 
@@ -143,6 +307,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(ns.func(ns))
     except KeyboardInterrupt:
         return 130
+    except ConfigError as exc:
+        print(f"zmqllm {ns.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

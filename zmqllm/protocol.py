@@ -46,6 +46,7 @@ __all__ = [
     "ProtocolError",
     "decode",
     "encode",
+    "encode_header",
     "error_header",
     "payload",
 ]
@@ -228,7 +229,6 @@ def encode(header: Header, payloads: Sequence[Payload] = ()) -> list[bytes | mem
     write to the arrays until zmq is done with them. The header's total size is checked here;
     the per-object msgpack limits (MAX_HEADER_STR_LEN...) are enforced by decode.
     """
-    msg_type = _check_header(header)
     if len(payloads) > MAX_TENSORS:
         raise ProtocolError(f"{len(payloads)} payloads, at most {MAX_TENSORS}")
     tensors: list[list[Any]] = []
@@ -246,6 +246,16 @@ def encode(header: Header, payloads: Sequence[Payload] = ()) -> list[bytes | mem
         tensors.append([p.dtype, list(arr.shape)])
         # A flat uint8 view: one byte per element of the frame, valid for zero-size too.
         frames.append(arr.reshape(-1).view(np.uint8).data)
+    return [encode_header(header, tensors), *frames]
+
+
+def encode_header(header: Header, tensors: Sequence[Sequence[Any]] = ()) -> bytes:
+    """The header frame alone, declaring payloads by [dtype, shape].
+
+    The broker uses this to re-address a payload frame it received without
+    touching the frame itself; ``encode`` uses it for ordinary messages.
+    """
+    msg_type = _check_header(header)
     head = {
         "v": PROTOCOL_VERSION,
         "type": msg_type.value,
@@ -253,7 +263,7 @@ def encode(header: Header, payloads: Sequence[Payload] = ()) -> list[bytes | mem
         "request_id": header.request_id,
         "step": header.step,
         "fields": header.fields,
-        "tensors": tensors,
+        "tensors": [[str(d), [int(x) for x in shape]] for d, shape in tensors],
     }
     try:
         packed: bytes = msgpack.packb(head, use_bin_type=True)
@@ -261,7 +271,7 @@ def encode(header: Header, payloads: Sequence[Payload] = ()) -> list[bytes | mem
         raise ProtocolError(f"header fields cannot be packed: {exc}") from exc
     if len(packed) > MAX_HEADER_BYTES:
         raise ProtocolError(f"header is {len(packed)} bytes, at most {MAX_HEADER_BYTES}")
-    return [packed, *frames]
+    return packed
 
 
 def _byte_view(frame: Any) -> memoryview:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -183,11 +182,3 @@ def model_fingerprint(directory: Path, args: ModelArgs, runtime_dtype: str) -> d
         :16
     ]
     return summary
-
-
-def fingerprint_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    """Human-readable differences between two fingerprints ("num_layers: 30 != 4")."""
-    keys: Iterable[str] = sorted(set(a) | set(b) - {"digest"})
-    return [
-        f"{k}: {a.get(k)!r} != {b.get(k)!r}" for k in keys if k != "digest" and a.get(k) != b.get(k)
-    ]

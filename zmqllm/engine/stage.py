@@ -1,0 +1,239 @@
+"""One pipeline stage's sessions and its batching, with no sockets.
+
+Each call of :meth:`Stage.run` takes the work that is ready (decode steps of
+every session, and prefill chunks up to a token budget) and runs it as ONE
+batched forward over the shard. Sessions join and leave between calls.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from zmqllm.engine.cache import CachePool, KVCache
+from zmqllm.engine.model import MistralShard, Segment
+from zmqllm.engine.sampling import SamplingParams, sample
+
+
+@dataclass
+class SessionState:
+    id: str
+    request_id: str
+    max_tokens: int
+    sampling: SamplingParams
+    stop_ids: frozenset[int]
+    cache: KVCache
+    # Stage 0 only: prompt tokens not yet run (chunked prefill).
+    prompt_left: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    prompt_step: int = 0
+    opened: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Work:
+    session: SessionState
+    step: int
+    inputs: torch.Tensor  # stage 0: token ids [n]; later stages: hidden [n, hidden]
+    final: bool  # the last chunk of the prompt, or a decode step: the last stage samples
+
+
+@dataclass
+class Output:
+    session: str
+    request_id: str
+    step: int
+    final: bool
+    hidden: torch.Tensor | None = None  # [n, hidden] for the next stage
+    token: int | None = None  # last stage: the sampled token
+    finish: str | None = None  # last stage: "stop", "length" or None
+
+
+@dataclass
+class StageStats:
+    forwards: int = 0
+    tokens: int = 0
+    last_batch: int = 0
+    max_batch: int = 0
+    batch_sum: int = 0
+    forward_s: float = 0.0
+    last_forward_ms: float = 0.0
+
+
+class Stage:
+    def __init__(
+        self,
+        shard: MistralShard,
+        max_sessions: int = 64,
+        max_kv_tokens: int = 65536,
+        prefill_chunk: int = 512,
+    ) -> None:
+        self.shard = shard
+        self.pool = CachePool(
+            shard.args,
+            shard.num_local_layers,
+            shard.dtype,
+            shard.device,
+            max_sessions,
+            max_kv_tokens,
+        )
+        self.prefill_chunk = prefill_chunk
+        self.sessions: dict[str, SessionState] = {}
+        self._ready: deque[Work] = deque()
+        self.stats = StageStats()
+
+    # -- session control ------------------------------------------------------
+    def open(
+        self,
+        session: str,
+        request_id: str,
+        max_len: int,
+        max_tokens: int,
+        sampling: SamplingParams,
+        stop_ids: frozenset[int],
+        prompt: np.ndarray | None = None,
+    ) -> SessionState:
+        """Reserve the session's cache (raises CacheFullError when there is no room)."""
+        cache = self.pool.allocate(session, max_len)
+        s = SessionState(session, request_id, max_tokens, sampling, stop_ids, cache)
+        if prompt is not None:
+            # Copied out of the receive frame: it must outlive this turn.
+            s.prompt_left = np.array(prompt, dtype=np.int64)
+        self.sessions[session] = s
+        return s
+
+    def close(self, session: str) -> bool:
+        s = self.sessions.pop(session, None)
+        self.pool.free(session)
+        if s is not None:
+            self._ready = deque(w for w in self._ready if w.session is not s)
+        return s is not None
+
+    def reset(self) -> None:
+        for sid in list(self.sessions):
+            self.close(sid)
+
+    def step(self, session: str, step: int, token: int) -> bool:
+        """Stage 0: the next decode step of a session (its previous token)."""
+        s = self.sessions.get(session)
+        if s is None:
+            return False
+        self._ready.append(Work(s, step, torch.tensor([token], dtype=torch.long), True))
+        return True
+
+    def activation(self, session: str, step: int, hidden: torch.Tensor, final: bool) -> bool:
+        """Later stages: hidden states from the previous stage ([n, hidden], a
+        view on the received frame: used within this turn, never kept)."""
+        s = self.sessions.get(session)
+        if s is None:
+            return False
+        self._ready.append(Work(s, step, hidden, final))
+        return True
+
+    # -- running ---------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self._ready) or any(s.prompt_left.size for s in self.sessions.values())
+
+    def _take_batch(self) -> list[Work]:
+        """Decode work first, then prefill chunks within the token budget; at
+        most one segment per session (a cache advances once per forward)."""
+        batch: list[Work] = []
+        seen: set[str] = set()
+        later: deque[Work] = deque()
+        budget = self.prefill_chunk
+        while self._ready:
+            w = self._ready.popleft()
+            n = w.inputs.shape[0]
+            if w.session.id in seen or (n > 1 and n > budget and batch):
+                later.append(w)
+                continue
+            batch.append(w)
+            seen.add(w.session.id)
+            if n > 1:
+                budget -= n
+        self._ready = later
+        for s in self.sessions.values():
+            if budget <= 0:
+                break
+            if s.prompt_left.size and s.id not in seen:
+                n = min(budget, s.prompt_left.size)
+                chunk, s.prompt_left = s.prompt_left[:n], s.prompt_left[n:]
+                final = s.prompt_left.size == 0
+                batch.append(Work(s, 0, torch.from_numpy(chunk), final))
+                seen.add(s.id)
+                budget -= n
+        return batch
+
+    def run(self) -> list[Output]:
+        batch = self._take_batch()
+        if not batch:
+            return []
+        segs = [Segment(w.session.cache, w.inputs.shape[0]) for w in batch]
+        x = torch.cat([w.inputs for w in batch]) if len(batch) > 1 else batch[0].inputs
+        t0 = time.perf_counter()
+        out = self.shard(x, segs)
+        dt = time.perf_counter() - t0
+        st = self.stats
+        st.forwards += 1
+        st.tokens += int(x.shape[0])
+        st.last_batch = len(batch)
+        st.max_batch = max(st.max_batch, len(batch))
+        st.batch_sum += len(batch)
+        st.forward_s += dt
+        st.last_forward_ms = dt * 1e3
+        if not self.shard.is_last:
+            outputs = []
+            off = 0
+            for w, seg in zip(batch, segs, strict=True):
+                outputs.append(
+                    Output(
+                        w.session.id, w.session.request_id, w.step, w.final, out[off : off + seg.n]
+                    )
+                )
+                off += seg.n
+            return outputs
+        logits = out.numpy()  # [B, vocab] float32
+        outputs = []
+        for row, w in enumerate(batch):
+            if not w.final:
+                continue  # a prompt chunk that is not the last: nothing to sample yet
+            s = w.session
+            token = sample(logits[row], s.sampling, w.step)
+            finish = None
+            if token in s.stop_ids:
+                finish = "stop"
+            elif w.step + 1 >= s.max_tokens:
+                finish = "length"
+            outputs.append(Output(s.id, s.request_id, w.step, True, token=token, finish=finish))
+        return outputs
+
+    def warmup(self) -> None:
+        """One small forward through the shard, so the first request is not slow."""
+        sid = "__warmup__"
+        self.open(sid, "", 8, 1, SamplingParams(), frozenset())
+        try:
+            if self.shard.is_first:
+                x = torch.tensor([1, 2], dtype=torch.long)
+            else:
+                x = torch.zeros(2, self.shard.args.hidden_size, dtype=self.shard.dtype)
+            self.shard(x, [Segment(self.sessions[sid].cache, 2)])
+        finally:
+            self.close(sid)
+
+    def load(self) -> dict[str, float | int]:
+        st, pool = self.stats, self.pool.stats()
+        return {
+            "sessions": pool.sessions,
+            "kv_tokens_reserved": pool.tokens_reserved,
+            "kv_bytes_reserved": pool.bytes_reserved,
+            "forwards": st.forwards,
+            "tokens": st.tokens,
+            "last_batch": st.last_batch,
+            "max_batch": st.max_batch,
+            "mean_batch": round(st.batch_sum / st.forwards, 3) if st.forwards else 0.0,
+            "mean_forward_ms": round(st.forward_s / st.forwards * 1e3, 3) if st.forwards else 0.0,
+            "last_forward_ms": round(st.last_forward_ms, 3),
+        }

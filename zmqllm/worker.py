@@ -1,0 +1,367 @@
+"""The worker process: a DEALER to the broker around one pipeline :class:`Stage`.
+
+Loop: take everything ready on the socket, run one batched forward, send the
+results, heartbeat. A broker that stops answering (or restarts) is detected
+Paranoid-Pirate style and the worker registers again by itself, with backoff.
+SIGTERM drains (no new sessions, finish the running ones, then exit); SIGINT
+or a second SIGTERM exits at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from zmqllm import __version__
+from zmqllm.config import Config, parse_layers, resolve_model_path
+from zmqllm.log import bind_request, get_logger
+from zmqllm.protocol import Header, MsgType, Payload, ProtocolError, decode, encode, error_header
+
+log = get_logger("zmqllm.worker")
+
+RECONNECT_MAX_S = 30.0
+MAX_MESSAGES_PER_TURN = 1024
+
+
+class WorkerRefused(RuntimeError):
+    """The broker refused this worker (different model or version)."""
+
+
+@dataclass
+class Loaded:
+    stage: Any  # zmqllm.engine.stage.Stage (torch imported lazily)
+    fingerprint: dict[str, Any]
+    start: int
+    end: int
+    num_layers: int
+    context: int
+
+
+def load_stage(cfg: Config) -> Loaded:
+    """Resolve the checkpoint, read only this shard's tensors, warm it up."""
+    import torch
+
+    from zmqllm.engine.args import ModelArgs
+    from zmqllm.engine.generator import load_shard
+    from zmqllm.engine.stage import Stage
+    from zmqllm.engine.weights import resolve_checkpoint
+
+    w = cfg.worker
+    if w.threads:
+        torch.set_num_threads(w.threads)
+    spec = resolve_model_path(cfg.model.path)
+    # The layer count comes from the config, which a Hub repo yields first.
+    directory = (
+        resolve_checkpoint(spec, None, cfg.model.revision)
+        if not Path(spec).is_dir()
+        else Path(spec)
+    )
+    args = ModelArgs.from_dir(directory)
+    start, end = parse_layers(w.layers, args.num_layers)
+    if not Path(spec).is_dir():
+        directory = resolve_checkpoint(spec, (start, end), cfg.model.revision)
+    from zmqllm.engine.weights import model_fingerprint
+
+    t0 = time.perf_counter()
+    shard = load_shard(directory, start, end, cfg.model.dtype, cfg.model.device, args)
+    stage = Stage(shard, w.max_sessions, w.max_kv_tokens, w.prefill_chunk)
+    stage.warmup()
+    log.info(
+        "shard loaded",
+        layers=f"{start}:{end}",
+        parameters=shard.num_parameters(),
+        seconds=round(time.perf_counter() - t0, 2),
+        dtype=cfg.model.dtype,
+        device=cfg.model.device,
+    )
+    fp = model_fingerprint(directory, args, cfg.model.dtype)
+    return Loaded(stage, fp, start, end, args.num_layers, args.max_position_embeddings)
+
+
+class Worker:
+    def __init__(self, cfg: Config, loaded: Loaded, context: zmq.Context | None = None) -> None:
+        self.cfg = cfg
+        self.loaded = loaded
+        self.stage = loaded.stage
+        self.ctx = context or zmq.Context.instance()
+        name = cfg.worker.name or f"{socket.gethostname()}-{os.getpid()}"
+        self.identity = f"w-{name}-{loaded.start}-{loaded.end}-{uuid.uuid4().hex[:6]}"
+        self.interval = cfg.broker.heartbeat_interval
+        self.horizon = cfg.broker.heartbeat_interval * cfg.broker.heartbeat_liveness
+        self.sock: zmq.Socket | None = None
+        self.registered = False
+        self.draining = False
+        self._stop = False
+        self._last_broker = 0.0
+        self._next_beat = 0.0
+        self._backoff = self.interval
+        self._boot: str | None = None
+
+    # -- signals ---------------------------------------------------------------
+    def on_sigterm(self, *_: object) -> None:
+        if self.draining:
+            self._stop = True
+        else:
+            self.draining = True
+            log.info(
+                "draining: no new sessions; exiting when the running ones finish",
+                sessions=len(self.stage.sessions),
+            )
+
+    def on_sigint(self, *_: object) -> None:
+        self._stop = True
+
+    # -- socket ----------------------------------------------------------------
+    def connect(self) -> None:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt_string(zmq.IDENTITY, self.identity)
+        sock.setsockopt(zmq.SNDHWM, 10000)
+        sock.setsockopt(zmq.RCVHWM, 10000)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.broker.max_message_bytes)
+        sock.connect(self.cfg.worker.broker)
+        self.sock = sock
+        self.registered = False
+        self._last_broker = time.monotonic()
+        self.send_register()
+
+    def send(self, header: Header, payloads: list[Payload] | None = None) -> None:
+        assert self.sock is not None
+        try:
+            self.sock.send_multipart(encode(header, payloads or []), copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("send queue to the broker is full; message dropped", type=header.type.value)
+
+    def send_register(self) -> None:
+        ld = self.loaded
+        info = {
+            "fingerprint": ld.fingerprint,
+            "max_kv_tokens": self.stage.pool.max_tokens,
+            "context": ld.context,
+            "dtype": self.cfg.model.dtype,
+            "device": self.cfg.model.device,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+        }
+        fields = {
+            "start": ld.start,
+            "end": ld.end,
+            "num_layers": ld.num_layers,
+            "capacity": self.stage.pool.max_sessions,
+            "version": __version__,
+            "fingerprint": ld.fingerprint["digest"],
+            "info": info,
+        }
+        self.send(Header(MsgType.REGISTER, fields=fields))
+
+    def reconnect(self, why: str) -> None:
+        log.warning(
+            "reconnecting to the broker",
+            reason=why,
+            backoff_s=round(self._backoff, 2),
+            dropped_sessions=len(self.stage.sessions),
+        )
+        self.stage.reset()
+        if self.sock is not None:
+            self.sock.close(linger=0)
+        time.sleep(self._backoff)
+        self._backoff = min(self._backoff * 2, RECONNECT_MAX_S)
+        self.connect()
+
+    # -- main loop -------------------------------------------------------------
+    def run(self) -> int:
+        self.connect()
+        log.info(
+            "worker started",
+            worker=self.identity,
+            broker=self.cfg.worker.broker,
+            layers=f"{self.loaded.start}:{self.loaded.end}",
+        )
+        try:
+            while not self._stop:
+                busy = self.stage.has_work()
+                timeout = 0 if busy else max(0.0, self._next_beat - time.monotonic())
+                assert self.sock is not None
+                if self.sock.poll(int(timeout * 1000) + (0 if busy else 1), zmq.POLLIN):
+                    self.drain_socket()
+                if self.stage.has_work():
+                    self.run_batch()
+                now = time.monotonic()
+                if now >= self._next_beat:
+                    self.heartbeat(now)
+                if self.draining and not self.stage.sessions:
+                    log.info("drained; leaving")
+                    self._stop = True
+        except WorkerRefused as exc:
+            log.error("refused by the broker", reason=str(exc))
+            return 3
+        finally:
+            self.close()
+        return 0
+
+    def close(self) -> None:
+        if self.sock is not None:
+            if self.registered:
+                self.send(Header(MsgType.DISCONNECT, fields={"reason": "worker shutting down"}))
+            self.sock.close(linger=0)
+            self.sock = None
+        log.info("worker stopped")
+
+    def heartbeat(self, now: float) -> None:
+        self._next_beat = now + self.interval
+        if now - self._last_broker > self.horizon:
+            self.reconnect(f"no word from the broker for {now - self._last_broker:.1f}s")
+            return
+        if not self.registered:
+            self.send_register()
+            return
+        load = dict(self.stage.load(), draining=self.draining)
+        self.send(Header(MsgType.HEARTBEAT, fields={"load": load}))
+
+    def drain_socket(self) -> None:
+        assert self.sock is not None
+        for _ in range(MAX_MESSAGES_PER_TURN):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._last_broker = time.monotonic()
+            try:
+                header, payloads = decode(frames)
+            except ProtocolError as exc:
+                log.warning("malformed message dropped", error=str(exc))
+                continue
+            try:
+                self.handle(header, payloads)
+            except WorkerRefused:
+                raise
+            except Exception:  # one bad message must not stop the worker
+                log.exception("error handling message", type=header.type.value)
+
+    def handle(self, h: Header, payloads: list[Payload]) -> None:
+        t = h.type
+        if t is MsgType.ACTIVATION:
+            self.on_activation(h, payloads)
+        elif t is MsgType.STEP:
+            if not self.stage.step(h.session, h.step, h.fields["token"]):
+                log.debug("step for an unknown session dropped", session=h.session)
+        elif t is MsgType.OPEN:
+            self.on_open(h, payloads)
+        elif t in (MsgType.CLOSE, MsgType.CANCEL):
+            if self.stage.close(h.session):
+                with bind_request(h.request_id, h.session):
+                    log.info("session closed", reason=t.value)
+        elif t is MsgType.HEARTBEAT:
+            boot = h.fields.get("boot")
+            if self._boot is not None and boot is not None and boot != self._boot:
+                self.registered = False
+                self.stage.reset()
+                self.send_register()
+        elif t is MsgType.REGISTERED:
+            self.registered = True
+            self._backoff = self.interval
+            self._boot = h.fields.get("boot")
+            log.info("registered with the broker", worker=h.fields["worker_id"])
+        elif t is MsgType.REFUSED:
+            raise WorkerRefused(h.fields["reason"])
+        elif t is MsgType.DISCONNECT:
+            log.warning("broker asked to register again", reason=h.fields["reason"])
+            self.registered = False
+            self.stage.reset()
+            self.send_register()
+        else:
+            log.warning("unexpected message dropped", type=t.value)
+
+    def on_open(self, h: Header, payloads: list[Payload]) -> None:
+        from zmqllm.engine.cache import CacheFullError
+        from zmqllm.engine.sampling import SamplingParams
+
+        with bind_request(h.request_id, h.session):
+            f = h.fields
+            if self.draining:
+                self.send(error_header("full", "worker is draining", h.session, h.request_id))
+                return
+            try:
+                sampling = SamplingParams.from_dict(f["sampling"])
+                sampling.validate()
+                prompt = None
+                if self.stage.shard.is_first:
+                    if len(payloads) != 1 or payloads[0].dtype != "int32":
+                        raise ValueError("stage 0 needs the prompt as one int32 payload")
+                    prompt = payloads[0].array
+                    if (
+                        prompt.size == 0
+                        or int(prompt.max()) >= self.stage.shard.args.vocab_size
+                        or int(prompt.min()) < 0
+                    ):
+                        raise ValueError("prompt token ids must be in [0, vocab_size)")
+                self.stage.open(
+                    h.session,
+                    h.request_id,
+                    int(f["max_len"]),
+                    f["max_tokens"],
+                    sampling,
+                    frozenset(int(x) for x in f["stop_ids"]),
+                    prompt,
+                )
+            except CacheFullError as exc:
+                self.send(error_header("full", str(exc), h.session, h.request_id))
+                return
+            except (ValueError, KeyError, TypeError) as exc:
+                self.send(error_header("bad_request", str(exc), h.session, h.request_id))
+                return
+            log.info("session opened", max_len=f["max_len"], stage=f.get("stage"))
+
+    def on_activation(self, h: Header, payloads: list[Payload]) -> None:
+        from zmqllm.engine.frames import payload_to_tensor
+
+        shard = self.stage.shard
+        if shard.is_first or len(payloads) != 1:
+            log.warning("activation dropped: wrong stage or payload count", session=h.session)
+            return
+        p = payloads[0]
+        if p.array.ndim != 2 or p.array.shape[1] != shard.args.hidden_size:
+            log.warning("activation dropped: wrong shape", shape=list(p.array.shape))
+            return
+        hidden = payload_to_tensor(p, shard.device)
+        if not self.stage.activation(h.session, h.step, hidden, bool(h.fields.get("final", True))):
+            log.debug("activation for an unknown session dropped", session=h.session)
+
+    def run_batch(self) -> None:
+        from zmqllm.engine.frames import tensor_to_payload
+
+        try:
+            outputs = self.stage.run()
+        except Exception as exc:
+            log.exception("forward failed; failing its sessions")
+            for sid in list(self.stage.sessions):
+                s = self.stage.sessions[sid]
+                self.send(error_header("internal", f"forward failed: {exc}", sid, s.request_id))
+                self.stage.close(sid)
+            return
+        for o in outputs:
+            if o.token is not None:
+                fields = {"token": o.token, "finish": o.finish}
+                self.send(Header(MsgType.TOKEN, o.session, o.request_id, o.step, fields))
+            else:
+                assert o.hidden is not None
+                self.send(
+                    Header(MsgType.ACTIVATION, o.session, o.request_id, o.step, {"final": o.final}),
+                    [tensor_to_payload(o.hidden)],
+                )
+
+
+def serve(cfg: Config) -> int:
+    loaded = load_stage(cfg)
+    worker = Worker(cfg, loaded)
+    signal.signal(signal.SIGTERM, worker.on_sigterm)
+    signal.signal(signal.SIGINT, worker.on_sigint)
+    return worker.run()
