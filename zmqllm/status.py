@@ -12,7 +12,7 @@ from zmqllm.protocol import Header, MsgType, ProtocolError, decode, encode
 
 def fetch_status(address: str, timeout: float = 3.0) -> dict[str, Any]:
     """One STATUS round trip over a fresh DEALER (synchronous, for the CLI and tests)."""
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:

@@ -1,0 +1,264 @@
+"""Per-token latency over HTTP streaming: 1, 2 and 3-stage clusters against HF and the engine.
+
+In one run, on the default model: HF transformers `generate` (a streamer
+stamps each token), zmqllm's single-process engine, and local clusters of 1, 2
+and 3 stages (real broker, worker and gateway processes on 127.0.0.1), each
+measured over `POST /v1/completions` with `stream: true` (one SSE event per
+token). Reports time to first token, inter-token latency p50/p95/p99, tokens/s,
+the bus overhead per token (cluster ITL minus the engine's) and per hop, and
+the peak RSS of every process.
+
+    python benchmarks/per_token_latency.py [--stages 1 2 3] [--new-tokens 128] [--requests 5]
+
+Writes benchmarks/results/per_token_latency.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from zmqllm.config import default_model_dir
+from zmqllm.engine.generator import Generator
+from zmqllm.local_cluster import Cluster
+from zmqllm.models import prepare_default_model
+from zmqllm.tokenizer import Tokenizer
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
+
+
+def summarize(
+    ttfts: list[float], itls: list[float], tokens: int, seconds: float
+) -> dict[str, float]:
+    return {
+        "ttft_ms_p50": pct(ttfts, 50) * 1e3,
+        "itl_ms_p50": pct(itls, 50) * 1e3,
+        "itl_ms_p95": pct(itls, 95) * 1e3,
+        "itl_ms_p99": pct(itls, 99) * 1e3,
+        "itl_ms_mean": statistics.fmean(itls) * 1e3 if itls else float("nan"),
+        "tokens_per_s": tokens / seconds if seconds else float("nan"),
+    }
+
+
+def peak_rss_mb(pid: int) -> float:
+    """VmHWM: the most resident memory the process ever held."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def bench_hf(model_dir: Path, ids: list[int], n: int, requests: int) -> dict[str, float]:
+    from transformers import MistralForCausalLM
+    from transformers.generation.streamers import BaseStreamer
+
+    model = MistralForCausalLM.from_pretrained(model_dir).eval()
+
+    class Stamps(BaseStreamer):
+        def __init__(self) -> None:
+            self.t: list[float] = []
+
+        def put(self, value: torch.Tensor) -> None:
+            self.t.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    x = torch.tensor([ids])
+    ttfts, itls, tokens, total = [], [], 0, 0.0
+    for r in range(requests + 1):  # the first run warms up
+        st = Stamps()
+        t0 = time.perf_counter()
+        model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            streamer=st,
+        )
+        stamps = st.t[1:]  # put() is first called with the prompt itself
+        if r:
+            ttfts.append(stamps[0] - t0)
+            itls += list(np.diff(stamps))
+            tokens += len(stamps)
+            total += stamps[-1] - t0
+    return summarize(ttfts, itls, tokens, total)
+
+
+def bench_engine(model_dir: Path, ids: list[int], n: int, requests: int) -> dict[str, float]:
+    gen = Generator(model_dir)
+    ttfts, itls, tokens, total = [], [], 0, 0.0
+    for r in range(requests + 1):
+        t0 = time.perf_counter()
+        stamps = []
+        for _ in gen.generate(ids, n):
+            stamps.append(time.perf_counter())
+        if r:
+            ttfts.append(stamps[0] - t0)
+            itls += list(np.diff(stamps))
+            tokens += len(stamps)
+            total += stamps[-1] - t0
+    return summarize(ttfts, itls, tokens, total)
+
+
+def stream_once(port: int, n: int) -> list[float]:
+    """Arrival time of every token event of one streamed completion (t0 first)."""
+    body = json.dumps(
+        {"prompt": PROMPT, "max_tokens": n, "stream": True, "ignore_eos": True, "temperature": 0}
+    )
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    stamps = [t0]
+    buf = b""
+    while True:
+        piece = resp.read1(65536)
+        if not piece:
+            break
+        now = time.perf_counter()
+        buf += piece
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            if event.startswith(b"data: {") and b'"usage"' not in event[:30]:
+                data = json.loads(event[6:])
+                if data.get("choices"):
+                    stamps.append(now)
+    conn.close()
+    return stamps
+
+
+def bench_cluster(
+    model_dir: Path, stages: int, n: int, requests: int, threads: int
+) -> dict[str, Any]:
+    from zmqllm.config import split_layers
+    from zmqllm.engine.args import ModelArgs
+
+    layers = split_layers(ModelArgs.from_dir(model_dir).num_layers, stages)
+    with tempfile.TemporaryDirectory() as tmp:
+        c = Cluster(Path(tmp), model_dir, heartbeat=1.0, threads=threads)
+        try:
+            c.start_all(tuple(f"{a}:{b}" for a, b in layers))
+            ttfts, itls, tokens, total = [], [], 0, 0.0
+            for r in range(requests + 1):
+                stamps = stream_once(c.http_port, n)
+                if r:
+                    ttfts.append(stamps[1] - stamps[0])
+                    itls += list(np.diff(stamps[1:]))
+                    tokens += len(stamps) - 1
+                    total += stamps[-1] - stamps[0]
+            res: dict[str, Any] = summarize(ttfts, itls, tokens, total)
+            res["rss_mb"] = {p.name: round(peak_rss_mb(p.popen.pid), 1) for p in c.procs}
+            return res
+        finally:
+            c.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--requests", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="benchmarks/results/per_token_latency.json")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    model_dir = prepare_default_model(default_model_dir())
+    tok = Tokenizer.from_dir(model_dir)
+    ids = tok.encode(PROMPT)  # raw completion prompt, as /v1/completions sends it
+    n = a.new_tokens
+
+    rows: dict[str, dict[str, Any]] = {}
+    rows["hf_generate"] = bench_hf(model_dir, ids, n, a.requests)
+    rows["engine"] = bench_engine(model_dir, ids, n, a.requests)
+    for k in a.stages:
+        rows[f"cluster_{k}_stage"] = bench_cluster(model_dir, k, n, a.requests, a.threads)
+
+    eng = rows["engine"]["itl_ms_p50"]
+    for k in a.stages:
+        r = rows[f"cluster_{k}_stage"]
+        r["bus_overhead_ms_per_token"] = r["itl_ms_p50"] - eng
+        r["ratio_itl_vs_engine"] = r["itl_ms_p50"] / eng
+        r["ratio_itl_vs_hf"] = r["itl_ms_p50"] / rows["hf_generate"]["itl_ms_p50"]
+    if 1 in a.stages:
+        one = rows["cluster_1_stage"]["itl_ms_p50"]
+        for k in a.stages:
+            if k > 1:
+                r = rows[f"cluster_{k}_stage"]
+                r["overhead_ms_per_extra_hop"] = (r["itl_ms_p50"] - one) / (k - 1)
+
+    print(
+        f"\nper-token latency — {model_dir.name}, fp32, {a.threads} threads, {n} tokens, "
+        f"{a.requests} requests each (p50/p95/p99 over all tokens)"
+    )
+    head = f"{'':16} {'TTFT ms':>8} {'ITL p50':>8} {'p95':>7} {'p99':>7} {'tok/s':>7} {'vs engine':>9} {'vs HF':>6}"
+    print(head)
+    for name, r in rows.items():
+        ve = r.get("ratio_itl_vs_engine", r["itl_ms_p50"] / eng)
+        vh = r["itl_ms_p50"] / rows["hf_generate"]["itl_ms_p50"]
+        print(
+            f"{name:16} {r['ttft_ms_p50']:8.1f} {r['itl_ms_p50']:8.2f} {r['itl_ms_p95']:7.2f} "
+            f"{r['itl_ms_p99']:7.2f} {r['tokens_per_s']:7.1f} {ve:9.2f} {vh:6.2f}"
+        )
+    for k in a.stages:
+        r = rows[f"cluster_{k}_stage"]
+        extra = (
+            f", {r['overhead_ms_per_extra_hop']:.2f} ms per extra hop"
+            if "overhead_ms_per_extra_hop" in r
+            else ""
+        )
+        print(
+            f"{k} stage(s): bus overhead {r['bus_overhead_ms_per_token']:.2f} ms/token{extra}; "
+            f"peak RSS MB {r['rss_mb']}"
+        )
+
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "model": str(model_dir),
+        "threads": a.threads,
+        "new_tokens": n,
+        "requests": a.requests,
+        "torch": torch.__version__,
+    }
+    out.write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
+    print(f"wrote {out}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install matplotlib)")
+        return
+    names = list(rows)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    x = np.arange(len(names))
+    for i, q in enumerate(("itl_ms_p50", "itl_ms_p95", "itl_ms_p99")):
+        ax.bar(x + (i - 1) * 0.27, [rows[m][q] for m in names], 0.27, label=q.split("_")[-1])
+    ax.set_xticks(x, names, rotation=15)
+    ax.set_ylabel("inter-token latency (ms)")
+    ax.set_title(f"{model_dir.name}: per-token latency, {a.threads} threads")
+    ax.legend()
+    fig.tight_layout()
+    png = out.with_suffix(".png")
+    fig.savefig(png, dpi=120)
+    print(f"wrote {png}")
+
+
+if __name__ == "__main__":
+    main()

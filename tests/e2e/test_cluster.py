@@ -1,0 +1,232 @@
+"""The product as users meet it: curl and the openai package against a real cluster.
+
+Broker, two workers (layers 0:2 and 2:4 of the tiny sliding-window model) and
+the gateway run as separate processes on 127.0.0.1; answers must equal HF
+greedy generate on the same weights.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from zmqllm.local_cluster import Cluster
+
+pytestmark = [pytest.mark.e2e, pytest.mark.torch]
+
+PROMPTS = [
+    "Hello there!",
+    "What is the capital of France?",
+    "Tell me a story about a robot.",
+    "Écris un poème sur la mer. 海",
+    "List three colours.",
+    "Why is the sky blue?",
+    "Count to five.",
+    "Say something nice 😀",
+]
+
+
+def post_chat(c: Cluster, prompt: str, query: str = "max_tokens=40", headers=None):
+    """POST /chat like curl -d does; returns (status, chunks with arrival times, headers)."""
+    conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=60)
+    hdrs = {"Content-Type": "application/x-www-form-urlencoded", **(headers or {})}
+    conn.request("POST", f"/chat?{query}", body=prompt.encode(), headers=hdrs)
+    resp = conn.getresponse()
+    chunks: list[tuple[float, bytes]] = []
+    while True:
+        piece = resp.read1(65536) if hasattr(resp, "read1") else resp.read(1)
+        if not piece:
+            break
+        chunks.append((time.monotonic(), piece))
+    conn.close()
+    return resp.status, chunks, dict(resp.getheaders())
+
+
+def test_chat_equals_hf_greedy_and_streams(cluster: Cluster, reference) -> None:
+    status, chunks, headers = post_chat(cluster, "Tell me a story about a robot.")
+    assert status == 200, chunks
+    text = b"".join(p for _, p in chunks).decode()
+    assert text == reference("Tell me a story about a robot.", 40)
+    assert len(chunks) > 3  # streamed as tokens are made, not one buffered body
+    assert chunks[0][0] < chunks[-1][0]
+    assert headers.get("x-request-id") or headers.get("X-Request-ID")
+
+
+def test_eight_concurrent_requests_are_each_exact(cluster: Cluster, reference) -> None:
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda p: post_chat(cluster, p, "max_tokens=32"), PROMPTS))
+    for prompt, (status, chunks, _) in zip(PROMPTS, results, strict=True):
+        assert status == 200
+        assert b"".join(p for _, p in chunks).decode() == reference(prompt, 32), prompt
+
+
+def test_openai_package_chat_and_completions(cluster: Cluster, reference) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused")
+    models = client.models.list()
+    name = models.data[0].id
+    want = reference("Why is the sky blue?", 24)
+    msgs = [{"role": "user", "content": "Why is the sky blue?"}]
+    full = client.chat.completions.create(model=name, messages=msgs, max_tokens=24)
+    assert full.choices[0].message.content == want
+    assert full.usage.completion_tokens > 0
+    stream = client.chat.completions.create(model=name, messages=msgs, max_tokens=24, stream=True)
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    assert streamed == want
+    want_raw = reference.raw("The quick brown fox", 24)
+    comp = client.completions.create(model=name, prompt="The quick brown fox", max_tokens=24)
+    assert comp.choices[0].text == want_raw
+    stream = client.completions.create(
+        model=name, prompt="The quick brown fox", max_tokens=24, stream=True
+    )
+    assert "".join(ch.choices[0].text for ch in stream if ch.choices) == want_raw
+
+
+def test_bad_inputs_get_4xx_and_the_server_keeps_serving(cluster: Cluster, reference) -> None:
+    def post(path: str, body: bytes, ctype: str = "application/json") -> tuple[int, dict]:
+        req = urllib.request.Request(
+            cluster.url + path, data=body, headers={"Content-Type": ctype}, method="POST"
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, {}
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    cases = [
+        ("/v1/chat/completions", b"{not json", 400),
+        ("/chat", b"\xff\xfe\xfa", 400),
+        ("/chat", b"   ", 400),
+        ("/chat?max_tokens=0", b"hi", 400),
+        ("/chat?max_tokens=100000", b"hi", 400),
+        ("/chat", "word ".join([""] * 3000).encode() + b"x" * 5000, 400),
+        (
+            "/v1/chat/completions",
+            json.dumps({"model": "nope", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+            404,
+        ),
+        ("/v1/chat/completions", json.dumps({"messages": "hi"}).encode(), 400),
+        ("/v1/completions", json.dumps({"prompt": "hi", "max_tokens": "many"}).encode(), 400),
+        ("/chat", b"x" * 2_000_000, 413),
+    ]
+    for path, body, want in cases:
+        status, err = post(path, body)
+        assert status == want, (path, body[:40], err)
+        assert "error" in err and err["error"]["message"], err
+    status, chunks, _ = post_chat(cluster, "Hello there!", "max_tokens=16")
+    assert status == 200
+    assert b"".join(p for _, p in chunks).decode() == reference("Hello there!", 16)
+
+
+def test_request_id_on_every_process_log(cluster: Cluster) -> None:
+    rid = "e2e-trace-0123456789"
+    status, _, headers = post_chat(cluster, "Count to five.", headers={"X-Request-ID": rid})
+    assert status == 200
+    assert rid in (headers.get("x-request-id"), headers.get("X-Request-ID"))
+
+    def seen() -> list[str]:
+        return [
+            p.name
+            for p in cluster.procs
+            if any(line.get("request_id") == rid for line in cluster.log_lines(p))
+        ]
+
+    names = cluster.wait_for(lambda: len(seen()) == 4 and seen(), what="request id in 4 logs")
+    assert {"broker", "gateway"} <= set(names)
+    assert sum(n.startswith("worker") for n in names) == 2
+    gw = [
+        x
+        for x in cluster.log_lines(cluster.by_name("gateway")[0])
+        if x.get("request_id") == rid and x.get("event") == "request finished"
+    ]
+    assert gw and gw[0]["generated_tokens"] > 0 and "ttft_ms" in gw[0]
+
+
+def test_client_disconnect_frees_the_session_on_every_stage(cluster: Cluster) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", cluster.http_port, timeout=30)
+    body = json.dumps(
+        {
+            "model": "tiny",
+            "prompt": "Once upon a time",
+            "max_tokens": 900,
+            "stream": True,
+            "ignore_eos": True,
+        }
+    ).encode()
+    conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    resp.read1(100)
+    cluster.wait_for(lambda: cluster.status()["sessions"] == 1, what="session open")
+    conn.sock.close()  # the client goes away mid-stream
+    conn.close()
+
+    def all_free() -> bool:
+        st = cluster.status()
+        return st["sessions"] == 0 and all(
+            w["sessions"] == 0 and w["stats"].get("sessions", 0) == 0 for w in st["workers"]
+        )
+
+    cluster.wait_for(all_free, timeout=10, what="caches freed on every stage")
+
+
+def test_status_command_prints_tables(cluster: Cluster) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "zmqllm.cli", "status", "--broker", cluster.frontend],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "0:2" in out.stdout and "2:4" in out.stdout and "complete route: yes" in out.stdout
+    js = subprocess.run(
+        [sys.executable, "-m", "zmqllm.cli", "status", "--broker", cluster.frontend, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    st = json.loads(js.stdout)
+    assert len(st["workers"]) == 2 and st["complete_route"] is True
+
+
+def _stream_in_thread(c: Cluster, out: dict) -> threading.Thread:
+    def run() -> None:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=60)
+            body = json.dumps(
+                {
+                    "model": "tiny",
+                    "prompt": "Once upon a time",
+                    "max_tokens": 900,
+                    "stream": True,
+                    "ignore_eos": True,
+                }
+            ).encode()
+            conn.request(
+                "POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"}
+            )
+            resp = conn.getresponse()
+            data = b""
+            while True:
+                piece = resp.read1(65536)
+                if not piece:
+                    break
+                data += piece
+                out.setdefault("first", time.monotonic())
+            out["body"] = data.decode(errors="replace")
+            out["end"] = time.monotonic()
+        except Exception as exc:  # recorded for the assertion
+            out["exc"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t

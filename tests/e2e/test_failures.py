@@ -1,0 +1,95 @@
+"""Failures heal or fail clearly: a killed worker, a restarted broker, a wrong model."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from zmqllm.local_cluster import Cluster
+from tests.e2e.test_cluster import _stream_in_thread, post_chat
+
+pytestmark = [pytest.mark.e2e, pytest.mark.torch]
+
+
+def test_ready_is_503_until_workers_are_up(fresh_cluster: Cluster) -> None:
+    c = fresh_cluster
+    c.start_broker()
+    c.start_gateway()
+    c.wait_for(lambda: _get(c, "/health") == 200, timeout=60, what="gateway up")
+    assert _get(c, "/ready") == 503
+    c.start_worker("0:2")
+    time.sleep(1.0)
+    assert _get(c, "/ready") == 503  # half a route is no route
+    c.start_worker("2:4")
+    c.wait_ready()
+    assert _get(c, "/ready") == 200
+
+
+def _get(c: Cluster, path: str) -> int:
+    try:
+        return c.get(path)[0]
+    except OSError:
+        return 0
+
+
+def test_killed_worker_ends_stream_with_error_and_cluster_heals(
+    fresh_cluster: Cluster, reference
+) -> None:
+    c = fresh_cluster
+    c.start_all()
+    out: dict = {}
+    t = _stream_in_thread(c, out)
+    c.wait_for(lambda: "first" in out, timeout=30, what="first chunk")
+    victim = c.by_name("worker-2-4")[0]
+    killed = time.monotonic()
+    c.kill(victim, signal.SIGKILL)
+    t.join(timeout=30)
+    assert "exc" not in out, out.get("exc")
+    bound = c.heartbeat * c.liveness + 2.0  # detection bound plus scheduling slack
+    assert out["end"] - killed < bound
+    assert '"error"' in out["body"] and "stopped answering" in out["body"]
+    assert out["body"].rstrip().endswith("data: [DONE]")
+    # The broker and the other worker keep serving once a new worker takes the range.
+    assert c.by_name("broker") and c.by_name("worker-0-2")
+    c.start_worker("2:4")
+    c.wait_for(lambda: c.status()["complete_route"], timeout=60, what="route again")
+    status, chunks, _ = post_chat(c, "Hello there!", "max_tokens=16")
+    assert status == 200
+    assert b"".join(p for _, p in chunks).decode() == reference("Hello there!", 16)
+
+
+def test_broker_restart_workers_reregister(fresh_cluster: Cluster, reference) -> None:
+    c = fresh_cluster
+    c.start_all()
+    broker = c.by_name("broker")[0]
+    workers = c.by_name("worker")
+    c.kill(broker, signal.SIGKILL)
+    c.start_broker()
+    c.wait_for(lambda: len(c.status()["workers"]) == 2, timeout=30, what="re-registration")
+    assert all(w.alive() for w in workers)  # the same processes, not restarted
+    c.wait_ready(60)
+    status, chunks, _ = post_chat(c, "Why is the sky blue?", "max_tokens=16")
+    assert status == 200
+    assert b"".join(p for _, p in chunks).decode() == reference("Why is the sky blue?", 16)
+
+
+def test_worker_of_another_model_is_refused(
+    fresh_cluster: Cluster, tmp_path: Path, reference
+) -> None:
+    from zmqllm.models import prepare_tiny_model
+
+    other = prepare_tiny_model(tmp_path / "other", sliding_window=4)
+    c = fresh_cluster
+    c.start_all()
+    intruder = c.start_worker("2:4", model=other)
+    intruder.popen.wait(timeout=60)
+    assert intruder.popen.returncode != 0
+    log = intruder.text()
+    assert "refused" in log and "sliding_window: 8 != 4" in log
+    assert len(c.status()["workers"]) == 2
+    status, chunks, _ = post_chat(c, "Count to five.", "max_tokens=16")
+    assert status == 200
+    assert b"".join(p for _, p in chunks).decode() == reference("Count to five.", 16)

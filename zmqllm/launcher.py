@@ -1,0 +1,450 @@
+"""`zmqllm up`: start the broker, the workers and the gateway of one machine, Ctrl-C stops all.
+
+The launcher only starts and watches processes, so it never imports torch: each role runs
+as ``python -m zmqllm.cli ROLE`` with its own log file, and the default model is converted
+by a ``zmqllm prepare-model`` subprocess. Children get their own session (process group),
+so a Ctrl-C in the terminal reaches the launcher alone; it then stops them in order
+(gateway, workers, broker) instead of every process racing to shut down at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+import zmqllm
+from zmqllm.config import (
+    DEFAULT_MODEL,
+    TINY_MODEL,
+    Config,
+    StageSpec,
+    load_config,
+    log_dir,
+    resolve_model_path,
+    with_overrides,
+)
+
+DEFAULT_STAGES = (StageSpec("1/2"), StageSpec("2/2"))
+POLL_S = 0.5  # how often readiness and children are checked
+STOP_GRACE_S = 10.0  # after this, children still running get SIGKILL
+TAIL_LINES = 20
+_TCP_RE = re.compile(r"tcp://(?P<host>\[[^\]]*\]|[^:/]+):(?P<port>[0-9]+)")
+_ANY_HOST = ("*", "0.0.0.0", "::", "[::]", "")
+
+
+class UpError(RuntimeError):
+    """Something that stops `zmqllm up` before it starts, told in one message."""
+
+
+@dataclass(frozen=True)
+class Child:
+    name: str  # log file stem and worker name: "broker", "worker-1of2-0", "gateway"
+    role: str
+    argv: tuple[str, ...]
+
+
+# --- pure parts: config, command lines, ports, log names ---------------------------------
+
+
+def repo_config() -> Path | None:
+    """configs/local.toml of the checkout zmqllm runs from, if there is one."""
+    path = Path(zmqllm.__file__).resolve().parents[1] / "configs" / "local.toml"
+    return path if path.is_file() else None
+
+
+def up_config(ns: argparse.Namespace) -> tuple[Config, Path | None]:
+    """The config `zmqllm up` runs (file + flags) and the file the children are given."""
+    path = Path(ns.config).expanduser().resolve() if ns.config else repo_config()
+    cfg = load_config(path)
+    cfg = with_overrides(cfg, "model", {"path": getattr(ns, "model", None)})
+    cfg = with_overrides(cfg, "gateway", {"port": getattr(ns, "port", None)})
+    log = {"dir": getattr(ns, "log_dir", None), "level": getattr(ns, "log_level", None)}
+    return with_overrides(cfg, "log", log), path
+
+
+def stages_of(cfg: Config) -> list[StageSpec]:
+    return list(cfg.stages) or list(DEFAULT_STAGES)
+
+
+def stage_slug(layers: str) -> str:
+    """A file-name-safe form of a layer spec: "1/2" -> "1of2", "0:15" -> "0-15"."""
+    text = layers.replace(" ", "")
+    if text in ("", ":"):
+        return "all"
+    if "/" in text:
+        return text.replace("/", "of")
+    start, _, end = text.partition(":")
+    return f"{start or 0}-{end or 'end'}"
+
+
+def layer_flags(layers: str) -> list[str]:
+    # ":" rather than "" so the flag is visibly "all layers" in `ps` and the logs.
+    return ["--stage", layers] if "/" in layers else ["--layers", layers or ":"]
+
+
+def connect_address(endpoint: str) -> str:
+    """How a process on this machine reaches a bind endpoint ("tcp://*:5555" -> 127.0.0.1)."""
+    m = _TCP_RE.fullmatch(endpoint)
+    if m and m["host"] in _ANY_HOST:
+        return f"tcp://127.0.0.1:{m['port']}"
+    return endpoint
+
+
+def local_host(host: str) -> str:
+    return "127.0.0.1" if host in _ANY_HOST else host
+
+
+def plan(cfg: Config, config_path: Path | None, python: str = sys.executable) -> list[Child]:
+    """The broker, every stage's replicas, then the gateway, as command lines.
+
+    Children read the same config file themselves, so only what differs from that file
+    becomes a flag; connect addresses are derived from the broker's bind addresses because
+    the launcher starts that very broker.
+    """
+    base = load_config(config_path)
+    head = ["--config", str(config_path)] if config_path else []
+    last = ["--log-format", "json"]  # one JSON object a line, whatever the terminal is
+    if cfg.log.level != base.log.level:
+        last += ["--log-level", cfg.log.level]
+    model = ["--model", cfg.model.path] if cfg.model.path != base.model.path else []
+
+    def command(role: str, *flags: str) -> tuple[str, ...]:
+        return (python, "-m", "zmqllm.cli", role, *head, *flags, *last)
+
+    children = [Child("broker", "broker", command("broker"))]
+    backend = connect_address(cfg.broker.backend)
+    for stage in stages_of(cfg):
+        for replica in range(stage.count):
+            name = f"worker-{stage_slug(stage.layers)}-{replica}"
+            flags = [*layer_flags(stage.layers), "--name", name, *model]
+            if cfg.worker.broker != backend:
+                flags += ["--broker", backend]
+            children.append(Child(name, "worker", command("worker", *flags)))
+    flags = list(model)
+    if cfg.gateway.port != base.gateway.port:
+        flags += ["--port", str(cfg.gateway.port)]
+    frontend = connect_address(cfg.broker.frontend)
+    if cfg.gateway.broker != frontend:
+        flags += ["--broker", frontend]
+    children.append(Child("gateway", "gateway", command("gateway", *flags)))
+    return children
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why a server could not listen on host:port, or None if it can."""
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        # The servers set SO_REUSEADDR too: a port in TIME_WAIT is usable and must not
+        # count as busy; Linux still refuses the bind while another socket listens.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            return err.strerror or str(err)
+    return None
+
+
+def port_errors(cfg: Config, config_path: Path | None) -> list[str]:
+    """One message per port that is taken, naming the flag or config key that moves it."""
+    where = f"in {config_path}" if config_path else "in a config file (--config)"
+    wanted = [
+        (cfg.gateway.host, cfg.gateway.port, "gateway", f"--port or [gateway] port {where}"),
+    ]
+    for key, other in (("frontend", "[gateway] broker"), ("backend", "[worker] broker")):
+        m = _TCP_RE.fullmatch(getattr(cfg.broker, key))
+        if m:  # ipc:// and inproc:// have no port
+            change = f"[broker] {key} (and {other}) {where}"
+            wanted.append((m["host"], int(m["port"]), f"broker {key}", change))
+    errors: list[str] = []
+    seen: dict[int, str] = {}
+    for host, port, what, change in wanted:
+        if port in seen:
+            errors.append(f"port {port} is given to both the {seen[port]} and the {what}")
+            continue
+        seen[port] = what
+        why = port_problem(local_host(host), port)
+        if why:
+            errors.append(f"port {port} ({what}) is not free on {host}: {why}; change {change}")
+    return errors
+
+
+def log_path(directory: Path, child: Child) -> Path:
+    return directory / f"{child.name}.log"
+
+
+def tail(path: Path, lines: int = TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:]) or "(empty log)"
+
+
+# --- processes -------------------------------------------------------------------------
+
+
+def say(msg: str) -> None:
+    print(f"[zmqllm] {msg}", file=sys.stderr, flush=True)
+
+
+def prepare_model(cfg: Config) -> None:
+    """Convert the default model (or make the tiny one) in a subprocess: that needs torch."""
+    from zmqllm.models import is_prepared  # torch-free at import time
+
+    alias = cfg.model.path
+    target = Path(resolve_model_path(alias))
+    if alias not in (DEFAULT_MODEL, TINY_MODEL) or is_prepared(target):
+        return
+    extra = [] if alias == DEFAULT_MODEL else ["--tiny", str(target)]
+    say(f"preparing the {alias} model in {target} (once)")
+    # Its stdout (the directory) goes to stderr too: stdout is for the "is up" lines.
+    cmd = [sys.executable, "-m", "zmqllm.cli", "prepare-model", *extra]
+    sys.stderr.flush()
+    if subprocess.call(cmd, stdout=2) != 0:
+        raise UpError(f"could not prepare the {alias} model: {' '.join(cmd)} failed")
+
+
+def _die_with_parent() -> None:
+    # Runs in the child before exec: if the launcher is SIGKILLed, the kernel sends
+    # SIGTERM to the child, so no orphan keeps holding the ports (Linux only).
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class Cluster:
+    def __init__(self, children: list[Child], directory: Path) -> None:
+        self.children = children
+        self.dir = directory
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.reported: set[str] = set()
+
+    def start(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")  # lines reach the log as they happen
+        linux = sys.platform.startswith("linux")
+        for child in self.children:
+            path = log_path(self.dir, child)
+            if path.exists():  # keep one previous run for a look after a restart
+                path.replace(path.with_name(path.name + ".1"))
+            with path.open("wb") as out:
+                self.procs[child.name] = subprocess.Popen(
+                    child.argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent if linux else None,
+                )
+
+    def newly_exited(self) -> list[tuple[Child, int]]:
+        out = []
+        for child in self.children:
+            code = self.procs[child.name].poll()
+            if code is not None and child.name not in self.reported:
+                self.reported.add(child.name)
+                out.append((child, code))
+        return out
+
+    def report(self, child: Child, code: int) -> None:
+        path = log_path(self.dir, child)
+        say(f"{child.name} exited with code {code}; last lines of {path}:\n{tail(path)}")
+
+    def _signal(self, child: Child, sig: int) -> None:
+        # The whole group: a child is its session's leader, so this reaches anything it
+        # started too, as the terminal would.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.procs[child.name].pid, sig)
+
+    def stop(self, hurry: Callable[[], bool] = lambda: False) -> None:
+        """SIGINT tier by tier (gateway, workers, broker), then SIGKILL what is left."""
+        deadline = time.monotonic() + STOP_GRACE_S
+        tiers = [[c for c in self.children if c.role == r] for r in ("gateway", "worker", "broker")]
+        for index, tier in enumerate(tiers):
+            alive = [c for c in tier if c.name in self.procs and self.procs[c.name].poll() is None]
+            for child in alive:
+                self._signal(child, signal.SIGINT)
+            # Each tier gets a share of the grace left, so a gateway finishing a long
+            # stream cannot use it all and leave the broker no time to close cleanly.
+            share = time.monotonic() + (deadline - time.monotonic()) / (len(tiers) - index)
+            while time.monotonic() < share and not hurry():
+                if all(self.procs[c.name].poll() is not None for c in alive):
+                    break
+                time.sleep(0.05)
+        for child in self.children:
+            proc = self.procs.get(child.name)  # None if start() failed before it
+            if proc and proc.poll() is None:
+                say(f"{child.name} did not stop in time; killing it")
+                self._signal(child, signal.SIGKILL)
+            if proc:
+                proc.wait()
+
+
+# --- run ------------------------------------------------------------------------------
+
+
+class _Signals:
+    """Counts SIGINT/SIGTERM: the main loops look at it, so no exception unwinds mid-way."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.count += 1
+
+
+def http_status(url: str) -> int | None:
+    """The HTTP status of a GET, or None while nothing listens."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as err:
+        return err.code
+    except OSError:
+        return None
+
+
+def _workers(cfg: Config) -> list[list[int]] | None:
+    """Layer ranges of the registered workers, from the broker (None if it won't say)."""
+    from zmqllm.status import fetch_status  # zmq only, no torch
+
+    try:
+        st = fetch_status(connect_address(cfg.broker.frontend), timeout=0.5)
+    except Exception:  # progress is best-effort: an answer later will do
+        return None
+    return sorted(w["layers"] for w in st.get("workers", []))
+
+
+class _Progress:
+    """One line while waiting: rewritten in place on a terminal, a line per note in a file."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stderr.isatty()
+        self.shown = False
+        self.last = 0.0  # seconds waited at the last note
+
+    def due(self, waited: float) -> bool:
+        return waited - self.last >= (2.0 if self.tty else 10.0)
+
+    def note(self, waited: float, text: str) -> None:
+        self.last = waited
+        if self.tty:
+            self.shown = True
+            print(f"\r\033[K[zmqllm] {text}", end="", file=sys.stderr, flush=True)
+        else:
+            say(text)
+
+    def clear(self) -> None:
+        if self.shown:  # so whatever is printed next starts on a clean line
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
+            self.shown = False
+
+
+def wait_ready(cluster: Cluster, cfg: Config, url: str, timeout: float, sig: _Signals) -> str:
+    """Poll the gateway's /ready: "ready", "signal", "exited" (a child died) or "timeout"."""
+    start = time.monotonic()
+    expected = sum(s.count for s in stages_of(cfg))
+    progress = _Progress()
+    try:
+        while not sig.count:
+            exited = cluster.newly_exited()
+            if exited:
+                progress.clear()
+                for child, code in exited:
+                    cluster.report(child, code)
+                return "exited"
+            status = http_status(url)
+            if status == 200:
+                return "ready"
+            waited = time.monotonic() - start
+            if waited > timeout:
+                return "timeout"
+            if progress.due(waited):  # not every poll: asking the broker takes up to 0.5 s
+                workers = _workers(cfg)
+                known = "?" if workers is None else str(len(workers))
+                gateway = "not listening yet" if status is None else f"/ready {status}"
+                text = f"{known}/{expected} workers registered, gateway {gateway}"
+                progress.note(waited, f"waiting ({waited:.0f}s): {text}")
+            time.sleep(POLL_S)
+        return "signal"
+    finally:
+        progress.clear()
+
+
+def run_up(ns: argparse.Namespace) -> int:
+    cfg, config_path = up_config(ns)
+    gw = cfg.gateway
+    if gw.port == 0:  # "pick a free port": pick it here so the launcher knows where to look
+        with socket.socket() as sock:
+            sock.bind((local_host(gw.host), 0))
+            cfg = with_overrides(cfg, "gateway", {"port": sock.getsockname()[1]})
+    try:
+        errors = port_errors(cfg, config_path)
+        if errors:
+            raise UpError("\n".join(errors))
+        prepare_model(cfg)
+    except UpError as err:
+        say(str(err))
+        return 1
+    directory = log_dir(cfg.log)
+    cluster = Cluster(plan(cfg, config_path), directory)
+    sig = _Signals()
+    previous = {s: signal.signal(s, sig) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        cluster.start()
+        say(f"starting {len(cluster.children)} processes; logs in {directory}")
+        return _supervise(cluster, cfg, ns, sig)
+    finally:
+        cluster.stop(hurry=lambda: sig.count > 1)  # a second Ctrl-C: kill at once
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        say("stopped")
+
+
+def _supervise(cluster: Cluster, cfg: Config, ns: argparse.Namespace, sig: _Signals) -> int:
+    host, port = local_host(cfg.gateway.host), cfg.gateway.port
+    url = f"http://{host}:{port}"
+    timeout = float(getattr(ns, "ready_timeout", 600.0))
+    state = wait_ready(cluster, cfg, f"{url}/ready", timeout, sig)
+    if state == "timeout":
+        say(f"not ready after {timeout:g}s (--ready-timeout); logs in {cluster.dir}")
+    if state != "ready":
+        say("stopping")
+        return 0 if state == "signal" else 1
+    ranges = _workers(cfg) or []
+    layers = ", ".join(f"{a}:{b}" for a, b in ranges) or ", ".join(s.layers for s in stages_of(cfg))
+    count = len(ranges) or len(cluster.children) - 2
+    frontend = connect_address(cfg.broker.frontend)
+    print(
+        f"zmqllm is up: broker {frontend}, {count} workers (layers {layers}), gateway {url}\n"
+        f'try:  curl -N -d "Why is the sky blue?" {url}/chat\n'
+        f"logs: {cluster.dir}\n"
+        "stop: Ctrl-C",
+        flush=True,
+    )
+    while not sig.count:
+        for child, code in cluster.newly_exited():
+            cluster.report(child, code)
+            if child.role != "worker":  # without the broker or the gateway nothing serves
+                say(f"the {child.role} is gone; stopping everything")
+                return 1
+            say("the other processes keep serving")
+        time.sleep(POLL_S)
+    say("stopping")
+    return 0

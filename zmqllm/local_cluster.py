@@ -1,0 +1,160 @@
+"""A local cluster of real processes on 127.0.0.1 with free ports (tests, benchmarks)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+@dataclass
+class Cluster:
+    root: Path
+    model_dir: Path
+    heartbeat: float = 0.5
+    liveness: int = 3
+    threads: int = 1  # torch threads per worker
+    procs: list[Proc] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.frontend = f"tcp://127.0.0.1:{free_port()}"
+        self.backend = f"tcp://127.0.0.1:{free_port()}"
+        self.http_port = free_port()
+        self.url = f"http://127.0.0.1:{self.http_port}"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._n = 0
+
+    # -- processes -------------------------------------------------------------
+    def _start(self, name: str, args: list[str]) -> Proc:
+        self._n += 1
+        log = self.root / f"{self._n:02d}-{name}.log"
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, "-m", "zmqllm.cli", *args, "--log-format", "json"]
+        with log.open("wb") as out:
+            popen = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        proc = Proc(name, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def beats(self) -> list[str]:
+        return [
+            "--heartbeat-interval",
+            str(self.heartbeat),
+            "--heartbeat-liveness",
+            str(self.liveness),
+        ]
+
+    def start_broker(self) -> Proc:
+        args = ["broker", "--frontend", self.frontend, "--backend", self.backend]
+        return self._start("broker", [*args, "--queue-timeout", "10", *self.beats()])
+
+    def start_worker(self, layers: str, model: Path | None = None, name: str = "") -> Proc:
+        args = ["worker", "--model", str(model or self.model_dir), "--layers", layers]
+        args += ["--broker", self.backend, "--threads", str(self.threads), *self.beats()]
+        if name:
+            args += ["--name", name]
+        return self._start(f"worker-{layers.replace(':', '-')}", args)
+
+    def start_gateway(self) -> Proc:
+        args = ["gateway", "--port", str(self.http_port), "--broker", self.frontend]
+        return self._start("gateway", [*args, "--model", str(self.model_dir), *self.beats()])
+
+    def start_all(self, splits: tuple[str, ...] = ("0:2", "2:4")) -> None:
+        self.start_broker()
+        for layers in splits:
+            self.start_worker(layers)
+        self.start_gateway()
+        self.wait_ready()
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.alive():
+                os.killpg(p.popen.pid, signal.SIGKILL)
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.popen.wait(timeout=10)
+
+    def kill(self, proc: Proc, sig: int = signal.SIGKILL) -> None:
+        os.killpg(proc.popen.pid, sig)
+        proc.popen.wait(timeout=20)
+
+    def by_name(self, prefix: str) -> list[Proc]:
+        return [p for p in self.procs if p.name.startswith(prefix) and p.alive()]
+
+    # -- observing -------------------------------------------------------------
+    def get(self, path: str) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=5) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def wait_ready(self, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for p in self.procs:
+                if not p.alive() and p.name in ("broker", "gateway"):
+                    raise RuntimeError(f"{p.name} exited early:\n{p.text()[-3000:]}")
+            try:
+                if self.get("/ready")[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        logs = "\n".join(f"--- {p.name}\n{p.text()[-1500:]}" for p in self.procs)
+        raise TimeoutError(f"cluster not ready in {timeout}s\n{logs}")
+
+    def status(self) -> dict[str, Any]:
+        from zmqllm.status import fetch_status
+
+        return fetch_status(self.frontend, timeout=5)
+
+    def wait_for(self, predicate: Any, timeout: float = 15.0, what: str = "") -> Any:
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            last = predicate()
+            if last:
+                return last
+            time.sleep(0.1)
+        raise TimeoutError(f"timed out waiting for {what or predicate}; last: {last!r}")
+
+    def log_lines(self, proc: Proc) -> list[dict[str, Any]]:
+        out = []
+        for line in proc.text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
