@@ -205,7 +205,8 @@ def main() -> None:
         f"\nper-token latency — {model_dir.name}, fp32, {a.threads} threads, {n} tokens, "
         f"{a.requests} requests each (p50/p95/p99 over all tokens)"
     )
-    head = f"{'':16} {'TTFT ms':>8} {'ITL p50':>8} {'p95':>7} {'p99':>7} {'tok/s':>7} {'vs engine':>9} {'vs HF':>6}"
+    head = f"{'':16} {'TTFT ms':>8} {'ITL p50':>8} {'p95':>7} {'p99':>7} {'tok/s':>7}"
+    head += f" {'vs engine':>9} {'vs HF':>6}"
     print(head)
     for name, r in rows.items():
         ve = r.get("ratio_itl_vs_engine", r["itl_ms_p50"] / eng)

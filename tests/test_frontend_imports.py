@@ -17,6 +17,12 @@ FRONT_END_MODULES = [
     "zmqllm.engine.args",
     "zmqllm.engine.sampling",
     "zmqllm.cli",
+    "zmqllm.broker",
+    "zmqllm.client",
+    "zmqllm.status",
+    "zmqllm.launcher",
+    "zmqllm.gateway.app",
+    "zmqllm.gateway.server",
 ]
 
 

@@ -177,7 +177,9 @@ class Broker:
             self.backend.send_multipart([w.identity, *frames], copy=False)
             return True
         except zmq.ZMQError as exc:  # EHOSTUNREACH: gone; EAGAIN: at HWM
-            self.remove_worker(w, f"worker {w.worker_id} unreachable ({exc.strerror})")
+            self.remove_worker(
+                w, f"worker {w.worker_id} (layers {w.start}:{w.end}) unreachable ({exc.strerror})"
+            )
             return False
 
     def _to_client(self, identity: bytes, frames: list[Any]) -> bool:
@@ -339,7 +341,9 @@ class Broker:
         elif h.type is MsgType.ERROR:
             self.on_worker_error(w, h)
         elif h.type is MsgType.DISCONNECT:
-            self.remove_worker(w, f"worker {w.worker_id} left: {h.fields.get('reason')}")
+            self.remove_worker(
+                w, f"worker {w.worker_id} (layers {w.start}:{w.end}) left: {h.fields.get('reason')}"
+            )
         else:
             log.warning(
                 "unexpected message from worker dropped", type=h.type.value, worker=w.worker_id

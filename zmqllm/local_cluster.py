@@ -16,11 +16,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+_handed_out: set[int] = set()
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free on 127.0.0.1 now, never one this process handed out before (the
+    OS may offer a just-closed port again before its first user binds it)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 @dataclass
@@ -123,9 +131,10 @@ class Cluster:
     def wait_ready(self, timeout: float = 90.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for p in self.procs:
-                if not p.alive() and p.name in ("broker", "gateway"):
-                    raise RuntimeError(f"{p.name} exited early:\n{p.text()[-3000:]}")
+            for role in ("broker", "gateway"):
+                mine = [p for p in self.procs if p.name == role]
+                if mine and not mine[-1].alive():
+                    raise RuntimeError(f"{role} exited early:\n{mine[-1].text()[-3000:]}")
             try:
                 if self.get("/ready")[0] == 200:
                     return

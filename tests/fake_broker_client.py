@@ -1,0 +1,178 @@
+"""An in-process stand-in for zmqllm.client.BrokerClient, for gateway tests.
+
+It plays broker and workers at once: each session "generates" a scripted list of token
+ids, one per ``delay`` seconds, stopping at a stop id or at max_tokens exactly as the last
+stage would, and it records what the gateway asked for (generate arguments, cancels).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from zmqllm.engine.sampling import SamplingParams
+
+
+@dataclass
+class FakeTokenEvent:
+    token: int
+    step: int
+    finish: str | None
+
+
+class FakeBrokerError(Exception):
+    """Shaped like zmqllm.client.BrokerError: a code and a message."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class Script:
+    """What a session produces."""
+
+    tokens: list[int]
+    delay: float = 0.0
+    # Raised instead of the first token (e.g. no_capacity).
+    fail_before_first: FakeBrokerError | None = None
+    # Raised after this many tokens were sent (e.g. worker_lost mid-stream).
+    fail_after: int | None = None
+    fail_with: FakeBrokerError = field(
+        default_factory=lambda: FakeBrokerError("worker_lost", "worker w1 stopped answering")
+    )
+
+
+@dataclass
+class GenerateCall:
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop_ids: list[int]
+
+
+class FakeTokenStream:
+    def __init__(self, client: FakeBrokerClient, call: GenerateCall, script: Script) -> None:
+        self.client = client
+        self.call = call
+        self.script = script
+        self.session = f"s{len(client.calls)}"
+        self.route: list[str] = []
+        self.finished = False
+        self.cancelled = False
+        # perf_counter time at which each token was handed out.
+        self.produced_at: list[float] = []
+
+    async def __aenter__(self) -> FakeTokenStream:
+        self.client.open_streams.add(self.session)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        # Like the real client: leaving before the finish event cancels the session.
+        if not self.finished:
+            await self.cancel()
+        self.client.open_streams.discard(self.session)
+
+    def __aiter__(self) -> AsyncIterator[FakeTokenEvent]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[FakeTokenEvent]:
+        script = self.script
+        if script.fail_before_first is not None:
+            self.finished = True
+            raise script.fail_before_first
+        stop_ids = set(self.call.stop_ids)
+        for step, token in enumerate(script.tokens):
+            if script.fail_after is not None and step >= script.fail_after:
+                self.finished = True
+                raise script.fail_with
+            if script.delay:
+                await asyncio.sleep(script.delay)
+            self.route = ["w0", "w1"]
+            finish = None
+            if token in stop_ids:
+                finish = "stop"
+            elif step + 1 >= self.call.max_tokens:
+                finish = "length"
+            self.produced_at.append(time.perf_counter())
+            if finish is not None:
+                self.finished = True
+            yield FakeTokenEvent(token, step, finish)
+            if finish is not None:
+                return
+        # A script that runs out behaves like a model that keeps repeating its last token.
+        raise AssertionError("script exhausted without a finish; end it with an EOS id")
+
+    async def cancel(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self.cancelled = True
+        self.client.cancels.append(self.session)
+
+
+class FakeBrokerClient:
+    def __init__(self, script: Script | None = None) -> None:
+        self.default_script = script or Script(tokens=[])
+        # Scripts for particular prompts (by their token ids) override the default.
+        self.scripts: dict[tuple[int, ...], Script] = {}
+        self.script_for: Callable[[list[int]], Script | None] | None = None
+        self.calls: list[GenerateCall] = []
+        self.streams: list[FakeTokenStream] = []
+        self.cancels: list[str] = []
+        self.open_streams: set[str] = set()
+        self.complete_route = True
+        self.unreachable = False
+        self.status_calls = 0
+        self.started = False
+        self.closed = False
+
+    async def start(self) -> None:
+        self.started = True
+
+    async def close(self) -> None:
+        self.closed = True
+
+    @property
+    def connected(self) -> bool:
+        return not self.unreachable
+
+    def generate(
+        self,
+        *,
+        request_id: str,
+        prompt: Sequence[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        stop_ids: Sequence[int],
+    ) -> FakeTokenStream:
+        call = GenerateCall(request_id, list(prompt), max_tokens, sampling, list(stop_ids))
+        self.calls.append(call)
+        script = self.scripts.get(tuple(prompt))
+        if script is None and self.script_for is not None:
+            script = self.script_for(list(prompt))
+        stream = FakeTokenStream(self, call, script or self.default_script)
+        self.streams.append(stream)
+        return stream
+
+    @property
+    def request_streams(self) -> list[FakeTokenStream]:
+        """The streams of HTTP requests, without the readiness warm-ups."""
+        return [s for s in self.streams if not s.call.request_id.startswith("warmup-")]
+
+    async def status(self, timeout: float = 2.0) -> dict[str, Any]:
+        self.status_calls += 1
+        if self.unreachable:
+            raise FakeBrokerError("broker_unreachable", "no answer from the broker")
+        return {
+            "complete_route": self.complete_route,
+            "workers": [],
+            "pools": [],
+            "queue": 0,
+            "sessions": len(self.open_streams),
+        }

@@ -1,0 +1,234 @@
+"""Bad input gets a 4xx with an OpenAI-shaped JSON error, and the gateway keeps serving."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from tests.fake_broker_client import FakeBrokerClient
+from tests.test_gateway_support import ANSWER, answer_script, make_app, tiny_tokenizer
+from zmqllm.tokenizer import Tokenizer
+
+httpx = pytest.importorskip("httpx")
+
+pytestmark = pytest.mark.anyio
+
+CONTEXT = 64
+MAX_BODY = 2000
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+HI = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    return tiny_tokenizer(tmp_path_factory.mktemp("tiny-tokenizer"))
+
+
+@pytest.fixture
+def fake(tok: Tokenizer) -> FakeBrokerClient:
+    return FakeBrokerClient(answer_script(tok))
+
+
+@pytest.fixture
+async def client(fake: FakeBrokerClient, tok: Tokenizer) -> AsyncIterator[Any]:
+    app = make_app(fake, tok, context_length=CONTEXT, max_body_bytes=MAX_BODY)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+        yield http
+
+
+async def expect_error(
+    client: Any,
+    response: Any,
+    status: int,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    says: str = "",
+) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    assert error["type"] == ("invalid_request_error" if status < 500 else "server_error")
+    if param is not None:
+        assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+    assert says.lower() in error["message"].lower()
+    # The server keeps serving.
+    ok = await client.post("/chat", content=b"Hi")
+    assert (ok.status_code, ok.text) == (200, ANSWER)
+    return error
+
+
+# --- /chat ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "params", "status", "param", "says"),
+    [
+        (b"\xff\xfeHi", {}, 400, None, "UTF-8"),
+        (b"", {}, 400, None, "empty"),
+        (b"  \n\t ", {}, 400, None, "empty"),
+        (b"Hi", {"max_tokens": 0}, 400, "max_tokens", "at least 1"),
+        (b"Hi", {"max_tokens": -3}, 400, "max_tokens", "at least 1"),
+        (b"Hi", {"max_tokens": 1000}, 400, "max_tokens", "context"),
+        (b"Hi", {"max_tokens": "many"}, 400, "max_tokens", "integer"),
+        (b"Hi", {"temperature": "hot"}, 400, "temperature", "number"),
+        (b"Hi", {"temperature": -1}, 400, "temperature", ">= 0"),
+        (b"Hi", {"temperature": "nan"}, 400, "temperature", "finite"),
+        (b"Hi", {"top_p": 0}, 400, "top_p", "top_p"),
+        (b"Hi", {"top_p": 1.5}, 400, "top_p", "top_p"),
+        (b"Hi", {"top_k": -1}, 400, "top_k", "top_k"),
+        (b"Hi", {"seed": -1}, 400, "seed", "seed"),
+    ],
+)
+async def test_chat_bad_input(
+    client: Any,
+    fake: FakeBrokerClient,
+    body: bytes,
+    params: dict[str, Any],
+    status: int,
+    param: str | None,
+    says: str,
+) -> None:
+    response = await client.post("/chat", content=body, params=params)
+    await expect_error(client, response, status, param=param, says=says)
+    assert len(fake.calls) == 1  # only the good request after it reached the broker
+
+
+async def test_chat_prompt_longer_than_the_context(client: Any, tok: Tokenizer) -> None:
+    prompt = "The quick brown fox jumps over the lazy dog. " * 10
+    prompt_len = len(tok.encode_chat([{"role": "user", "content": prompt}]))
+    assert prompt_len > CONTEXT
+    response = await client.post("/chat", content=prompt.encode())
+    error = await expect_error(client, response, 400, code="context_length_exceeded")
+    assert str(prompt_len) in error["message"] and str(CONTEXT) in error["message"]
+
+
+async def test_body_over_the_limit_by_content_length(client: Any) -> None:
+    response = await client.post("/chat", content=b"x" * (MAX_BODY + 1))
+    await expect_error(client, response, 413, code="request_too_large", says=str(MAX_BODY))
+
+
+async def test_body_over_the_limit_when_streamed_without_length(client: Any) -> None:
+    async def chunks() -> AsyncIterator[bytes]:
+        for _ in range(5):
+            yield b"y" * 600
+
+    response = await client.post(CHAT, content=chunks())
+    await expect_error(client, response, 413, code="request_too_large")
+
+
+async def test_unknown_route_and_method(client: Any) -> None:
+    await expect_error(client, await client.get("/nope"), 404, code="not_found")
+    await expect_error(client, await client.get("/chat"), 405, code="method_not_allowed")
+
+
+# --- the OpenAI routes ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("content", "status", "code", "says"),
+    [
+        (b"{not json", 400, "invalid_json", "not valid JSON"),
+        (b"", 400, "invalid_json", "empty"),
+        (b"[1, 2]", 400, "invalid_json", "an array"),
+        (b'{"messages": "\xff"}', 400, "invalid_encoding", "UTF-8"),
+    ],
+)
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+async def test_unparsable_bodies(
+    client: Any, path: str, content: bytes, status: int, code: str, says: str
+) -> None:
+    response = await client.post(path, content=content)
+    await expect_error(client, response, status, code=code, says=says)
+
+
+@pytest.mark.parametrize(
+    ("payload", "status", "param", "says"),
+    [
+        ({}, 400, "messages", "required"),
+        ({"messages": []}, 400, "messages", "empty"),
+        ({"messages": [{"role": "user", "content": "   "}]}, 400, "messages", "no text"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role", "user"),
+        ({"messages": [{"content": "x"}]}, 400, "messages[0].role", "required"),
+        ({"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", "string"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            400,
+            "messages[0].content",
+            "only 'text'",
+        ),
+        ({"messages": "Hi"}, 400, "messages", "list"),
+        ({"messages": HI, "max_tokens": "5"}, 400, "max_tokens", "integer"),
+        ({"messages": HI, "max_tokens": 5.5}, 400, "max_tokens", "integer"),
+        ({"messages": HI, "max_tokens": True}, 400, "max_tokens", "integer"),
+        ({"messages": HI, "max_tokens": 0}, 400, "max_tokens", "at least 1"),
+        ({"messages": HI, "max_completion_tokens": -1}, 400, "max_tokens", "at least 1"),
+        ({"messages": HI, "max_tokens": 10_000}, 400, "max_tokens", "context"),
+        ({"messages": HI, "temperature": "hot"}, 400, "temperature", "number"),
+        ({"messages": HI, "temperature": -0.5}, 400, "temperature", ">= 0"),
+        ({"messages": HI, "top_p": 2}, 400, "top_p", "top_p"),
+        ({"messages": HI, "top_k": 1.5}, 400, "top_k", "integer"),
+        ({"messages": HI, "seed": "s"}, 400, "seed", "integer"),
+        ({"messages": HI, "stop": 5}, 400, "stop", "string"),
+        ({"messages": HI, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),
+        ({"messages": HI, "stop": ""}, 400, "stop", "empty"),
+        ({"messages": HI, "n": 2}, 400, "n", "n=1"),
+        ({"messages": HI, "stream": "yes"}, 400, "stream", "boolean"),
+        ({"messages": HI, "stream_options": 3}, 400, "stream_options", ""),
+        ({"messages": HI, "model": 7}, 400, "model", "string"),
+    ],
+)
+async def test_chat_completion_bad_fields(
+    client: Any, payload: dict[str, Any], status: int, param: str, says: str
+) -> None:
+    response = await client.post(CHAT, json=payload)
+    await expect_error(client, response, status, param=param, says=says)
+
+
+@pytest.mark.parametrize(
+    ("payload", "param", "says"),
+    [
+        ({}, "prompt", "required"),
+        ({"prompt": ""}, "prompt", "empty"),
+        ({"prompt": []}, "prompt", "one string"),
+        ({"prompt": ["a", "b"]}, "prompt", "one string"),
+        ({"prompt": [1, 2, 3]}, "prompt", "one string"),
+        ({"prompt": "Hi", "max_tokens": -1}, "max_tokens", "at least 1"),
+        ({"prompt": "Hi", "top_k": -2}, "top_k", "top_k"),
+    ],
+)
+async def test_completion_bad_fields(
+    client: Any, payload: dict[str, Any], param: str, says: str
+) -> None:
+    response = await client.post(COMPLETIONS, json=payload)
+    await expect_error(client, response, 400, param=param, says=says)
+
+
+async def test_completion_prompt_longer_than_the_context(client: Any) -> None:
+    response = await client.post(COMPLETIONS, json={"prompt": "word " * 200})
+    error = await expect_error(client, response, 400, param="prompt")
+    assert str(CONTEXT) in error["message"]
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+async def test_unknown_model_is_404(client: Any, path: str) -> None:
+    payload = {"model": "gpt-4o", "messages": HI, "prompt": "Hi"}
+    response = await client.post(path, json=payload)
+    error = await expect_error(client, response, 404, param="model", code="model_not_found")
+    assert "gpt-4o" in error["message"]
+
+
+async def test_unknown_fields_are_ignored(client: Any) -> None:
+    payload = {"messages": HI, "user": "u", "logprobs": False, "frequency_penalty": 0, "x": {}}
+    response = await client.post(CHAT, content=json.dumps(payload).encode())
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["message"]["content"] == ANSWER

@@ -1,0 +1,109 @@
+"""``serve``: model files, tokenizer, client and uvicorn wiring (nothing is started)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+
+from tests.fake_broker_client import FakeBrokerClient
+from zmqllm.config import Config, ConfigError, ModelSettings
+from zmqllm.gateway import server
+from zmqllm.tiny_tokenizer import write_tiny_tokenizer
+
+CONFIG = {
+    "model_type": "mistral",
+    "vocab_size": 512,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "sliding_window": 8,
+}
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    directory = tmp_path / "tiny-model"
+    directory.mkdir()
+    write_tiny_tokenizer(directory)
+    (directory / "config.json").write_text(json.dumps(CONFIG))
+    return directory
+
+
+@pytest.fixture(autouse=True)
+def restore_logging() -> Iterator[None]:
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    structlog.reset_defaults()
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    logging.captureWarnings(False)
+
+
+def test_local_directory_is_used_as_is(model_dir: Path) -> None:
+    assert server.model_files_dir(ModelSettings(path=str(model_dir))) == model_dir
+
+
+@pytest.mark.parametrize("path", ["/no/such/dir", "./relative", "a/b/c", "justaname"])
+def test_missing_directory_is_a_clear_error(path: str) -> None:
+    with pytest.raises(ConfigError, match="not a directory"):
+        server.model_files_dir(ModelSettings(path=path))
+
+
+def test_hub_repo_downloads_only_the_small_files(
+    monkeypatch: pytest.MonkeyPatch, model_dir: Path
+) -> None:
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    asked: dict[str, Any] = {}
+
+    def fake_download(repo_id: str, **kwargs: Any) -> str:
+        asked.update(kwargs, repo_id=repo_id)
+        return str(model_dir)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    settings = ModelSettings(path="mistralai/Some-Model", revision="main")
+    assert server.model_files_dir(settings) == model_dir
+    assert asked["repo_id"] == "mistralai/Some-Model" and asked["revision"] == "main"
+    assert set(asked["allow_patterns"]) == set(server.META_FILES)
+    assert not any("safetensors" in pattern for pattern in asked["allow_patterns"])
+
+
+def test_serve_wires_client_app_and_uvicorn(
+    monkeypatch: pytest.MonkeyPatch, model_dir: Path
+) -> None:
+    import zmqllm.client
+
+    made: dict[str, Any] = {}
+
+    def fake_client(address: str, **kwargs: Any) -> FakeBrokerClient:
+        made.update(kwargs, address=address)
+        return FakeBrokerClient()
+
+    def fake_run(app: Any, **kwargs: Any) -> None:
+        made["app"], made["run"] = app, kwargs
+
+    monkeypatch.setattr(zmqllm.client, "BrokerClient", fake_client)
+    monkeypatch.setattr(server.uvicorn, "run", fake_run)
+    cfg = Config()
+    cfg.model.path = str(model_dir)
+    cfg.gateway.port = 0
+    cfg.gateway.broker = "tcp://127.0.0.1:7001"
+    cfg.broker.heartbeat_interval = 0.25
+    cfg.log.format = "json"
+    server.serve(cfg)
+    assert made["address"] == "tcp://127.0.0.1:7001"
+    assert made["heartbeat_interval"] == 0.25 and made["liveness"] == cfg.broker.heartbeat_liveness
+    assert made["run"]["host"] == "127.0.0.1" and made["run"]["port"] == 0
+    assert made["run"]["log_config"] is None and made["run"]["access_log"] is False
+    gateway = made["app"].state.gateway
+    assert gateway.context_length == CONFIG["max_position_embeddings"]
+    assert gateway.model_name == "tiny-model"

@@ -1,0 +1,122 @@
+"""Helpers shared by the gateway tests (this file holds no tests of its own).
+
+Two ways to reach the app: httpx's ASGITransport (fast, in the test's event loop, but it
+buffers each response whole) and a real uvicorn on a free 127.0.0.1 port in a thread, for
+what only real HTTP shows: chunks arriving while the answer is produced, a client
+disconnecting, the ``openai`` package's own transport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from tests.fake_broker_client import FakeBrokerClient, Script
+from zmqllm.config import GatewaySettings
+from zmqllm.gateway.app import create_app
+from zmqllm.tiny_tokenizer import EOS_TOKEN, write_tiny_tokenizer
+from zmqllm.tokenizer import Tokenizer
+
+MODEL = "tiny-test"
+CONTEXT = 2048
+ANSWER = "The capital of France is Paris."
+
+
+def tiny_tokenizer(directory: Path) -> Tokenizer:
+    write_tiny_tokenizer(directory)
+    return Tokenizer.from_dir(directory)
+
+
+def eos_id(tok: Tokenizer) -> int:
+    token = tok.token_to_id(EOS_TOKEN)
+    assert token is not None
+    return token
+
+
+def answer_script(tok: Tokenizer, text: str = ANSWER, delay: float = 0.0) -> Script:
+    return Script([*tok.encode(text), eos_id(tok)], delay=delay)
+
+
+def make_app(
+    fake: FakeBrokerClient,
+    tok: Tokenizer,
+    *,
+    context_length: int = CONTEXT,
+    **settings: Any,
+) -> FastAPI:
+    return create_app(
+        fake,
+        GatewaySettings(**settings),
+        tok,
+        MODEL,
+        context_length,
+        ready_poll_interval=0.01,
+        ready_recheck_interval=0.02,
+    )
+
+
+def sse_data(body: str) -> list[str]:
+    """The ``data:`` payloads of a server-sent-events body, in order."""
+    events = [block for block in body.split("\n\n") if block]
+    out = []
+    for event in events:
+        assert event.startswith("data: "), event
+        out.append(event[len("data: ") :])
+    assert body.endswith("\n\n")
+    return out
+
+
+def sse_json(body: str) -> list[dict[str, Any]]:
+    data = sse_data(body)
+    assert data[-1] == "[DONE]"
+    return [json.loads(item) for item in data[:-1]]
+
+
+def wait_for(predicate: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail("condition not reached in time")
+        time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def running_server(app: FastAPI) -> Iterator[str]:
+    """Serve ``app`` with uvicorn on a free port in a thread; yield its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(
+        app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=2
+    )
+    server = uvicorn.Server(config)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(server.serve(sockets=[sock]))
+        except BaseException as exc:  # surfaced in the test thread below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name="uvicorn-test", daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started or errors or not thread.is_alive())
+        if errors:
+            raise errors[0]
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()

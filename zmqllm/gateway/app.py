@@ -1,0 +1,109 @@
+"""``create_app``: the gateway's FastAPI application, built around one broker client.
+
+Everything a request needs hangs off the app (``app.state.gateway``), never a module
+global, so tests build as many apps as they like, each with its own fake client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from zmqllm import __version__
+from zmqllm.config import GatewaySettings
+from zmqllm.gateway import openai_routes, plain_routes
+from zmqllm.gateway.backend import BrokerClientLike
+from zmqllm.gateway.errors import RETRY_AFTER_S, install_error_handlers
+from zmqllm.gateway.readiness import Readiness
+from zmqllm.gateway.request_context import RequestContextMiddleware
+from zmqllm.gateway.service import GatewayService
+from zmqllm.tokenizer import Tokenizer
+
+__all__ = ["create_app"]
+
+# What the warm-up generation feeds the pipeline; any short text does.
+_WARMUP_TEXT = "Hello"
+
+
+def _warmup_prompt(tokenizer: Tokenizer) -> list[int]:
+    ids = tokenizer.encode(_WARMUP_TEXT, add_special_tokens=True)
+    if not ids and tokenizer.bos_token_id is not None:
+        ids = [tokenizer.bos_token_id]
+    return ids or [0]
+
+
+def create_app(
+    client: BrokerClientLike,
+    settings: GatewaySettings,
+    tokenizer: Tokenizer,
+    model_name: str,
+    context_length: int,
+    *,
+    manage_client: bool = True,
+    ready_poll_interval: float = 0.5,
+    ready_recheck_interval: float = 2.0,
+) -> FastAPI:
+    """The HTTP gateway in front of ``client``.
+
+    With ``manage_client`` the app's lifespan starts and closes the client. Readiness is
+    polled every ``ready_poll_interval`` seconds until ready, then every
+    ``ready_recheck_interval`` seconds.
+    """
+    readiness = Readiness(
+        client,
+        _warmup_prompt(tokenizer),
+        poll_interval=ready_poll_interval,
+        ready_poll_interval=ready_recheck_interval,
+        warmup_timeout=settings.request_timeout,
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if manage_client:
+            await client.start()
+        monitor = asyncio.create_task(readiness.run(), name="zmqllm-readiness")
+        try:
+            yield
+        finally:
+            monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await monitor
+            if manage_client:
+                await client.close()
+
+    app = FastAPI(
+        title="zmqllm gateway",
+        version=__version__,
+        lifespan=lifespan,
+        # Interactive docs are for people; the API's shape is OpenAI's, documented there.
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.gateway = GatewayService(client, settings, tokenizer, model_name, context_length)
+    app.state.readiness = readiness
+    install_error_handlers(app)
+    app.add_middleware(RequestContextMiddleware)
+    app.include_router(plain_routes.router)
+    app.include_router(openai_routes.router)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        # Alive means this process answers; whether it can generate is /ready's question.
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(request: Request) -> JSONResponse:
+        state: Readiness = request.app.state.readiness
+        if state.ready:
+            return JSONResponse({"status": "ready"})
+        return JSONResponse(
+            {"status": "not ready", "reason": state.reason},
+            status_code=503,
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+
+    return app

@@ -1,0 +1,92 @@
+"""What the gateway needs from the broker client, as Protocols.
+
+The gateway codes against these shapes rather than importing ``zmqllm.client``, so its
+tests drive it with an in-process fake and the HTTP layer never depends on ZeroMQ
+sockets. ``zmqllm.client.BrokerClient`` satisfies them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from types import TracebackType
+from typing import Any, Protocol
+
+from zmqllm.engine.sampling import SamplingParams
+
+__all__ = [
+    "BrokerClientLike",
+    "TokenEventLike",
+    "TokenStreamLike",
+    "broker_error_fields",
+]
+
+
+class TokenEventLike(Protocol):
+    """One sampled token; ``finish`` is None, "length" or "stop" (a stop/EOS token)."""
+
+    @property
+    def token(self) -> int: ...
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def finish(self) -> str | None: ...
+
+
+class TokenStreamLike(Protocol):
+    """One generation session; leaving the context before it finished cancels it."""
+
+    @property
+    def session(self) -> str: ...
+
+    @property
+    def route(self) -> list[str]: ...
+
+    async def __aenter__(self) -> TokenStreamLike: ...
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None: ...
+
+    def __aiter__(self) -> AsyncIterator[TokenEventLike]: ...
+
+    async def cancel(self) -> None: ...
+
+
+class BrokerClientLike(Protocol):
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    @property
+    def connected(self) -> bool: ...
+
+    def generate(
+        self,
+        *,
+        request_id: str,
+        prompt: Sequence[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        stop_ids: Sequence[int],
+    ) -> TokenStreamLike: ...
+
+    async def status(self, timeout: float = 2.0) -> dict[str, Any]: ...
+
+
+def broker_error_fields(exc: BaseException) -> tuple[str, str] | None:
+    """``(code, message)`` if ``exc`` is a broker failure, else None.
+
+    A broker failure is any exception carrying string ``code`` and ``message`` attributes
+    (``zmqllm.client.BrokerError`` does). Matching the shape instead of the class keeps this
+    package free of the socket-level client.
+    """
+    code = getattr(exc, "code", None)
+    message = getattr(exc, "message", None)
+    if isinstance(code, str) and isinstance(message, str):
+        return code, message
+    return None

@@ -1,0 +1,144 @@
+"""Errors as OpenAI-shaped JSON: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every failure the gateway answers, on every route (plain ``/chat`` included), uses this
+one shape, so clients (and the ``openai`` package, which reads ``error.message``) need
+one parser. FastAPI's own 422 validation answers and Starlette's 404/405 are converted
+too: a wrong type is a 400 naming the field, as OpenAI answers it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+__all__ = [
+    "RETRY_AFTER_S",
+    "APIError",
+    "broker_failure",
+    "error_payload",
+    "install_error_handlers",
+    "validation_failure",
+]
+
+# Seconds a client should wait before retrying a 429/503. Capacity comes back when a
+# worker (re)registers, which takes about a heartbeat interval.
+RETRY_AFTER_S = 1
+
+# How a broker error code maps to an HTTP status when it arrives before the first token.
+# Anything not listed (no_capacity, broker_unreachable, worker_lost, timeout) is a
+# temporary lack of service: 503 with Retry-After.
+_BROKER_STATUS = {"bad_request": 400, "internal": 500}
+
+
+class APIError(Exception):
+    """A failure to answer as JSON with ``status``; raised anywhere in request handling."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        # OpenAI calls client mistakes invalid_request_error and its own failures server_error.
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+        self.headers = dict(headers or {})
+
+    def payload(self) -> dict[str, Any]:
+        return error_payload(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.payload(), status_code=self.status, headers=self.headers)
+
+
+def error_payload(
+    message: str, type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def broker_failure(code: str, message: str) -> APIError:
+    """The answer to a broker error that arrived before any token was sent."""
+    status = _BROKER_STATUS.get(code, 503)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return APIError(status, message, code=code, headers=headers)
+
+
+def _field_path(loc: Sequence[int | str]) -> str:
+    """("messages", 0, "content") -> "messages[0].content"."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path += f".{part}" if path else str(part)
+    return path
+
+
+def validation_failure(errors: Sequence[Any], *, drop_source: bool = False) -> APIError:
+    """A 400 naming the first invalid field of a pydantic/FastAPI error list.
+
+    ``drop_source`` strips FastAPI's leading location ("query", "body", "path"), which is
+    not part of the field name a client sent.
+    """
+    if not errors:
+        return APIError(400, "invalid request")
+    first = errors[0]
+    loc = list(first.get("loc", ()))
+    if drop_source and loc and loc[0] in ("query", "body", "path", "header"):
+        loc = loc[1:]
+    param = _field_path(loc) or None
+    # A ValueError raised by our own validators already says what is wrong, in full.
+    cause = first.get("ctx", {}).get("error")
+    message = str(cause) if isinstance(cause, ValueError) else str(first.get("msg", "invalid"))
+    if first.get("type") == "missing":
+        message = "this field is required"
+    text = f"{param}: {message}" if param else message
+    return APIError(400, text, param=param, code="invalid_" + ("value" if param else "request"))
+
+
+async def _api_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def _request_validation(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    return validation_failure(exc.errors(), drop_source=True).response()
+
+
+async def _pydantic_validation(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ValidationError)
+    return validation_failure(exc.errors(include_url=False)).response()
+
+
+async def _http_exception(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    codes = {404: "not_found", 405: "method_not_allowed"}
+    return APIError(
+        exc.status_code,
+        str(exc.detail),
+        code=codes.get(exc.status_code),
+        headers=exc.headers,
+    ).response()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _request_validation)
+    app.add_exception_handler(ValidationError, _pydantic_validation)
+    app.add_exception_handler(StarletteHTTPException, _http_exception)

@@ -1,0 +1,115 @@
+"""``/ready``'s state: a complete route exists and a warm-up token went through it.
+
+A route in the broker's table proves that workers registered, not that a token can travel
+the whole pipeline (a stage may still be compiling, a link may be wrong), so readiness
+also waits for one real generation. A background task keeps the answer current: it polls
+the broker quickly while not ready and slowly once ready, and drops readiness when the
+route disappears, warming up again when it comes back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+import anyio
+
+from zmqllm.engine.sampling import SamplingParams
+from zmqllm.gateway.backend import BrokerClientLike, broker_error_fields
+from zmqllm.log import bind_request, get_logger, new_request_id
+
+__all__ = ["Readiness"]
+
+log = get_logger("zmqllm.gateway")
+
+# Seconds. The broker answers status from memory; this bounds a hung broker.
+STATUS_TIMEOUT = 2.0
+
+
+class Readiness:
+    def __init__(
+        self,
+        client: BrokerClientLike,
+        warmup_prompt: Sequence[int],
+        *,
+        poll_interval: float = 0.5,
+        ready_poll_interval: float = 2.0,
+        warmup_timeout: float = 120.0,
+    ) -> None:
+        self._client = client
+        self._warmup_prompt = list(warmup_prompt)
+        self._poll_interval = poll_interval
+        self._ready_poll_interval = ready_poll_interval
+        self._warmup_timeout = warmup_timeout
+        self.ready = False
+        self.reason = "waiting for the broker's first status"
+        self._boot: object = None  # the broker's boot id: a restart means warm up again
+
+    async def run(self) -> None:
+        """Poll forever (until cancelled)."""
+        while True:
+            await self.check()
+            await asyncio.sleep(self._ready_poll_interval if self.ready else self._poll_interval)
+
+    async def check(self) -> None:
+        """One poll: update ``ready`` and ``reason``."""
+        try:
+            status = await self._client.status(timeout=STATUS_TIMEOUT)
+        except Exception as exc:
+            fields = broker_error_fields(exc)
+            if fields is None:
+                log.exception("broker status failed")
+            self._set(False, f"broker unreachable: {fields[1] if fields else exc}")
+            return
+        boot = status.get("boot")
+        if boot != self._boot:
+            if self._boot is not None and self.ready:
+                self._set(False, "the broker restarted")
+            self._boot = boot
+        if not status.get("complete_route"):
+            self._set(False, "no complete route: waiting for workers to cover every layer")
+            return
+        if self.ready:
+            return
+        self._set(False, "warming up")
+        if await self._warm_up():
+            self._set(True, "ready")
+
+    def _set(self, ready: bool, reason: str) -> None:
+        if ready != self.ready:
+            (log.info if ready else log.warning)(
+                "gateway ready" if ready else "gateway not ready", reason=reason
+            )
+        self.ready, self.reason = ready, reason
+
+    async def _warm_up(self) -> bool:
+        """Generate one token through the whole pipeline; True if it arrived."""
+        request_id = "warmup-" + new_request_id()[:16]
+        started = time.perf_counter()
+        with bind_request(request_id):
+            try:
+                with anyio.fail_after(self._warmup_timeout):
+                    stream = self._client.generate(
+                        request_id=request_id,
+                        prompt=self._warmup_prompt,
+                        max_tokens=1,
+                        sampling=SamplingParams(),
+                        stop_ids=(),
+                    )
+                    async with stream:
+                        async for event in stream:
+                            if event.finish is not None:
+                                break
+            except Exception as exc:
+                fields = broker_error_fields(exc)
+                detail = fields[1] if fields else repr(exc)
+                log.warning("warm-up generation failed", error=detail)
+                self.reason = f"warm-up failed: {detail}"
+                return False
+        log.info(
+            "warm-up generation finished",
+            request_id=request_id,
+            duration_ms=round((time.perf_counter() - started) * 1000, 1),
+        )
+        return True

@@ -1,0 +1,88 @@
+"""``serve``: run the gateway process (what ``zmqllm gateway`` calls).
+
+The gateway needs only the model's small files (config, tokenizer, chat template): from
+the Hub it downloads just those, never the weights, and it never imports torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import uvicorn
+
+from zmqllm.config import Config, ConfigError, ModelSettings, resolve_model_path, served_model_name
+from zmqllm.engine.args import ModelArgs
+from zmqllm.gateway.app import create_app
+from zmqllm.log import configure_logging, get_logger
+from zmqllm.tokenizer import Tokenizer
+
+__all__ = ["META_FILES", "model_files_dir", "serve"]
+
+# The files the gateway reads (zmqllm.engine.weights.META_PATTERNS minus the weight index;
+# that module imports torch).
+META_FILES = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+]
+# Seconds uvicorn waits for open streams on SIGINT/SIGTERM before cancelling them (which
+# cancels their sessions); long enough for a short answer to finish.
+GRACEFUL_SHUTDOWN_S = 5
+
+log = get_logger("zmqllm.gateway")
+
+
+def model_files_dir(model: ModelSettings) -> Path:
+    """A local directory holding the model's config and tokenizer files."""
+    spec = resolve_model_path(model.path)
+    local = Path(spec).expanduser()
+    if local.is_dir():
+        return local
+    # Anything that looks like a path but is not a directory is a mistake, not a repo id.
+    if local.is_absolute() or spec.startswith(".") or spec.count("/") != 1:
+        raise ConfigError(
+            f"model {model.path!r}: {local} is not a directory (prepare it first with "
+            "`zmqllm prepare-model`, or give a Hugging Face repo id like 'owner/name')"
+        )
+    from huggingface_hub import snapshot_download
+
+    log.info("downloading tokenizer and config", repo=spec, revision=model.revision)
+    return Path(snapshot_download(spec, revision=model.revision, allow_patterns=META_FILES))
+
+
+def serve(cfg: Config) -> None:
+    """Run the gateway until SIGINT/SIGTERM."""
+    configure_logging("gateway", cfg.log.level, cfg.log.format)
+    # Imported here: the client pulls in ZeroMQ, which nothing else in this package needs.
+    from zmqllm.client import BrokerClient
+
+    directory = model_files_dir(cfg.model)
+    tokenizer = Tokenizer.from_dir(directory)
+    context_length = ModelArgs.from_dir(directory).max_position_embeddings
+    settings = cfg.gateway
+    client = BrokerClient(
+        settings.broker,
+        heartbeat_interval=cfg.broker.heartbeat_interval,
+        liveness=cfg.broker.heartbeat_liveness,
+    )
+    name = served_model_name(cfg.model)
+    app = create_app(client, settings, tokenizer, name, context_length)
+    log.info(
+        "gateway starting",
+        host=settings.host,
+        port=settings.port,
+        broker=settings.broker,
+        model=name,
+        context_length=context_length,
+    )
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_config=None,  # keep configure_logging's JSON lines
+        access_log=False,  # the gateway logs one richer line per request itself
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )

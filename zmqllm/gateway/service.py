@@ -1,0 +1,214 @@
+"""The gateway's request logic, shared by the plain and the OpenAI routes.
+
+Turns validated request fields into a generation (prompt ids, token budget, sampling,
+stop strings), checks them against the model, and opens the broker session.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+
+from zmqllm.config import GatewaySettings
+from zmqllm.engine.sampling import SamplingParams
+from zmqllm.gateway.backend import BrokerClientLike, broker_error_fields
+from zmqllm.gateway.errors import RETRY_AFTER_S, APIError, broker_failure
+from zmqllm.gateway.request_context import RequestRecord
+from zmqllm.gateway.streaming import GenerationError, TextStream
+from zmqllm.tokenizer import ChatTemplateError, Tokenizer
+
+__all__ = ["GatewayService", "GenerationPlan", "service_of"]
+
+# Sampling when a request names no temperature: greedy, so the same prompt gives the same
+# answer (what the e2e tests compare with HF generate). OpenAI's own default is 1.0.
+DEFAULT_TEMPERATURE = 0.0
+_MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class GenerationPlan:
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stops: tuple[str, ...] = ()
+    ignore_eos: bool = False  # keep going past EOS (benchmarks, vLLM's extension)
+
+
+@dataclass
+class GatewayService:
+    client: BrokerClientLike
+    settings: GatewaySettings
+    tokenizer: Tokenizer
+    model_name: str
+    context_length: int
+    created: int = field(default_factory=lambda: int(time.time()))
+    in_flight: int = 0
+
+    # --- checks ---------------------------------------------------------------------
+
+    def check_model(self, name: str | None) -> None:
+        """A request may omit the model; naming another one is a 404, as with OpenAI."""
+        if name is not None and name != self.model_name:
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        if not any(str(m.get("content") or "").strip() for m in messages):
+            raise APIError(400, "messages contain no text", param="messages", code="empty_prompt")
+        try:
+            return self.tokenizer.encode_chat(messages)
+        except ChatTemplateError as exc:
+            raise APIError(400, str(exc), param="messages", code="invalid_messages") from None
+
+    def encode_text(self, prompt: str, param: str = "prompt") -> list[int]:
+        if not prompt.strip():
+            raise APIError(400, "the prompt is empty", param=param, code="empty_prompt")
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def plan(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int | None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stops: Sequence[str] = (),
+        n: int | None = None,
+        prompt_param: str | None = "prompt",
+        ignore_eos: bool = False,
+    ) -> GenerationPlan:
+        """Check a request against the model's context and build its plan (400 if bad)."""
+        if n is not None and n != 1:
+            raise APIError(
+                400, f"only n=1 is supported, got n={n}", param="n", code="invalid_value"
+            )
+        prompt_len = len(prompt_ids)
+        room = self.context_length - prompt_len
+        if room < 1:
+            raise APIError(
+                400,
+                f"the prompt is {prompt_len} tokens but the model's context is "
+                f"{self.context_length} tokens, which leaves no room for an answer",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            # No explicit budget: the default, clipped to what is left of the context, so a
+            # long prompt still gets an answer instead of an error it did not ask for.
+            budget = min(self.settings.default_max_tokens, room)
+        elif max_tokens < 1:
+            raise APIError(
+                400,
+                f"max_tokens must be at least 1, got {max_tokens}",
+                param="max_tokens",
+                code="invalid_value",
+            )
+        elif max_tokens > room:
+            raise APIError(
+                400,
+                f"max_tokens {max_tokens} plus the prompt's {prompt_len} tokens exceeds the "
+                f"model's context of {self.context_length} tokens (at most {room} here)",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        else:
+            budget = max_tokens
+        sampling = SamplingParams(
+            temperature=DEFAULT_TEMPERATURE if temperature is None else temperature,
+            top_p=1.0 if top_p is None else top_p,
+            top_k=0 if top_k is None else top_k,
+            # An unseeded request draws a fresh seed, so resampling gives a new answer; the
+            # seed still makes a replay on another route reproduce the same tokens.
+            seed=secrets.randbelow(_MAX_SEED + 1) if seed is None else seed,
+        )
+        try:
+            sampling.validate()
+        except ValueError as exc:
+            param = str(exc).split(" ", 1)[0]
+            raise APIError(400, str(exc), param=param, code="invalid_value") from None
+        return GenerationPlan(list(prompt_ids), budget, sampling, tuple(stops), ignore_eos)
+
+    # --- generation -----------------------------------------------------------------
+
+    async def open(self, plan: GenerationPlan, record: RequestRecord) -> TextStream:
+        """Start the session and wait for its first token; errors become APIError.
+
+        The caller owns the returned stream and must ``close`` it.
+        """
+        if self.in_flight >= self.settings.max_concurrent:
+            raise APIError(
+                429,
+                f"the gateway is at its limit of {self.settings.max_concurrent} concurrent "
+                "requests; retry shortly",
+                code="too_many_requests",
+                type="rate_limit_error",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        record.prompt_tokens = len(plan.prompt_ids)
+        if not self.client.connected:
+            # Fail fast: an OPEN sent into a dead link would only time out much later.
+            record.error = "broker_unreachable"
+            raise broker_failure(
+                "broker_unreachable",
+                f"the gateway has no connection to the broker at {self.settings.broker}; "
+                "retry shortly",
+            )
+        self.in_flight += 1
+        released = False
+
+        async def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.in_flight -= 1
+
+        eos = frozenset() if plan.ignore_eos else self.tokenizer.eos_token_ids
+        try:
+            stream = self.client.generate(
+                request_id=record.request_id,
+                prompt=plan.prompt_ids,
+                max_tokens=plan.max_tokens,
+                sampling=plan.sampling,
+                stop_ids=sorted(eos),
+            )
+            text_stream = TextStream(
+                stream,
+                self.tokenizer.incremental_decoder(prompt_ids=plan.prompt_ids),
+                max_tokens=plan.max_tokens,
+                stop_ids=eos,
+                stops=plan.stops,
+                timeout=self.settings.request_timeout,
+                on_close=release,
+            )
+            record.generation = text_stream
+            await text_stream.open()
+        except GenerationError as exc:
+            await release()
+            record.error = exc.code
+            raise broker_failure(exc.code, exc.message) from None
+        except BaseException as exc:
+            await release()
+            fields = broker_error_fields(exc)
+            if fields is None:
+                raise
+            # generate() itself refused (e.g. not connected to the broker).
+            record.error = fields[0]
+            raise broker_failure(*fields) from None
+        return text_stream
+
+
+def service_of(request: Request) -> GatewayService:
+    """The service ``create_app`` stored on the app (no module globals)."""
+    service: GatewayService = request.app.state.gateway
+    return service

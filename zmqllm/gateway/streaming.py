@@ -1,0 +1,246 @@
+"""From a broker token stream to text chunks: detokenizing, stop strings, EOS, timings.
+
+``TextStream`` owns one ``TokenStreamLike`` for the life of one HTTP request. It is opened
+(and its first token awaited) before the response starts, so a broker failure at that
+point can still become a 503; after that it yields text as soon as each token completes
+a character, and ``close`` always leaves the session either finished or cancelled.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from contextlib import AsyncExitStack
+
+import anyio
+
+from zmqllm.gateway.backend import TokenEventLike, TokenStreamLike, broker_error_fields
+from zmqllm.tokenizer import IncrementalDecoder
+
+__all__ = ["GenerationError", "StopMatcher", "TextStream"]
+
+
+class GenerationError(Exception):
+    """The generation failed; ``code`` uses the broker's vocabulary (worker_lost, timeout …)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _as_generation_error(exc: BaseException) -> GenerationError | None:
+    if isinstance(exc, GenerationError):
+        return exc
+    fields = broker_error_fields(exc)
+    return GenerationError(*fields) if fields else None
+
+
+class StopMatcher:
+    """Cuts streamed text at the first stop string, holding back what could start one.
+
+    Text that might be the beginning of a stop string is not released until the next
+    chunk shows whether it is; so no stop string can begin inside text already sent, and
+    one split across tokens (or across chunks) is still found.
+    """
+
+    def __init__(self, stops: Iterable[str]) -> None:
+        self._stops = tuple(s for s in stops if s)
+        self._pending = ""
+        self.matched: str | None = None
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Add text; return ``(releasable text, stop string found)``."""
+        if not self._stops:
+            return text, False
+        if self.matched is not None:
+            return "", True
+        buffer = self._pending + text
+        hits = [(index, stop) for stop in self._stops if (index := buffer.find(stop)) >= 0]
+        if hits:
+            index, self.matched = min(hits)
+            self._pending = ""
+            return buffer[:index], True
+        hold = max(_overlap(buffer, stop) for stop in self._stops)
+        cut = len(buffer) - hold
+        self._pending = buffer[cut:]
+        return buffer[:cut], False
+
+    def flush(self) -> str:
+        """At the end of the stream the held-back text is plain text after all."""
+        rest, self._pending = self._pending, ""
+        return rest
+
+
+def _overlap(text: str, stop: str) -> int:
+    """Length of the longest proper prefix of ``stop`` that ``text`` ends with."""
+    for size in range(min(len(text), len(stop) - 1), 0, -1):
+        if text.endswith(stop[:size]):
+            return size
+    return 0
+
+
+class TextStream:
+    """One request's generation, as text chunks.
+
+    Counters and timestamps (``time.perf_counter``) are public for the request log line
+    and the ``usage`` block.
+    """
+
+    def __init__(
+        self,
+        stream: TokenStreamLike,
+        decoder: IncrementalDecoder,
+        *,
+        max_tokens: int,
+        stop_ids: Iterable[int] = (),
+        stops: Sequence[str] = (),
+        timeout: float | None = None,
+        on_close: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self._stream = stream
+        self._decoder = decoder
+        self._matcher = StopMatcher(stops)
+        self._stop_ids = frozenset(stop_ids)
+        self._max_tokens = max_tokens
+        self._timeout = timeout
+        self._on_close = on_close
+        self._exit_stack = AsyncExitStack()
+        self._events: AsyncIterator[TokenEventLike] | None = None
+        self._first: TokenEventLike | None = None
+        self._closed = False
+        self.opened_at = 0.0
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.generated_tokens = 0
+        self.finish_reason: str | None = None
+
+    @property
+    def session(self) -> str:
+        return self._stream.session
+
+    @property
+    def route(self) -> list[str]:
+        return list(self._stream.route)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    async def open(self) -> None:
+        """Start the session and wait for its first token.
+
+        Raises GenerationError (e.g. no_capacity, broker_unreachable) before anything has
+        been sent to the HTTP client; the stream is closed then.
+        """
+        self.opened_at = time.perf_counter()
+        try:
+            await self._exit_stack.enter_async_context(self._stream)
+            self._events = aiter(self._stream)
+            with anyio.fail_after(self._timeout):
+                self._first = await self._next_event()
+        except BaseException as exc:
+            await self.close()
+            if isinstance(exc, TimeoutError):
+                raise GenerationError(
+                    "timeout", f"no token within the request timeout of {self._timeout:g} s"
+                ) from None
+            raise
+
+    async def chunks(self) -> AsyncIterator[str]:
+        """Yield the answer's text, never an empty string or a partial character.
+
+        Ends when the model finished (finish_reason "stop"/"length") or a stop string
+        matched (the session is then cancelled by ``close``). Raises GenerationError if the
+        broker reports a failure mid-stream.
+        """
+        deadline = None if self._timeout is None else self.opened_at + self._timeout
+        event = self._first
+        self._first = None
+        while event is not None:
+            text, done = self._accept(event)
+            if text:
+                yield text
+            if done:
+                return
+            if deadline is not None and time.perf_counter() > deadline:
+                raise GenerationError(
+                    "timeout", f"the request timeout of {self._timeout:g} s was reached"
+                )
+            event = await self._next_event()
+
+    async def text(self) -> str:
+        """The whole answer (for non-streaming requests)."""
+        return "".join([chunk async for chunk in self.chunks()])
+
+    async def close(self) -> None:
+        """Leave the session; the client sends CANCEL if it had not finished. Idempotent.
+
+        Shielded: it runs while the HTTP task is being cancelled (a client disconnect),
+        and a cancelled await here would leave the session's caches on the workers.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            try:
+                closer = getattr(self._events, "aclose", None)
+                if closer is not None:
+                    await closer()
+                await self._exit_stack.aclose()
+            except Exception as exc:
+                # The session is gone either way; a broker failure on the way out is moot.
+                if _as_generation_error(exc) is None:
+                    raise
+            finally:
+                if self._on_close is not None:
+                    await self._on_close()
+
+    async def _next_event(self) -> TokenEventLike | None:
+        assert self._events is not None
+        try:
+            return await anext(self._events)
+        except StopAsyncIteration:
+            # The stream ends after the event that carries a finish reason, and we stop
+            # reading there: ending earlier means the client lost the session.
+            raise GenerationError(
+                "internal", "the token stream ended without a finish reason"
+            ) from None
+        except Exception as exc:
+            error = _as_generation_error(exc)
+            if error is None:
+                raise
+            raise error from exc
+
+    def _accept(self, event: TokenEventLike) -> tuple[str, bool]:
+        """Account for one token; return ``(text to send, stream is done)``."""
+        now = time.perf_counter()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        self.last_token_at = now
+        self.generated_tokens += 1
+        finish = event.finish
+        if event.token in self._stop_ids:
+            # EOS (or another stop id) ends the answer and is never shown.
+            text, finish = "", "stop"
+        else:
+            text = self._decoder.push(event.token)
+        if finish is None and self.generated_tokens >= self._max_tokens:
+            # The workers enforce max_tokens; this only guards against one that did not.
+            finish = "length"
+        released, hit = self._matcher.push(text)
+        if hit:
+            self.finish_reason = "stop"
+            return released, True
+        if finish is None:
+            return released, False
+        # Bytes still pending when the model stopped (max_tokens can cut a character) go
+        # out as U+FFFD, as decode() renders them: the streamed text always equals the
+        # decoded tokens, the same text HF generate + decode gives.
+        tail = self._decoder.flush()
+        tail_released, hit = self._matcher.push(tail)
+        released += tail_released
+        if not hit:
+            released += self._matcher.flush()
+        self.finish_reason = finish
+        return released, True
