@@ -18,7 +18,7 @@ from zmqllm.engine.args import ModelArgs
 from zmqllm.engine.cache import CachePool
 from zmqllm.engine.model import MistralShard, Segment
 from zmqllm.engine.sampling import SamplingParams, sample
-from zmqllm.engine.weights import load_shard_tensors
+from zmqllm.engine.weights import load_shard_tensors, shard_tensor_groups, weight_map
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,7 +41,13 @@ def load_shard(
     """Build the shard for layers [start, end) and read only its tensors."""
     args = args or ModelArgs.from_dir(directory)
     shard = MistralShard(args, start, end, torch_dtype(dtype), device)
-    shard.load(load_shard_tensors(directory, args, start, end).tensors)
+    # A group at a time (embedding, each layer, head): peak memory stays near
+    # the shard's own size instead of twice it.
+    wmap = weight_map(directory)
+    for group in shard_tensor_groups(args, start, end):
+        tensors = load_shard_tensors(directory, args, start, end, group, wmap).tensors
+        shard.load(tensors, strict=False)
+    shard.check_loaded()
     return shard.eval()
 
 

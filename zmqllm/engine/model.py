@@ -14,7 +14,7 @@ it token for token.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -161,6 +161,7 @@ class MistralShard(nn.Module):
         self.lm_head: torch.Tensor | None = None  # [vocab, hidden]
         self.layers = nn.ModuleList(DecoderLayer(args, dtype) for _ in range(start, end))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if self.is_last else None
+        self._loaded: set[str] = set()  # groups loaded: layer prefixes, embedding, head
         self._rope_len = 0
         self._cos = torch.empty(0)
         self._sin = torch.empty(0)
@@ -169,43 +170,69 @@ class MistralShard(nn.Module):
     def num_local_layers(self) -> int:
         return self.end - self.start
 
-    def load(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Copy in checkpoint tensors named as in the HF checkpoint (global indices)."""
+    def load(self, tensors: MutableMapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Move in checkpoint tensors named as in the HF checkpoint (global indices).
 
-        def take(name: str) -> torch.Tensor:
-            try:
-                t = tensors[name]
-            except KeyError:
-                raise KeyError(f"checkpoint tensor {name!r} missing for this shard") from None
-            return t.to(device=self.device, dtype=self.dtype)
-
+        ``tensors`` may hold only some of the shard's groups (the embedding, one
+        layer, the final norm and head): loaders feed it a group at a time so the
+        peak memory of a load is the model plus one layer. Tensors are popped
+        once copied. ``strict`` checks that every group has been loaded.
+        """
         with torch.no_grad():
             for local, layer in enumerate(self.layers):
                 p = f"model.layers.{self.start + local}."
-                assert isinstance(layer, DecoderLayer)
-                attn = p + "self_attn."
-                layer.wqkv.copy_(
-                    torch.cat([take(attn + f"{x}_proj.weight") for x in ("q", "k", "v")])
-                )
-                layer.wo.copy_(take(attn + "o_proj.weight"))
-                mlp = p + "mlp."
-                layer.w_gate_up.copy_(
-                    torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
-                )
-                layer.w_down.copy_(take(mlp + "down_proj.weight"))
-                layer.input_norm.weight.copy_(take(p + "input_layernorm.weight"))
-                layer.post_norm.weight.copy_(take(p + "post_attention_layernorm.weight"))
-            if self.is_first:
-                self.embed = take("model.embed_tokens.weight")
-            if self.is_last:
+                if p + "self_attn.q_proj.weight" in tensors:
+                    assert isinstance(layer, DecoderLayer)
+                    self._load_layer(layer, p, tensors)
+                    self._loaded.add(p)
+            embed = "model.embed_tokens.weight"
+            if self.is_first and embed in tensors:
+                self.embed = self._take(tensors, embed, keep=True)
+                self._loaded.add(embed)
+            if self.is_last and "model.norm.weight" in tensors:
                 assert self.norm is not None
-                self.norm.weight.copy_(take("model.norm.weight"))
-                if self.args.tie_word_embeddings:
-                    head = take("model.embed_tokens.weight")
-                    # Share storage with the embedding when this stage holds both.
-                    self.lm_head = self.embed if self.embed is not None else head
+                self.norm.weight.copy_(self._take(tensors, "model.norm.weight"))
+                if not self.args.tie_word_embeddings:
+                    self.lm_head = self._take(tensors, "lm_head.weight")
+                elif self.embed is not None:
+                    self.lm_head = self.embed  # one tensor serves both ends
                 else:
-                    self.lm_head = take("lm_head.weight")
+                    self.lm_head = self._take(tensors, embed)
+                self._loaded.add("head")
+        if strict:
+            self.check_loaded()
+
+    def _take(
+        self, tensors: MutableMapping[str, torch.Tensor], name: str, keep: bool = False
+    ) -> torch.Tensor:
+        try:
+            t = tensors[name] if keep else tensors.pop(name)
+        except KeyError:
+            raise KeyError(f"checkpoint tensor {name!r} missing for this shard") from None
+        return t.to(device=self.device, dtype=self.dtype)
+
+    def _load_layer(
+        self, layer: DecoderLayer, p: str, tensors: MutableMapping[str, torch.Tensor]
+    ) -> None:
+        attn, mlp = p + "self_attn.", p + "mlp."
+        qkv = [self._take(tensors, attn + f"{x}_proj.weight") for x in ("q", "k", "v")]
+        layer.wqkv.copy_(torch.cat(qkv))
+        layer.wo.copy_(self._take(tensors, attn + "o_proj.weight"))
+        gate_up = [self._take(tensors, mlp + f"{x}_proj.weight") for x in ("gate", "up")]
+        layer.w_gate_up.copy_(torch.cat(gate_up))
+        layer.w_down.copy_(self._take(tensors, mlp + "down_proj.weight"))
+        layer.input_norm.weight.copy_(self._take(tensors, p + "input_layernorm.weight"))
+        layer.post_norm.weight.copy_(self._take(tensors, p + "post_attention_layernorm.weight"))
+
+    def check_loaded(self) -> None:
+        want = {f"model.layers.{i}." for i in range(self.start, self.end)}
+        if self.is_first:
+            want.add("model.embed_tokens.weight")
+        if self.is_last:
+            want.add("head")
+        missing = sorted(want - self._loaded)
+        if missing:
+            raise KeyError(f"shard [{self.start}, {self.end}) was not given: {', '.join(missing)}")
 
     def num_parameters(self) -> int:
         n = sum(p.numel() for p in self.parameters())

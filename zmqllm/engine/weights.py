@@ -129,10 +129,40 @@ class ShardTensors:
         return list(self.tensors)
 
 
-def load_shard_tensors(directory: Path, args: ModelArgs, start: int, end: int) -> ShardTensors:
-    """Read exactly the tensors of layers [start, end) (+ embedding / head)."""
-    wmap = weight_map(directory)
+def shard_tensor_groups(args: ModelArgs, start: int, end: int) -> list[list[str]]:
+    """The shard's tensor names in loading groups: embedding, each layer, norm + head.
+
+    A tied head on a shard that also embeds needs no second read of the embedding.
+    """
     names = shard_tensor_names(args, start, end)
+    groups: list[list[str]] = []
+    if start == 0:
+        groups.append(["model.embed_tokens.weight"])
+    for i in range(start, end):
+        groups.append([n for n in names if n.startswith(f"model.layers.{i}.")])
+    if end == args.num_layers:
+        tail = ["model.norm.weight"]
+        if not args.tie_word_embeddings:
+            tail.append("lm_head.weight")
+        elif start != 0:
+            tail.append("model.embed_tokens.weight")
+        groups.append(tail)
+    return groups
+
+
+def load_shard_tensors(
+    directory: Path,
+    args: ModelArgs,
+    start: int,
+    end: int,
+    only: list[str] | None = None,
+    wmap: dict[str, str] | None = None,
+) -> ShardTensors:
+    """Read exactly the tensors of layers [start, end) (+ embedding / head), or the
+    subset ``only`` of them. Each call opens (maps) the files and closes them again,
+    so the pages it touched leave the resident set with it."""
+    wmap = wmap if wmap is not None else weight_map(directory)
+    names = only if only is not None else shard_tensor_names(args, start, end)
     missing = [n for n in names if n not in wmap]
     if missing:
         raise CheckpointError(
