@@ -51,6 +51,7 @@ class Cluster:
     heartbeat: float = 0.5
     liveness: int = 3
     threads: int = 1  # torch threads per worker
+    queue_timeout: float = 10.0  # seconds a request waits for a route
     procs: list[Proc] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -85,7 +86,8 @@ class Cluster:
 
     def start_broker(self) -> Proc:
         args = ["broker", "--frontend", self.frontend, "--backend", self.backend]
-        return self._start("broker", [*args, "--queue-timeout", "10", *self.beats()])
+        args += ["--queue-timeout", str(self.queue_timeout)]
+        return self._start("broker", [*args, *self.beats()])
 
     def start_worker(self, layers: str, model: Path | None = None, name: str = "") -> Proc:
         args = ["worker", "--model", str(model or self.model_dir), "--layers", layers]

@@ -94,3 +94,29 @@ def test_worker_of_another_model_is_refused(
     status, chunks, _ = post_chat(c, "Count to five.", "max_tokens=16")
     assert status == 200
     assert b"".join(p for _, p in chunks).decode() == reference("Count to five.", 16)
+
+
+def test_no_route_waits_then_fails_with_no_capacity(fresh_cluster: Cluster) -> None:
+    c = fresh_cluster
+    c.queue_timeout = 1.5
+    c.start_broker()
+    c.start_gateway()
+    c.wait_for(lambda: _get(c, "/health") == 200, timeout=60, what="gateway up")
+    status, chunks, headers = post_chat(c, "Hello there!", "max_tokens=8")
+    body = b"".join(p for _, p in chunks)
+    assert status == 503, body
+    assert "no capacity" in body.decode()
+    assert "retry-after" in {k.lower() for k in headers}
+    # The request waited in the queue: it was not refused at once.
+    assert c.status()["queue"] == 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_every_role_shuts_down_cleanly(fresh_cluster: Cluster, sig: int) -> None:
+    c = fresh_cluster
+    c.start_all()
+    for name in ("gateway", "worker", "broker"):
+        for proc in c.by_name(name):
+            c.kill(proc, sig)
+            assert proc.popen.returncode == 0, (name, proc.text()[-2000:])
+            assert "Traceback" not in proc.text(), proc.text()[-2000:]

@@ -6,6 +6,10 @@ the Hub it downloads just those, never the weights, and it never imports torch.
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
+from collections.abc import Generator
 from pathlib import Path
 
 import uvicorn
@@ -33,6 +37,8 @@ META_FILES = [
 GRACEFUL_SHUTDOWN_S = 5
 
 log = get_logger("zmqllm.gateway")
+# SIGINT and SIGTERM: the signals a clean stop arrives by.
+HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def model_files_dir(model: ModelSettings) -> Path:
@@ -78,7 +84,7 @@ def serve(cfg: Config) -> None:
         model=name,
         context_length=context_length,
     )
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
@@ -86,3 +92,21 @@ def serve(cfg: Config) -> None:
         access_log=False,  # the gateway logs one richer line per request itself
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
+    _QuietServer(config).run()
+
+
+class _QuietServer(uvicorn.Server):
+    """uvicorn re-raises SIGINT/SIGTERM after a graceful shutdown, so the process
+    would end "killed by signal"; a clean stop should exit 0 like the other roles."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in HANDLED_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
