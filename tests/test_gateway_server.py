@@ -88,11 +88,18 @@ def test_serve_wires_client_app_and_uvicorn(
         made.update(kwargs, address=address)
         return FakeBrokerClient()
 
-    def fake_run(app: Any, **kwargs: Any) -> None:
-        made["app"], made["run"] = app, kwargs
+    def fake_run(self: Any) -> None:
+        c = self.config
+        made["app"] = c.app
+        made["run"] = {
+            "host": c.host,
+            "port": c.port,
+            "log_config": c.log_config,
+            "access_log": c.access_log,
+        }
 
     monkeypatch.setattr(zmqllm.client, "BrokerClient", fake_client)
-    monkeypatch.setattr(server.uvicorn, "run", fake_run)
+    monkeypatch.setattr(server._QuietServer, "run", fake_run)
     cfg = Config()
     cfg.model.path = str(model_dir)
     cfg.gateway.port = 0

@@ -411,7 +411,12 @@ def test_run_up_stops_everything_when_a_child_dies_early(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path, port = stand_in_config(tmp_path)
-    crash = py("import sys; print('loading weights'); print('boom: no such file'); sys.exit(3)")
+    # The crash comes a moment after start, so the other stand-ins are up (a SIGINT during
+    # interpreter start-up kills before any handler exists, and their logs stay empty).
+    crash = py(
+        "import sys, time; time.sleep(1.5); print('loading weights'); "
+        "print('boom: no such file'); sys.exit(3)"
+    )
     gateway_never_ready = py(SLEEPER)
     children = [
         *fake_cluster(port, worker=crash)[:2],

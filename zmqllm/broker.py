@@ -250,8 +250,8 @@ class Broker:
                     client,
                     h.session,
                     h.request_id,
-                    "no_capacity",
-                    f"the broker queue is full ({self.s.queue_size} requests)",
+                    "busy",
+                    f"the broker queue is full ({self.s.queue_size} requests); retry shortly",
                 )
                 return
             self.queue.append(Pending(client, h, frames[2], f["prompt_len"] + f["max_tokens"]))
@@ -446,6 +446,10 @@ class Broker:
                 pending = s.pending
                 self.end_session(s, failed=False, count=False)
                 self.queue.appendleft(pending)
+                # Retry now, while full_until still steers the route away from this
+                # worker; waiting for the next tick stalls the request an interval and
+                # may find full_until expired, sending it back to the same full worker.
+                self.dispatch()
                 return
             log.warning("session failed on worker", worker=w.worker_id, code=code)
             self._error_to_client(s.client, s.id, s.request_id, code, h.fields["message"])

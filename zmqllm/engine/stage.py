@@ -7,6 +7,7 @@ batched forward over the shard. Sessions join and leave between calls.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -236,4 +237,28 @@ class Stage:
             "mean_batch": round(st.batch_sum / st.forwards, 3) if st.forwards else 0.0,
             "mean_forward_ms": round(st.forward_s / st.forwards * 1e3, 3) if st.forwards else 0.0,
             "last_forward_ms": round(st.last_forward_ms, 3),
+            "busy_s": round(st.forward_s, 4),  # total time in forwards: utilisation
+            "rss_bytes": _rss_bytes(),
+            **self._cuda_memory(),
         }
+
+    def _cuda_memory(self) -> dict[str, int]:
+        """On cuda, what the caching allocator holds: an out-of-memory shard shows here first."""
+        dev = self.shard.device
+        if dev.type != "cuda":
+            return {}
+        return {
+            "cuda_allocated_bytes": int(torch.cuda.memory_allocated(dev)),
+            "cuda_reserved_bytes": int(torch.cuda.memory_reserved(dev)),
+        }
+
+
+def _rss_bytes() -> int:
+    """Resident memory of this process now (Linux /proc; the peak elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

@@ -11,17 +11,22 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from zmqllm import __version__
 from zmqllm.config import GatewaySettings
 from zmqllm.gateway import openai_routes, plain_routes
 from zmqllm.gateway.backend import BrokerClientLike
 from zmqllm.gateway.errors import RETRY_AFTER_S, install_error_handlers
+from zmqllm.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from zmqllm.gateway.metrics import GatewayMetrics
 from zmqllm.gateway.readiness import Readiness
 from zmqllm.gateway.request_context import RequestContextMiddleware
 from zmqllm.gateway.service import GatewayService
 from zmqllm.tokenizer import Tokenizer
+
+# Seconds a scrape waits for the broker's figures before reporting it down.
+METRICS_STATUS_TIMEOUT = 1.0
 
 __all__ = ["create_app"]
 
@@ -89,6 +94,19 @@ def create_app(
     app.add_middleware(RequestContextMiddleware)
     app.include_router(plain_routes.router)
     app.include_router(openai_routes.router)
+
+    app.state.metrics = GatewayMetrics()
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        """Prometheus text: the gateway's figures and, through the broker, the cluster's."""
+        try:
+            status = await client.status(timeout=METRICS_STATUS_TIMEOUT)
+        except Exception:  # the broker down is itself a figure (zmqllm_broker_up 0)
+            status = None
+        service: GatewayService = request.app.state.gateway
+        body = request.app.state.metrics.render(status, service.in_flight)
+        return Response(body, media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/health")
     async def health() -> dict[str, str]:

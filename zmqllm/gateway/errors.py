@@ -33,7 +33,8 @@ RETRY_AFTER_S = 1
 # How a broker error code maps to an HTTP status when it arrives before the first token.
 # Anything not listed (no_capacity, broker_unreachable, worker_lost, timeout) is a
 # temporary lack of service: 503 with Retry-After.
-_BROKER_STATUS = {"bad_request": 400, "internal": 500}
+# "busy": the broker's queue is full: back off and retry (429, like the gateway's own limit).
+_BROKER_STATUS = {"bad_request": 400, "internal": 500, "busy": 429}
 
 
 class APIError(Exception):
@@ -74,7 +75,10 @@ def error_payload(
 def broker_failure(code: str, message: str) -> APIError:
     """The answer to a broker error that arrived before any token was sent."""
     status = _BROKER_STATUS.get(code, 503)
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+    kind = "rate_limit_error" if status == 429 else None
+    if kind:
+        return APIError(status, message, code=code, headers=headers, type=kind)
     return APIError(status, message, code=code, headers=headers)
 
 

@@ -124,3 +124,7 @@ class RequestContextMiddleware:
             finally:
                 level = log.debug if scope["path"] in _QUIET_PATHS else log.info
                 level("request finished", **record.fields())
+                app = scope.get("app")
+                metrics = getattr(getattr(app, "state", None), "metrics", None)
+                if metrics is not None:
+                    metrics.observe(record)

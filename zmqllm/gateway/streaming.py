@@ -112,6 +112,7 @@ class TextStream:
         self.opened_at = 0.0
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
+        self.token_gaps: list[float] = []  # seconds between tokens, for the ITL histogram
         self.generated_tokens = 0
         self.finish_reason: str | None = None
 
@@ -217,6 +218,8 @@ class TextStream:
         now = time.perf_counter()
         if self.first_token_at is None:
             self.first_token_at = now
+        if self.last_token_at is not None:
+            self.token_gaps.append(now - self.last_token_at)
         self.last_token_at = now
         self.generated_tokens += 1
         finish = event.finish

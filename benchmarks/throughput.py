@@ -1,0 +1,301 @@
+"""Throughput under concurrency: a 2-stage cluster against HF `generate`, one run.
+
+For each concurrency level (default 1, 2, 4, 8, 16, 32) a burst of that many
+streaming requests starts at once against a local 2-stage cluster of the
+default model (real broker, worker and gateway processes on 127.0.0.1); every
+request asks for the same number of tokens (`ignore_eos`). Reports aggregate
+tokens/s, inter-token latency p50/p99, time to first token p50/p99, the mean
+batch per stage and how busy each stage was (stages computing at the same time
+add up to more than 1). In the same run, HF transformers on the same prompts:
+sequential `generate`, and batched `generate` with left padding.
+
+    python benchmarks/throughput.py [--levels 1 2 4 8 16 32] [--new-tokens 64]
+
+Writes benchmarks/results/throughput.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from zmqllm.config import default_model_dir, split_layers
+from zmqllm.engine.args import ModelArgs
+from zmqllm.local_cluster import Cluster
+from zmqllm.models import prepare_default_model
+from zmqllm.status import fetch_status
+from zmqllm.tokenizer import Tokenizer
+
+TOPICS = [
+    "the ocean",
+    "a lighthouse",
+    "mountains",
+    "a robot",
+    "the moon",
+    "a library",
+    "rain",
+    "a city at night",
+    "trains",
+    "a garden",
+    "winter",
+    "the desert",
+    "a violin",
+    "coffee",
+    "an old map",
+    "bees",
+    "a river",
+    "clouds",
+    "a clock",
+    "the forest",
+    "a bridge",
+    "volcanoes",
+    "a chess game",
+    "stars",
+    "a bakery",
+    "the wind",
+    "a ship",
+    "snow",
+    "a market",
+    "fireflies",
+    "a castle",
+    "autumn",
+]
+PROMPTS = [f"Write a short poem about {t}." for t in TOPICS]
+
+
+def pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q)) * 1e3 if xs else float("nan")
+
+
+def stream(port: int, prompt: str, n: int, out: list[float]) -> None:
+    """One streamed chat completion; appends the arrival time of each token event."""
+    body = json.dumps(
+        {
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": n,
+            "stream": True,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+    )
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    out.append(time.perf_counter())
+    conn.request(
+        "POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"}
+    )
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
+    buf = b""
+    while True:
+        piece = resp.read1(65536)
+        if not piece:
+            break
+        now = time.perf_counter()
+        buf += piece
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            if event.startswith(b"data: {"):
+                data = json.loads(event[6:])
+                ch = data.get("choices") or [{}]
+                if ch[0].get("delta", {}).get("content"):
+                    out.append(now)
+    conn.close()
+
+
+def stage_stats(frontend: str) -> dict[str, dict[str, float]]:
+    return {
+        f"{w['layers'][0]}:{w['layers'][1]}": w.get("stats", {})
+        for w in fetch_status(frontend)["workers"]
+    }
+
+
+def burst(c: Cluster, level: int, n: int) -> dict[str, Any]:
+    before = stage_stats(c.frontend)
+    stamps: list[list[float]] = [[] for _ in range(level)]
+    threads = [
+        threading.Thread(target=stream, args=(c.http_port, PROMPTS[i % len(PROMPTS)], n, stamps[i]))
+        for i in range(level)
+    ]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    time.sleep(1.2)  # one heartbeat, so the workers' figures reach the broker
+    after = stage_stats(c.frontend)
+    ttfts = [s[1] - s[0] for s in stamps]
+    itls = [d for s in stamps for d in np.diff(s[1:])]
+    tokens = sum(len(s) - 1 for s in stamps)
+    stages = {}
+    for name, a in after.items():
+        b = before.get(name, {})
+        fw = a.get("forwards", 0) - b.get("forwards", 0)
+        busy = a.get("busy_s", 0.0) - b.get("busy_s", 0.0)
+        stages[name] = {
+            "busy_fraction": round(busy / wall, 3),
+            "forwards": fw,
+            "mean_batch": round((a.get("tokens", 0) - b.get("tokens", 0)) / fw, 2) if fw else 0,
+            "max_batch": a.get("max_batch", 0),
+        }
+    return {
+        "tokens_per_s": tokens / wall,
+        "itl_ms_p50": pct(itls, 50),
+        "itl_ms_p99": pct(itls, 99),
+        "ttft_ms_p50": pct(ttfts, 50),
+        "ttft_ms_p99": pct(ttfts, 99),
+        "tokens": tokens,
+        "wall_s": wall,
+        "stages": stages,
+    }
+
+
+def hf_baselines(model_dir: Path, tok: Tokenizer, levels: list[int], n: int) -> dict[int, dict]:
+    from transformers import MistralForCausalLM
+
+    model = MistralForCausalLM.from_pretrained(model_dir).eval()
+    pad = 0
+    out: dict[int, dict] = {}
+    chats = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    with torch.inference_mode():
+        one = torch.tensor([chats[0]])
+        model.generate(
+            one, attention_mask=torch.ones_like(one), max_new_tokens=4, do_sample=False
+        )  # warm-up
+        t0 = time.perf_counter()
+        model.generate(
+            one,
+            attention_mask=torch.ones_like(one),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=pad,
+        )
+        seq_rate = n / (time.perf_counter() - t0)  # sequential: one request at a time
+        for level in levels:
+            ids = [chats[i % len(chats)] for i in range(level)]
+            width = max(map(len, ids))
+            x = torch.tensor([[pad] * (width - len(r)) + r for r in ids])  # left padding
+            mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids])
+            t0 = time.perf_counter()
+            model.generate(
+                x,
+                attention_mask=mask,
+                max_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=pad,
+            )
+            out[level] = {
+                "sequential_tokens_per_s": seq_rate,
+                "batched_tokens_per_s": level * n / (time.perf_counter() - t0),
+            }
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="benchmarks/results/throughput.json")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    model_dir = prepare_default_model(default_model_dir())
+    tok = Tokenizer.from_dir(model_dir)
+    n = a.new_tokens
+
+    layers = split_layers(ModelArgs.from_dir(model_dir).num_layers, a.stages)
+    rows: dict[int, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        c = Cluster(Path(tmp), model_dir, heartbeat=1.0, threads=a.threads)
+        try:
+            c.start_all(tuple(f"{x}:{y}" for x, y in layers))
+            burst(c, 2, 8)  # warm-up
+            for level in a.levels:
+                rows[level] = burst(c, level, n)
+                print(f"  concurrency {level}: {rows[level]['tokens_per_s']:.1f} tok/s", flush=True)
+        finally:
+            c.stop()
+    hf = hf_baselines(model_dir, tok, a.levels, n)
+
+    single = rows[a.levels[0]]
+    print(
+        f"\nthroughput — {model_dir.name}, fp32, {a.stages} stages, {a.threads} threads per "
+        f"worker, {n} tokens per request"
+    )
+    print(
+        f"{'conc':>4} {'tok/s':>7} {'x single':>8} {'ITL p50':>8} {'ITL p99':>8} "
+        f"{'TTFT p50':>9} {'TTFT p99':>9} {'HF seq':>7} {'HF batch':>8} {'vs HF batch':>11}  "
+        "stages: busy / mean batch"
+    )
+    for level, r in rows.items():
+        h = hf[level]
+        r["speedup_vs_single"] = r["tokens_per_s"] / single["tokens_per_s"]
+        r["itl_p99_vs_single"] = r["itl_ms_p99"] / single["itl_ms_p99"]
+        r["hf"] = h
+        r["ratio_vs_hf_batched"] = r["tokens_per_s"] / h["batched_tokens_per_s"]
+        stages = "  ".join(
+            f"{k} {v['busy_fraction']:.2f}/{v['mean_batch']:.1f}" for k, v in r["stages"].items()
+        )
+        print(
+            f"{level:4d} {r['tokens_per_s']:7.1f} {r['speedup_vs_single']:8.2f} "
+            f"{r['itl_ms_p50']:8.1f} {r['itl_ms_p99']:8.1f} {r['ttft_ms_p50']:9.1f} "
+            f"{r['ttft_ms_p99']:9.1f} {h['sequential_tokens_per_s']:7.1f} "
+            f"{h['batched_tokens_per_s']:8.1f} {r['ratio_vs_hf_batched']:11.2f}  {stages}"
+        )
+
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "model": str(model_dir),
+        "stages": a.stages,
+        "threads": a.threads,
+        "new_tokens": n,
+        "torch": torch.__version__,
+    }
+    out.write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
+    print(f"wrote {out}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install matplotlib)")
+        return
+    lv = list(rows)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.plot(lv, [rows[x]["tokens_per_s"] for x in lv], "o-", label="zmqllm cluster")
+    ax1.plot(lv, [hf[x]["batched_tokens_per_s"] for x in lv], "s--", label="HF batched generate")
+    ax1.plot(lv, [hf[x]["sequential_tokens_per_s"] for x in lv], ":", label="HF sequential")
+    ax1.set_xscale("log", base=2)
+    ax1.set_xlabel("concurrent streams")
+    ax1.set_ylabel("aggregate tokens/s")
+    ax1.legend()
+    ax2.plot(lv, [rows[x]["itl_ms_p50"] for x in lv], "o-", label="ITL p50")
+    ax2.plot(lv, [rows[x]["itl_ms_p99"] for x in lv], "o--", label="ITL p99")
+    ax2.set_xscale("log", base=2)
+    ax2.set_xlabel("concurrent streams")
+    ax2.set_ylabel("ms")
+    ax2.legend()
+    fig.suptitle(f"{model_dir.name}: {a.stages}-stage cluster throughput")
+    fig.tight_layout()
+    png = out.with_suffix(".png")
+    fig.savefig(png, dpi=120)
+    print(f"wrote {png}")
+
+
+if __name__ == "__main__":
+    main()

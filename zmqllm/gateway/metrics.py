@@ -1,0 +1,144 @@
+"""Prometheus metrics at ``GET /metrics``: the gateway's own and the cluster's.
+
+The gateway counts requests and tokens and keeps latency histograms. The
+broker's and workers' figures (queue, sessions, batch sizes, step times, KV
+use, RSS, GPU memory) are collected through the broker at scrape time: the
+broker already gathers every worker's figures from its heartbeats, so one
+scrape target sees the whole cluster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from zmqllm.gateway.request_context import RequestRecord
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Paths counted under their own label; anything else is "other" (bounded label set).
+GENERATION_PATHS = ("/chat", "/v1/chat/completions", "/v1/completions")
+# Seconds; decode steps are tens of ms on a CPU, first tokens up to seconds.
+ITL_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+# Per-worker figures the workers report in their heartbeats: (stats key, metric, help).
+_WORKER_GAUGES = (
+    ("sessions", "zmqllm_worker_sessions", "Sessions holding a KV cache on the worker"),
+    ("kv_tokens_reserved", "zmqllm_worker_kv_tokens_reserved", "KV cache tokens reserved"),
+    ("kv_bytes_reserved", "zmqllm_worker_kv_bytes_reserved", "KV cache bytes reserved"),
+    ("last_batch", "zmqllm_worker_last_batch_size", "Sessions in the latest forward"),
+    ("max_batch", "zmqllm_worker_max_batch_size", "Most sessions in one forward so far"),
+    ("mean_batch", "zmqllm_worker_mean_batch_size", "Mean sessions per forward"),
+    ("mean_forward_ms", "zmqllm_worker_forward_ms_mean", "Mean forward (step) time, ms"),
+    ("last_forward_ms", "zmqllm_worker_forward_ms_last", "Latest forward (step) time, ms"),
+    ("rss_bytes", "zmqllm_worker_rss_bytes", "Resident memory of the worker process"),
+    ("cuda_allocated_bytes", "zmqllm_worker_cuda_memory_allocated_bytes", "GPU memory allocated"),
+    ("cuda_reserved_bytes", "zmqllm_worker_cuda_memory_reserved_bytes", "GPU memory reserved"),
+)
+_WORKER_COUNTERS = (
+    ("forwards", "zmqllm_worker_forwards", "Forward calls run"),
+    ("tokens", "zmqllm_worker_tokens", "Tokens run through the worker's layers"),
+    ("busy_s", "zmqllm_worker_busy_seconds", "Seconds spent in forwards"),
+)
+
+
+class ClusterCollector(Collector):
+    """Turns the broker's latest status into metric families."""
+
+    def __init__(self) -> None:
+        self.status: dict[str, Any] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("zmqllm_broker_up", "1 if the broker answered the last scrape")
+        up.add_metric([], 0.0 if self.status is None else 1.0)
+        yield up
+        st = self.status
+        if st is None:
+            return
+        for key, name, text in (
+            ("queue", "zmqllm_broker_queue_depth", "Requests waiting for a route"),
+            ("sessions", "zmqllm_broker_sessions", "Sessions open on a route"),
+        ):
+            g = GaugeMetricFamily(name, text)
+            g.add_metric([], float(st.get(key, 0)))
+            yield g
+        workers = GaugeMetricFamily("zmqllm_broker_workers", "Registered workers")
+        workers.add_metric([], float(len(st.get("workers", []))))
+        yield workers
+        route = GaugeMetricFamily("zmqllm_broker_complete_route", "1 if layers are covered")
+        route.add_metric([], 1.0 if st.get("complete_route") else 0.0)
+        yield route
+        for key, value in sorted(st.get("counters", {}).items()):
+            c = CounterMetricFamily(f"zmqllm_broker_{key}", f"Broker counter {key}")
+            c.add_metric([], float(value))
+            yield c
+        labels = ["worker", "layers"]
+        gauges = {k: GaugeMetricFamily(n, t, labels=labels) for k, n, t in _WORKER_GAUGES}
+        counters = {k: CounterMetricFamily(n, t, labels=labels) for k, n, t in _WORKER_COUNTERS}
+        draining = GaugeMetricFamily("zmqllm_worker_draining", "1 while draining", labels=labels)
+        for w in st.get("workers", []):
+            lv = [str(w["id"]), f"{w['layers'][0]}:{w['layers'][1]}"]
+            stats = w.get("stats", {})
+            for key, fam in gauges.items():
+                if isinstance(stats.get(key), (int, float)):
+                    fam.add_metric(lv, float(stats[key]))
+            for key, cfam in counters.items():
+                if isinstance(stats.get(key), (int, float)):
+                    cfam.add_metric(lv, float(stats[key]))
+            draining.add_metric(lv, 1.0 if w.get("draining") else 0.0)
+        yield from gauges.values()
+        yield from counters.values()
+        yield draining
+
+
+class GatewayMetrics:
+    """One per app (no module-level registry), so tests can build many apps."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "zmqllm_requests", "HTTP requests by path and status", ["path", "status"], registry=r
+        )
+        self.ttft = Histogram(
+            "zmqllm_time_to_first_token_seconds",
+            "Time to first token",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "zmqllm_inter_token_latency_seconds",
+            "Time between streamed tokens",
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.generated = Counter("zmqllm_generated_tokens", "Tokens generated", registry=r)
+        self.prompt = Counter("zmqllm_prompt_tokens", "Prompt tokens received", registry=r)
+        self.in_flight = Gauge(
+            "zmqllm_requests_in_flight", "Generation requests being answered", registry=r
+        )
+        self.cluster = ClusterCollector()
+        r.register(self.cluster)
+
+    def observe(self, record: RequestRecord) -> None:
+        path = record.path if record.path in GENERATION_PATHS else "other"
+        self.requests.labels(path, str(record.status or 0)).inc()
+        if record.prompt_tokens:
+            self.prompt.inc(record.prompt_tokens)
+        gen = record.generation
+        if gen is None:
+            return
+        self.generated.inc(gen.generated_tokens)
+        if gen.first_token_at is not None:
+            self.ttft.observe(max(0.0, gen.first_token_at - record.started_at))
+        for gap in gen.token_gaps:
+            self.itl.observe(gap)
+
+    def render(self, status: dict[str, Any] | None, in_flight: int) -> bytes:
+        self.cluster.status = status
+        self.in_flight.set(in_flight)
+        return generate_latest(self.registry)
