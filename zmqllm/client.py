@@ -121,6 +121,7 @@ class BrokerClient:
         self._last_seen = 0.0
         self._boot: str | None = None
         self._send_lock = asyncio.Lock()
+        self._closing = False
 
     # -- lifecycle -----------------------------------------------------------
     def _connect(self) -> None:
@@ -131,6 +132,7 @@ class BrokerClient:
         self._sock = sock
 
     async def start(self) -> None:
+        self._closing = False
         self._connect()
         self._tasks = [
             asyncio.create_task(self._recv_loop()),
@@ -138,6 +140,7 @@ class BrokerClient:
         ]
 
     async def close(self) -> None:
+        self._closing = True
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -228,6 +231,13 @@ class BrokerClient:
                 frames = await sock.recv_multipart()
             except zmq.ZMQError:
                 await asyncio.sleep(0.05)  # socket replaced by a reconnect
+                continue
+            except asyncio.CancelledError:
+                # Closing a zmq.asyncio socket cancels its pending recv. If the heartbeat
+                # loop replaced the socket, receive on the new one; letting this end the
+                # task would leave the client deaf to the broker for good.
+                if self._closing or sock is self._sock:
+                    raise
                 continue
             self._last_seen = time.monotonic()
             try:

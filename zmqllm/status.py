@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
@@ -19,8 +20,9 @@ def fetch_status(address: str, timeout: float = 3.0) -> dict[str, Any]:
         sock.connect(address)
         key = uuid.uuid4().hex
         sock.send_multipart(encode(Header(MsgType.STATUS, request_id=key)))
-        deadline = timeout * 1000
-        while sock.poll(deadline):
+        deadline = time.monotonic() + timeout
+        # One deadline for the whole wait: unrelated messages must not extend it.
+        while sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
             try:
                 h, _ = decode(sock.recv_multipart())
             except ProtocolError:

@@ -221,7 +221,9 @@ class Worker:
             self.reconnect(f"no word from the broker for {now - self._last_broker:.1f}s")
             return
         if not self.registered:
-            self.send_register()
+            # A REGISTER is already on its way on this socket. Sending another makes the
+            # broker see a restarted worker and fail the sessions it routed here after the
+            # first; if the broker never answers, the liveness check above reconnects.
             return
         load = dict(self.stage.load(), draining=self.draining)
         self.send(Header(MsgType.HEARTBEAT, fields={"load": load}))
@@ -261,7 +263,13 @@ class Worker:
                     log.info("session closed", reason=t.value)
         elif t is MsgType.HEARTBEAT:
             boot = h.fields.get("boot")
-            if self._boot is not None and boot is not None and boot != self._boot:
+            # Unregistered, a REGISTER is already pending: one is enough (see heartbeat).
+            if (
+                self.registered
+                and self._boot is not None
+                and boot is not None
+                and boot != self._boot
+            ):
                 self.registered = False
                 self.stage.reset()
                 self.send_register()
@@ -273,6 +281,10 @@ class Worker:
         elif t is MsgType.REFUSED:
             raise WorkerRefused(h.fields["reason"])
         elif t is MsgType.DISCONNECT:
+            if not self.registered:
+                # It answers a message sent before our pending REGISTER (e.g. a second
+                # heartbeat in flight to a restarted broker): that REGISTER suffices.
+                return
             log.warning("broker asked to register again", reason=h.fields["reason"])
             self.registered = False
             self.stage.reset()
