@@ -16,6 +16,7 @@ Writes benchmarks/results/per_token_latency.json and .png.
 from __future__ import annotations
 
 import argparse
+import os
 import http.client
 import json
 import statistics
@@ -150,7 +151,13 @@ def bench_cluster(
 
     layers = split_layers(ModelArgs.from_dir(model_dir).num_layers, stages)
     with tempfile.TemporaryDirectory() as tmp:
-        c = Cluster(Path(tmp), model_dir, heartbeat=1.0, threads=threads)
+        c = Cluster(
+            Path(tmp),
+            model_dir,
+            heartbeat=1.0,
+            threads=threads,
+            batch_threads=max(1, (os.cpu_count() or 1) // stages),
+        )
         try:
             c.start_all(tuple(f"{a}:{b}" for a, b in layers))
             ttfts, itls, tokens, total = [], [], 0, 0.0

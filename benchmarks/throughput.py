@@ -17,6 +17,7 @@ Writes benchmarks/results/throughput.json and .png.
 from __future__ import annotations
 
 import argparse
+import os
 import http.client
 import json
 import tempfile
@@ -208,7 +209,13 @@ def main() -> None:
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--stages", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="per worker, one stream in flight")
+    ap.add_argument(
+        "--batch-threads",
+        type=int,
+        default=0,
+        help="per worker while several streams are in flight (default: cores / stages)",
+    )
     ap.add_argument("--out", default="benchmarks/results/throughput.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -219,7 +226,10 @@ def main() -> None:
     layers = split_layers(ModelArgs.from_dir(model_dir).num_layers, a.stages)
     rows: dict[int, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        c = Cluster(Path(tmp), model_dir, heartbeat=1.0, threads=a.threads)
+        batch_threads = a.batch_threads or max(1, (os.cpu_count() or 1) // a.stages)
+        c = Cluster(
+            Path(tmp), model_dir, heartbeat=1.0, threads=a.threads, batch_threads=batch_threads
+        )
         try:
             c.start_all(tuple(f"{x}:{y}" for x, y in layers))
             burst(c, 2, 8)  # warm-up

@@ -62,6 +62,10 @@ def write_config(tmp_path: Path, body: str) -> Path:
 # --- command lines ----------------------------------------------------------------------
 
 
+# Two workers on this machine share its cores while both compute.
+SHARE = ("--batch-threads", str(max(1, (os.cpu_count() or 1) // 2)))
+
+
 def test_local_toml_plan() -> None:
     path = (CONFIGS / "local.toml").resolve()
     cfg, used = up_config(ns(config=str(CONFIGS / "local.toml")))
@@ -72,12 +76,12 @@ def test_local_toml_plan() -> None:
         (
             "worker-1of2-0",
             "worker",
-            (*CLI, "worker", *head, "--stage", "1/2", "--name", "worker-1of2-0", *JSON),
+            (*CLI, "worker", *head, "--stage", "1/2", "--name", "worker-1of2-0", *SHARE, *JSON),
         ),
         (
             "worker-2of2-0",
             "worker",
-            (*CLI, "worker", *head, "--stage", "2/2", "--name", "worker-2of2-0", *JSON),
+            (*CLI, "worker", *head, "--stage", "2/2", "--name", "worker-2of2-0", *SHARE, *JSON),
         ),
         ("gateway", "gateway", (*CLI, "gateway", *head, *JSON)),
     ]
@@ -90,7 +94,7 @@ def test_tiny_toml_plan_with_overrides(tmp_path: Path) -> None:
     assert [c.name for c in children] == ["broker", "worker-1of2-0", "worker-2of2-0", "gateway"]
     level = ("--log-level", "debug")
     assert children[0].argv[-4:] == (*JSON, *level)
-    assert children[1].argv[-7:] == ("worker-1of2-0", "--model", "/m", *JSON, *level)
+    assert children[1].argv[-9:] == ("worker-1of2-0", "--model", "/m", *SHARE, *JSON, *level)
     # The gateway needs the model too: its tokenizer and chat template come from there.
     gateway = children[-1].argv
     assert gateway[4:] == ("--config", str(used), "--model", "/m", "--port", "9123", *JSON, *level)

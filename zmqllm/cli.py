@@ -201,6 +201,7 @@ def cmd_worker(ns: argparse.Namespace) -> int:
         broker=ns.broker,
         layers=layers,
         threads=ns.threads,
+        batch_threads=ns.batch_threads,
         max_sessions=ns.max_sessions,
         max_kv_tokens=ns.max_kv_tokens,
         prefill_chunk=ns.prefill_chunk,
@@ -267,6 +268,11 @@ def _add_roles(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--broker", metavar="ADDR", help="the broker's backend (tcp://HOST:5556)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument(
+        "--batch-threads",
+        type=int,
+        help="torch threads while several sessions are in flight (stages sharing cores)",
+    )
     p.add_argument("--max-sessions", type=int)
     p.add_argument("--max-kv-tokens", type=int)
     p.add_argument("--prefill-chunk", type=int, metavar="TOKENS")

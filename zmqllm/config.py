@@ -95,6 +95,9 @@ class WorkerSettings:
     # "0:15" = half-open layer range, "1/2" = stage 1 of 2 split evenly, "" = all layers
     layers: str = ""
     threads: int = 0  # torch CPU threads; 0 = torch's default
+    # Threads while several sessions are in flight, when stages share the cores and all
+    # compute at once (oversubscribed OpenMP is far slower); 0 = same as threads.
+    batch_threads: int = 0
     max_sessions: int = 64
     max_kv_tokens: int = 65536
     prefill_chunk: int = 512  # prompt tokens per forward, so long prompts don't stall decodes
@@ -363,7 +366,7 @@ def _check_broker(s: BrokerSettings, where: str) -> BrokerSettings:
 def _check_worker(s: WorkerSettings, where: str) -> WorkerSettings:
     _check_endpoint("broker", s.broker, where)
     _check_layers("layers", s.layers, where)
-    _check_positive(s, ("threads",), where, minimum=0)
+    _check_positive(s, ("threads", "batch_threads"), where, minimum=0)
     _check_positive(s, ("max_sessions", "max_kv_tokens", "prefill_chunk"), where)
     return s
 

@@ -126,10 +126,16 @@ def plan(cfg: Config, config_path: Path | None, python: str = sys.executable) ->
 
     children = [Child("broker", "broker", command("broker"))]
     backend = connect_address(cfg.broker.backend)
+    # Every worker here shares this machine's cores: when all compute at once (several
+    # sessions in flight), each takes its share, unless the config says otherwise.
+    n_workers = sum(stage.count for stage in stages_of(cfg))
+    share = []
+    if not cfg.worker.batch_threads and n_workers > 1:
+        share = ["--batch-threads", str(max(1, (os.cpu_count() or 1) // n_workers))]
     for stage in stages_of(cfg):
         for replica in range(stage.count):
             name = f"worker-{stage_slug(stage.layers)}-{replica}"
-            flags = [*layer_flags(stage.layers), "--name", name, *model]
+            flags = [*layer_flags(stage.layers), "--name", name, *model, *share]
             if cfg.worker.broker != backend:
                 flags += ["--broker", backend]
             children.append(Child(name, "worker", command("worker", *flags)))

@@ -51,6 +51,7 @@ class Cluster:
     heartbeat: float = 0.5
     liveness: int = 3
     threads: int = 1  # torch threads per worker
+    batch_threads: int = 0  # threads while several sessions are in flight (0: same)
     queue_timeout: float = 10.0  # seconds a request waits for a route
     procs: list[Proc] = field(default_factory=list)
 
@@ -94,6 +95,8 @@ class Cluster:
         args += ["--broker", self.backend, "--threads", str(self.threads), *self.beats()]
         if name:
             args += ["--name", name]
+        if self.batch_threads:
+            args += ["--batch-threads", str(self.batch_threads)]
         return self._start(f"worker-{layers.replace(':', '-')}", args)
 
     def start_gateway(self) -> Proc:

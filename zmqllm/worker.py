@@ -104,6 +104,11 @@ class Worker:
         self._next_beat = 0.0
         self._backoff = self.interval
         self._boot: str | None = None
+        import torch
+
+        self._threads = cfg.worker.threads or torch.get_num_threads()
+        self._batch_threads = cfg.worker.batch_threads
+        self._threads_now = torch.get_num_threads()
 
     # -- signals ---------------------------------------------------------------
     def on_sigterm(self, *_: object) -> None:
@@ -347,9 +352,22 @@ class Worker:
         if not self.stage.activation(h.session, h.step, hidden, bool(h.fields.get("final", True))):
             log.debug("activation for an unknown session dropped", session=h.session)
 
+    def _pick_threads(self) -> None:
+        """One session in flight: stages take turns, so each may use every core. Several:
+        all stages compute at once, and sharing cores they need their batch_threads."""
+        import torch
+
+        want = self._threads
+        if self._batch_threads and len(self.stage.sessions) > 1:
+            want = self._batch_threads
+        if want != self._threads_now:
+            torch.set_num_threads(want)
+            self._threads_now = want
+
     def run_batch(self) -> None:
         from zmqllm.engine.frames import tensor_to_payload
 
+        self._pick_threads()
         try:
             outputs = self.stage.run()
         except Exception as exc:

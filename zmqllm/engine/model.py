@@ -24,6 +24,27 @@ from torch import nn
 from zmqllm.engine.args import ModelArgs
 from zmqllm.engine.cache import KVCache
 
+# Row counts for which `linear` multiplies as W @ x^T on the CPU (see there).
+CPU_MM_MIN_ROWS = 7
+CPU_MM_MAX_ROWS = 32
+CPU_MM_MAX_ROWS_HEAD = 15
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, max_rows: int = CPU_MM_MAX_ROWS) -> torch.Tensor:
+    """x [M, in] @ w[out, in]^T, choosing the faster CPU kernel for small batches.
+
+    PyTorch's float32 linear on the CPU handles 4..15 rows a few at a time,
+    re-reading the weight each time: 12 rows through the 49152x576 lm_head take
+    37 ms against 20 ms for 16 (1 thread, measured). Computed as W @ x^T the
+    same product reads the weight once: 23 ms at 12 rows, and the MLP weights
+    gain up to 2x up to 32 rows. Outside that band F.linear is as fast or
+    faster (and is what transformers uses, so single-row decode stays
+    bit-identical to it).
+    """
+    if x.device.type == "cpu" and CPU_MM_MIN_ROWS <= x.shape[0] <= max_rows:
+        return torch.mm(w, x.t()).t().contiguous()
+    return F.linear(x, w)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -87,7 +108,7 @@ class DecoderLayer(nn.Module):
         args = self.args
         t = x.shape[0]
         h, kvh, d = args.num_heads, args.num_kv_heads, args.head_dim
-        qkv = F.linear(self.input_norm(x), self.wqkv)  # [T, (H + 2 KVH) * D]
+        qkv = linear(self.input_norm(x), self.wqkv)  # [T, (H + 2 KVH) * D]
         qk = _rope(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), plan.cos, plan.sin)
         q, k = qk[:, :h], qk[:, h:]  # [T, H, D], [T, KVH, D]
         v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
@@ -103,9 +124,9 @@ class DecoderLayer(nn.Module):
                 attn = out  # one session: no gather buffer
             else:
                 attn[off : off + n] = out
-        x = x + F.linear(attn, self.wo)
-        gate, up = F.linear(self.post_norm(x), self.w_gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.w_down)
+        x = x + linear(attn, self.wo)
+        gate, up = linear(self.post_norm(x), self.w_gate_up).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.w_down)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -317,4 +338,4 @@ class MistralShard(nn.Module):
         if not all_logits:
             last = torch.tensor([off + n - 1 for off, n, *_ in plan.spans], device=self.device)
             h = h[last]
-        return F.linear(self.norm(h), self.lm_head).float()
+        return linear(self.norm(h), self.lm_head, CPU_MM_MAX_ROWS_HEAD).float()
