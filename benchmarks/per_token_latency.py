@@ -16,9 +16,9 @@ Writes benchmarks/results/per_token_latency.json and .png.
 from __future__ import annotations
 
 import argparse
-import os
 import http.client
 import json
+import os
 import statistics
 import tempfile
 import time

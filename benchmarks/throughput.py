@@ -17,9 +17,9 @@ Writes benchmarks/results/throughput.json and .png.
 from __future__ import annotations
 
 import argparse
-import os
 import http.client
 import json
+import os
 import tempfile
 import threading
 import time

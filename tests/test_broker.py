@@ -578,15 +578,18 @@ def test_full_during_open_requeues_on_another_replica(cluster: Callable[..., Har
     # The first route is undone on both of its stages...
     assert h.expect(w0a, MsgType.CLOSE).header.session == "s1"
     assert h.expect(w1, MsgType.CLOSE).header.session == "s1"
-    # ... and the session opens again on the other replica, with the same prompt.
-    assert h.expect(w1, MsgType.OPEN).header.session == "s1"
+    # ... and the session opens again on the other replica, with the same prompt, under
+    # a new wire id: messages of the first attempt still in flight now match nothing.
+    assert h.expect(w1, MsgType.OPEN).header.session == "s1.2"
     reopen = h.expect(w0b, MsgType.OPEN)
-    assert reopen.header.session == "s1"
+    assert reopen.header.session == "s1.2"
     assert reopen.frames[1] == prompt[0].array.tobytes()
 
-    w0b.send(*activation("s1", 0, rows=3))
-    h.expect(w1, MsgType.ACTIVATION)
-    w1.send(token_header("s1", 0, 9, finish="stop"))
+    w0a.send(*activation("s1", 0, rows=3))  # stale: from the undone attempt
+    w0b.send(*activation("s1.2", 0, rows=3))
+    got = h.expect(w1, MsgType.ACTIVATION)
+    assert got.header.session == "s1.2"
+    w1.send(token_header("s1.2", 0, 9, finish="stop"))
     tok = h.expect(client, MsgType.TOKEN)
     # The client never saw the refusal: its first message is the token.
     assert tok.header.fields["route"] == ["w0b", "w1"]

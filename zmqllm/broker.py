@@ -62,7 +62,8 @@ class Broker:
         self.ctx = context or zmq.Context.instance()
         self.boot = uuid.uuid4().hex[:12]
         self.registry = Registry()
-        self.sessions: dict[str, Session] = {}
+        self.sessions: dict[str, Session] = {}  # by the client's session id
+        self.by_wire: dict[str, Session] = {}  # by the id workers know (see Session.wire)
         self.queue: deque[Pending] = deque()
         self.stats = BrokerStats()
         self.frontend = self._router(settings.frontend)
@@ -291,7 +292,10 @@ class Broker:
             h.fields["max_tokens"],
             pending=p,
         )
+        p.attempts += 1
+        s.wire = s.id if p.attempts == 1 else f"{s.id}.{p.attempts}"
         self.sessions[s.id] = s
+        self.by_wire[s.wire] = s
         self.registry.reserve(route, s.id, p.max_len)
         self.stats.sessions_opened += 1
         with bind_request(s.request_id, s.id):
@@ -305,7 +309,7 @@ class Broker:
             # activations can reach it (per-peer ordering keeps OPEN ahead).
             for i in reversed(range(n)):
                 fields = dict(h.fields, stage=i, stages=n, max_len=p.max_len)
-                header = Header(MsgType.OPEN, s.id, s.request_id, 0, fields)
+                header = Header(MsgType.OPEN, s.wire, s.request_id, 0, fields)
                 if i == 0:
                     # The prompt frame goes on as received (same frame object).
                     spec = [("int32", [p.header.fields["prompt_len"]])]
@@ -382,7 +386,7 @@ class Broker:
         self.dispatch()
 
     def on_activation(self, w: WorkerEntry, h: Header, frames: list[Any]) -> None:
-        s = self.sessions.get(h.session)
+        s = self.by_wire.get(h.session)
         if s is None:
             return  # cancelled meanwhile; the stage already freed or will free it
         try:
@@ -399,7 +403,7 @@ class Broker:
             self._to_worker(nxt, frames[1:])
 
     def on_token(self, w: WorkerEntry, h: Header) -> None:
-        s = self.sessions.get(h.session)
+        s = self.by_wire.get(h.session)
         if s is None or s.route[-1] != w.worker_id:
             return
         finish = h.fields["finish"]
@@ -423,12 +427,12 @@ class Broker:
             first = self.registry.workers.get(s.route[0])
             if first is not None:
                 step = Header(
-                    MsgType.STEP, s.id, s.request_id, h.step + 1, {"token": h.fields["token"]}
+                    MsgType.STEP, s.wire, s.request_id, h.step + 1, {"token": h.fields["token"]}
                 )
                 self._to_worker(first, encode(step))
 
     def on_worker_error(self, w: WorkerEntry, h: Header) -> None:
-        s = self.sessions.get(h.session)
+        s = self.by_wire.get(h.session)
         if s is None:
             log.warning(
                 "worker error",
@@ -458,8 +462,9 @@ class Broker:
     def end_session(self, s: Session, failed: bool, count: bool = True) -> None:
         """Forget a session and free its caches on every stage of its route."""
         self.sessions.pop(s.id, None)
+        self.by_wire.pop(s.wire, None)
         self.registry.release(s.route, s.id, s.max_len)
-        close = encode(Header(MsgType.CLOSE, s.id, s.request_id))
+        close = encode(Header(MsgType.CLOSE, s.wire, s.request_id))
         for wid in s.route:
             w = self.registry.workers.get(wid)
             if w is not None:

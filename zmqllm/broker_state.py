@@ -78,6 +78,7 @@ class Pending:
     tokens: Any  # the received zmq.Frame, forwarded untouched to stage 0
     max_len: int
     enqueued: float = field(default_factory=time.monotonic)
+    attempts: int = 0  # routes tried (a stage that turns out full sends it back)
 
     @property
     def session(self) -> str:
@@ -95,6 +96,9 @@ class Session:
     step: int = 0
     pending: Pending | None = None  # kept so a refused open can be queued again
     opened: float = field(default_factory=time.monotonic)
+    # The id the workers know this attempt by (the session id, then "<session>.<attempt>"
+    # after a requeue): messages of an earlier attempt, still in flight, match nothing.
+    wire: str = ""
 
 
 class Registry:

@@ -218,7 +218,7 @@ def cmd_worker(ns: argparse.Namespace) -> int:
 def cmd_gateway(ns: argparse.Namespace) -> int:
     from zmqllm.gateway.server import serve
 
-    gateway = dict(host=ns.host, port=ns.port, broker=ns.broker)
+    gateway = dict(host=ns.host, port=ns.port, broker=ns.broker, max_concurrent=ns.max_concurrent)
     model = dict(path=ns.model, name=ns.model_name)
     cfg = _load(ns, {"gateway": gateway, "model": model, "broker": _beats(ns)})
     serve(cfg)
@@ -287,6 +287,7 @@ def _add_roles(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--broker", metavar="ADDR", help="the broker's frontend (tcp://HOST:5555)")
     p.add_argument("--model", help="where the tokenizer and config come from")
     p.add_argument("--model-name", help="the model name clients ask for")
+    p.add_argument("--max-concurrent", type=int, help="requests answered at once; past it: 429")
     _beat_flags(p)
     p.set_defaults(func=cmd_gateway)
 

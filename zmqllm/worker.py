@@ -377,6 +377,11 @@ class Worker:
                 self.send(error_header("internal", f"forward failed: {exc}", sid, s.request_id))
                 self.stage.close(sid)
             return
+        for sid, rid, reason in self.stage.failed:
+            log.warning("session failed", session=sid, request_id=rid, reason=reason)
+            self.send(error_header("internal", reason, sid, rid))
+            self.stage.close(sid)
+        self.stage.failed.clear()
         for o in outputs:
             if o.token is not None:
                 fields = {"token": o.token, "finish": o.finish}

@@ -85,6 +85,9 @@ class Stage:
         self.sessions: dict[str, SessionState] = {}
         self._ready: deque[Work] = deque()
         self.stats = StageStats()
+        # (session, request id, reason) of work refused before a forward; the socket
+        # side reports and closes them. One bad session must not fail a whole batch.
+        self.failed: list[tuple[str, str, str]] = []
 
     # -- session control ------------------------------------------------------
     def open(
@@ -148,6 +151,11 @@ class Stage:
         while self._ready:
             w = self._ready.popleft()
             n = w.inputs.shape[0]
+            cache = w.session.cache
+            if cache.length + n > cache.max_len:
+                reason = f"{n} more tokens after {cache.length} overflow a cache of {cache.max_len}"
+                self.failed.append((w.session.id, w.session.request_id, reason))
+                continue
             if w.session.id in seen or (n > 1 and n > budget and batch):
                 later.append(w)
                 continue

@@ -1,0 +1,179 @@
+"""Many streams at once: batching changes no output, scale-out, drain, limits, metrics."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_cluster import PROMPTS, post_chat
+from zmqllm.local_cluster import Cluster
+
+pytestmark = [pytest.mark.e2e, pytest.mark.torch]
+
+# 16 prompts of different lengths, answers of different lengths.
+BURST = [(p * (1 + i % 3), 12 + 5 * (i % 4)) for i, p in enumerate(PROMPTS * 2)]
+
+
+def _chat_text(c: Cluster, prompt: str, max_tokens: int) -> tuple[int, str]:
+    status, chunks, _ = post_chat(c, prompt, f"max_tokens={max_tokens}")
+    return status, b"".join(p for _, p in chunks).decode()
+
+
+def test_sixteen_concurrent_streams_each_exact_and_batched(cluster: Cluster, reference) -> None:
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda pm: _chat_text(cluster, *pm), BURST))
+    for (prompt, n), (status, text) in zip(BURST, results, strict=True):
+        assert status == 200
+        assert text == reference(prompt, n), prompt
+    # The workers really ran several sessions in one forward.
+    stats = cluster.wait_for(
+        lambda: [w["stats"] for w in cluster.status()["workers"] if w["stats"].get("forwards")],
+        what="worker stats",
+    )
+    assert max(s["max_batch"] for s in stats) > 1
+
+
+def _scrape(c: Cluster) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, body = c.get("/metrics")
+    assert status == 200
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(body.decode()):
+        for s in fam.samples:
+            key = s.name + (json.dumps(s.labels, sort_keys=True) if s.labels else "")
+            out[key] = s.value
+    return out
+
+
+def test_metrics_parse_and_move_with_traffic(cluster: Cluster) -> None:
+    pytest.importorskip("prometheus_client")
+    before = _scrape(cluster)
+    status, _ = _chat_text(cluster, "Count to five.", 10)
+    assert status == 200
+    after = _scrape(cluster)
+    assert (
+        after["zmqllm_generated_tokens_total"] >= before.get("zmqllm_generated_tokens_total", 0) + 1
+    )
+    key = 'zmqllm_requests_total{"path": "/chat", "status": "200"}'
+    assert after[key] == before.get(key, 0) + 1
+    assert after["zmqllm_time_to_first_token_seconds_count"] > before.get(
+        "zmqllm_time_to_first_token_seconds_count", 0
+    )
+    assert after["zmqllm_broker_up"] == 1 and after["zmqllm_broker_workers"] == 2
+    assert "zmqllm_broker_queue_depth" in after and "zmqllm_requests_in_flight" in after
+    worker_keys = [k for k in after if k.startswith("zmqllm_worker_rss_bytes")]
+    assert len(worker_keys) == 2 and all(after[k] > 0 for k in worker_keys)
+
+
+def _burst_in_threads(c: Cluster, n: int, max_tokens: int, results: list) -> list[threading.Thread]:
+    def one(i: int) -> None:
+        prompt = PROMPTS[i % len(PROMPTS)]
+        results[i] = (prompt, *_chat_text(c, prompt, max_tokens))
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_scale_out_and_drain_lose_no_request(fresh_cluster: Cluster, reference) -> None:
+    c = fresh_cluster
+    c.start_all()
+    results: list = [None] * 12
+    threads = _burst_in_threads(c, 12, 60, results)
+    # A second worker for layers 2:4 joins mid-burst ...
+    newcomer = c.start_worker("2:4", name="late")
+    c.wait_for(lambda: len(c.status()["workers"]) == 3, timeout=60, what="newcomer registered")
+    more: list = [None] * 8
+    threads += _burst_in_threads(c, 8, 60, more)
+    c.wait_for(
+        lambda: any(
+            w["id"].startswith("w-late") and w["sessions"] > 0 for w in c.status()["workers"]
+        ),
+        timeout=60,
+        what="the newcomer takes sessions",
+    )
+    # ... and the original 2:4 worker is drained: it finishes its streams, then exits.
+    original = next(p for p in c.procs if p.name == "worker-2-4" and p is not newcomer)
+    original.popen.send_signal(signal.SIGTERM)
+    c.wait_for(
+        lambda: any(w.get("draining") for w in c.status()["workers"]) or not original.alive(),
+        timeout=30,
+        what="draining shown in status",
+    )
+    for t in threads:
+        t.join(timeout=120)
+    original.popen.wait(timeout=60)
+    assert original.popen.returncode == 0
+    for r in results + more:
+        assert r is not None and r[1] == 200, r
+        assert r[2] == reference(r[0], 60)
+    # The newcomer alone now serves layers 2:4.
+    status, text = _chat_text(c, "Hello there!", 16)
+    assert status == 200 and text == reference("Hello there!", 16)
+
+
+def test_over_the_limits_429_then_serves(tmp_path: Path, e2e_model: Path, reference) -> None:
+    c = Cluster(tmp_path / "cluster", e2e_model)
+    try:
+        c.start_broker()
+        c.start_worker("0:2")
+        c.start_worker("2:4")
+        c._start(
+            "gateway",
+            [
+                "gateway",
+                "--port",
+                str(c.http_port),
+                "--broker",
+                c.frontend,
+                "--model",
+                str(e2e_model),
+                "--max-concurrent",
+                "2",
+                *c.beats(),
+            ],
+        )
+        c.wait_ready()
+        conns = []
+        for _ in range(2):  # two long streams hold both slots
+            conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=60)
+            body = json.dumps(
+                {
+                    "prompt": "Once upon a time",
+                    "max_tokens": 900,
+                    "stream": True,
+                    "ignore_eos": True,
+                }
+            )
+            conn.request(
+                "POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"}
+            )
+            resp = conn.getresponse()
+            assert resp.status == 200
+            resp.read1(64)
+            conns.append(conn)
+        status, chunks, headers = post_chat(c, "Hello there!", "max_tokens=8")
+        assert status == 429
+        assert "retry-after" in {k.lower() for k in headers}
+        assert "limit" in b"".join(p for _, p in chunks).decode()
+        for conn in conns:
+            conn.close()
+        # Afterwards the server serves normally.
+        deadline = time.monotonic() + 30
+        while True:
+            status, text = _chat_text(c, "Hello there!", 16)
+            if status == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert status == 200 and text == reference("Hello there!", 16)
+    finally:
+        c.stop()
