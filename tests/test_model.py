@@ -187,3 +187,18 @@ def test_default_model_two_shards_match_hf_generate(default_model_dir: Path) -> 
         ref = _hf_greedy(ref_model, ids, 32)
         assert len(ref) == 32
         assert ours == ref, text
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_shards_track_hf_in_the_same_dtype(tiny_model_dir: Path, dtype: str) -> None:
+    tdtype = getattr(torch, dtype)
+    ref_model = transformers.MistralForCausalLM.from_pretrained(tiny_model_dir, dtype=tdtype)
+    ids = torch.tensor(_prompt(20, seed=50))
+    shards = [load_shard(tiny_model_dir, s, e, dtype=dtype) for s, e in SPLITS[2]]
+    assert all(p.dtype == tdtype for s in shards for p in s.parameters())
+    ours = _chain(shards, _caches(shards, 32), ids, all_logits=True)
+    with torch.no_grad():
+        ref = ref_model.eval()(ids[None]).logits[0].float()
+    # Half precision: agreement to its own rounding, not float32's.
+    torch.testing.assert_close(ours, ref, rtol=5e-2, atol=5e-2)
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9

@@ -47,9 +47,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, max_rows: int = CPU_MM_MAX_ROWS) ->
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        # In the model dtype, as in transformers: the scale multiplies in that dtype.
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,8 +102,8 @@ class DecoderLayer(nn.Module):
         self.w_down = nn.Parameter(
             torch.empty(args.hidden_size, args.intermediate_size, dtype=dtype), requires_grad=False
         )
-        self.input_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.input_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.post_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
 
     def forward(self, x: torch.Tensor, plan: _Plan, local: int) -> torch.Tensor:
         args = self.args
@@ -181,7 +182,7 @@ class MistralShard(nn.Module):
         self.embed: torch.Tensor | None = None  # [vocab, hidden]
         self.lm_head: torch.Tensor | None = None  # [vocab, hidden]
         self.layers = nn.ModuleList(DecoderLayer(args, dtype) for _ in range(start, end))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if self.is_last else None
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype) if self.is_last else None
         self._loaded: set[str] = set()  # groups loaded: layer prefixes, embedding, head
         self._rope_len = 0
         self._cos = torch.empty(0)
