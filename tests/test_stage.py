@@ -380,3 +380,17 @@ def test_seeded_sampling_replays_the_same_tokens(
         runs.append(p.tokens["s"])
     assert runs[0] == runs[1]
     assert runs[0] == reference(generator, tokens, 8, sampling)
+
+
+def test_memory_limit_refuses_new_sessions(tiny_model_dir: Path) -> None:
+    from zmqllm.engine.cache import CacheFullError
+    from zmqllm.engine.generator import load_shard
+    from zmqllm.engine.sampling import SamplingParams
+    from zmqllm.engine.stage import Stage
+
+    # A limit below what the process already uses: every new session is refused.
+    stage = Stage(load_shard(tiny_model_dir, 0, 4), max_memory_mb=1)
+    with pytest.raises(CacheFullError, match="max_memory_mb"):
+        stage.open("s", "r", 16, 4, SamplingParams(), frozenset(), np.arange(3, dtype=np.int32))
+    roomy = Stage(load_shard(tiny_model_dir, 0, 4), max_memory_mb=1 << 20)
+    roomy.open("s", "r", 16, 4, SamplingParams(), frozenset(), np.arange(3, dtype=np.int32))

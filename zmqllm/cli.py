@@ -204,6 +204,7 @@ def cmd_worker(ns: argparse.Namespace) -> int:
         batch_threads=ns.batch_threads,
         max_sessions=ns.max_sessions,
         max_kv_tokens=ns.max_kv_tokens,
+        max_memory_mb=ns.max_memory_mb,
         prefill_chunk=ns.prefill_chunk,
         name=ns.name,
     )
@@ -275,6 +276,7 @@ def _add_roles(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-sessions", type=int)
     p.add_argument("--max-kv-tokens", type=int)
+    p.add_argument("--max-memory-mb", type=int, help="refuse sessions past this memory use")
     p.add_argument("--prefill-chunk", type=int, metavar="TOKENS")
     p.add_argument("--name", help="a name for logs and status")
     _beat_flags(p)

@@ -100,6 +100,9 @@ class WorkerSettings:
     batch_threads: int = 0
     max_sessions: int = 64
     max_kv_tokens: int = 65536
+    # Refuse a new session when this process's memory (RSS on cpu, allocated GPU memory
+    # on cuda) plus the session's KV cache would pass this many MiB; 0 = no limit.
+    max_memory_mb: int = 0
     prefill_chunk: int = 512  # prompt tokens per forward, so long prompts don't stall decodes
     name: str = ""
 
@@ -366,7 +369,7 @@ def _check_broker(s: BrokerSettings, where: str) -> BrokerSettings:
 def _check_worker(s: WorkerSettings, where: str) -> WorkerSettings:
     _check_endpoint("broker", s.broker, where)
     _check_layers("layers", s.layers, where)
-    _check_positive(s, ("threads", "batch_threads"), where, minimum=0)
+    _check_positive(s, ("threads", "batch_threads", "max_memory_mb"), where, minimum=0)
     _check_positive(s, ("max_sessions", "max_kv_tokens", "prefill_chunk"), where)
     return s
 

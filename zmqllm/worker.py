@@ -72,7 +72,7 @@ def load_stage(cfg: Config) -> Loaded:
 
     t0 = time.perf_counter()
     shard = load_shard(directory, start, end, cfg.model.dtype, cfg.model.device, args)
-    stage = Stage(shard, w.max_sessions, w.max_kv_tokens, w.prefill_chunk)
+    stage = Stage(shard, w.max_sessions, w.max_kv_tokens, w.prefill_chunk, w.max_memory_mb)
     stage.warmup()
     log.info(
         "shard loaded",

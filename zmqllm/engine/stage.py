@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from zmqllm.engine.cache import CachePool, KVCache
+from zmqllm.engine.cache import CacheFullError, CachePool, KVCache
 from zmqllm.engine.model import MistralShard, Segment
 from zmqllm.engine.sampling import SamplingParams, sample
 
@@ -71,6 +71,7 @@ class Stage:
         max_sessions: int = 64,
         max_kv_tokens: int = 65536,
         prefill_chunk: int = 512,
+        max_memory_mb: int = 0,
     ) -> None:
         self.shard = shard
         self.pool = CachePool(
@@ -82,6 +83,7 @@ class Stage:
             max_kv_tokens,
         )
         self.prefill_chunk = prefill_chunk
+        self.max_memory = max_memory_mb << 20
         self.sessions: dict[str, SessionState] = {}
         self._ready: deque[Work] = deque()
         self.stats = StageStats()
@@ -101,6 +103,17 @@ class Stage:
         prompt: np.ndarray | None = None,
     ) -> SessionState:
         """Reserve the session's cache (raises CacheFullError when there is no room)."""
+        if self.max_memory:
+            itemsize = torch.empty((), dtype=self.shard.dtype).element_size()
+            need = max_len * self.shard.args.kv_bytes_per_token(
+                self.shard.num_local_layers, itemsize
+            )
+            used = self._memory_in_use()
+            if used + need > self.max_memory:
+                raise CacheFullError(
+                    f"stage memory: {used >> 20} MiB in use + {need >> 20} MiB for this "
+                    f"session > max_memory_mb {self.max_memory >> 20}"
+                )
         cache = self.pool.allocate(session, max_len)
         s = SessionState(session, request_id, max_tokens, sampling, stop_ids, cache)
         if prompt is not None:
@@ -249,6 +262,11 @@ class Stage:
             "rss_bytes": _rss_bytes(),
             **self._cuda_memory(),
         }
+
+    def _memory_in_use(self) -> int:
+        if self.shard.device.type == "cuda":
+            return int(torch.cuda.memory_allocated(self.shard.device))
+        return _rss_bytes()
 
     def _cuda_memory(self) -> dict[str, int]:
         """On cuda, what the caching allocator holds: an out-of-memory shard shows here first."""
