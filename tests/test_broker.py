@@ -332,6 +332,8 @@ def test_a_session_flows_through_both_stages(cluster: Callable[..., Harness]) ->
     w1.send(token_header("s1", 0, 42))
     tok = h.expect(client, MsgType.TOKEN)
     assert tok.header.step == 0
+    boot = tok.header.fields.pop("boot")
+    assert isinstance(boot, str) and boot == h.status()["boot"]  # tells brokers apart
     assert tok.header.fields == {"token": 42, "finish": None, "route": ["w0", "w1"]}
     step = h.expect(w0, MsgType.STEP)
     assert (step.header.session, step.header.step, step.header.fields["token"]) == ("s1", 1, 42)

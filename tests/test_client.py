@@ -372,3 +372,25 @@ def test_a_stale_status_reply_is_ignored() -> None:
         assert await task == fresh
 
     run(body)
+
+
+def test_a_stream_opened_on_the_new_broker_survives_the_restart_notice() -> None:
+    """The restart is noticed only after a stream opened on the new broker: that stream
+    (its first token carries the new boot id) keeps going; the old broker's one fails."""
+
+    async def body(client: BrokerClient, fake: FakeBroker) -> None:
+        async with generate(client, session="old") as old:
+            o = await fake.expect(MsgType.OPEN)
+            await fake.token(o, 0, 1, boot="boot-a")
+            await fake.send(o.identity, Header(MsgType.HEARTBEAT, fields={"boot": "boot-a"}))
+            async with generate(client, session="new") as new:
+                n = await fake.expect(MsgType.OPEN)
+                await fake.token(n, 0, 5, boot="boot-b")
+                fake.boot = "boot-b"
+                await fake.send(n.identity, Header(MsgType.HEARTBEAT, fields={"boot": "boot-b"}))
+                await fake.token(n, 1, 6, finish="length")
+                assert [e.token for e in await collect(new)] == [5, 6]
+            with pytest.raises(BrokerError, match="restarted"):
+                await collect(old)
+
+    run(body)

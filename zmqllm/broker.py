@@ -410,6 +410,7 @@ class Broker:
         fields: dict[str, Any] = {"token": h.fields["token"], "finish": finish}
         if h.step == 0:
             fields["route"] = s.route
+            fields["boot"] = self.boot  # lets the client tell this broker's sessions apart
         self.stats.tokens += 1
         s.step = h.step
         ok = self._to_client(

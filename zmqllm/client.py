@@ -66,6 +66,11 @@ class TokenStream:
     _queue: asyncio.Queue[_Item] = field(default_factory=asyncio.Queue)
     _opened: bool = False
     _open_frames: list[Any] = field(default_factory=list)
+    # The boot id of the broker that sent this stream's first token; None before it.
+    boot: str | None = None
+    # Set when a broker restart was seen before this stream's first token: if none
+    # arrives by then, the stream was opened on the dead broker and is failed.
+    orphan_deadline: float | None = None
 
     async def __aenter__(self) -> TokenStream:
         await self.client._open(self)
@@ -252,9 +257,7 @@ class BrokerClient:
             boot = h.fields.get("boot")
             if isinstance(boot, str):
                 if self._boot is not None and boot != self._boot:
-                    self._fail_all(
-                        BrokerError("broker_unreachable", "the broker restarted; sessions lost")
-                    )
+                    self._on_broker_restart(boot)
                 self._boot = boot
             return
         if h.type is MsgType.STATUS_REPLY:
@@ -268,12 +271,40 @@ class BrokerClient:
         if h.type is MsgType.TOKEN:
             if not stream.route and "route" in h.fields:
                 stream.route = [str(w) for w in h.fields["route"]]
+            if stream.boot is None and isinstance(h.fields.get("boot"), str):
+                stream.boot = h.fields["boot"]
+                stream.orphan_deadline = None
             stream._push(_Item(event=TokenEvent(h.fields["token"], h.step, h.fields["finish"])))
             if h.fields["finish"] is not None:
                 self._streams.pop(h.session, None)
         elif h.type is MsgType.ERROR:
             stream._push(_Item(error=BrokerError(h.fields["code"], h.fields["message"])))
             self._streams.pop(h.session, None)
+
+    def _on_broker_restart(self, boot: str) -> None:
+        """A new broker answers: streams of the old one are lost. A stream that has no
+        token yet may have opened on either, so it gets liveness intervals to show it."""
+        lost = BrokerError("broker_unreachable", "the broker restarted; sessions lost")
+        deadline = time.monotonic() + self.heartbeat_interval * self.liveness
+        for sid, s in list(self._streams.items()):
+            if s.boot is None:
+                s.orphan_deadline = deadline
+            elif s.boot != boot:
+                self._streams.pop(sid, None)
+                s._push(_Item(error=lost))
+
+    def _fail_orphans(self) -> None:
+        now = time.monotonic()
+        for sid, s in list(self._streams.items()):
+            if s.orphan_deadline is not None and now > s.orphan_deadline:
+                self._streams.pop(sid, None)
+                s._push(
+                    _Item(
+                        error=BrokerError(
+                            "broker_unreachable", "the broker restarted; sessions lost"
+                        )
+                    )
+                )
 
     def _fail_all(self, error: BrokerError) -> None:
         streams, self._streams = self._streams, {}
@@ -287,6 +318,7 @@ class BrokerClient:
             with contextlib.suppress(zmq.ZMQError, BrokerError):
                 await self._send(Header(MsgType.HEARTBEAT))
             await asyncio.sleep(self.heartbeat_interval)
+            self._fail_orphans()
             silent_since = self._last_seen or started
             if time.monotonic() - silent_since > horizon:
                 if self._streams:
