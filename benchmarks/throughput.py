@@ -136,7 +136,7 @@ def burst(c: Cluster, level: int, n: int) -> dict[str, Any]:
     time.sleep(1.2)  # one heartbeat, so the workers' figures reach the broker
     after = stage_stats(c.frontend)
     ttfts = [s[1] - s[0] for s in stamps]
-    itls = [d for s in stamps for d in np.diff(s[1:])]
+    itls = [float(d) for s in stamps for d in np.diff(s[1:])]
     tokens = sum(len(s) - 1 for s in stamps)
     stages = {}
     for name, a in after.items():
@@ -209,6 +209,12 @@ def main() -> None:
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument(
+        "--layers",
+        nargs="+",
+        metavar="A:B",
+        help="explicit stage ranges instead of an even split, e.g. 0:17 17:30",
+    )
     ap.add_argument("--threads", type=int, default=2, help="per worker, one stream in flight")
     ap.add_argument(
         "--batch-threads",
@@ -223,7 +229,12 @@ def main() -> None:
     tok = Tokenizer.from_dir(model_dir)
     n = a.new_tokens
 
-    layers = split_layers(ModelArgs.from_dir(model_dir).num_layers, a.stages)
+    layers: list[tuple[int, int]]
+    if a.layers:
+        layers = [(int(r.split(":")[0]), int(r.split(":")[1])) for r in a.layers]
+        a.stages = len(layers)
+    else:
+        layers = split_layers(ModelArgs.from_dir(model_dir).num_layers, a.stages)
     rows: dict[int, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         batch_threads = a.batch_threads or max(1, (os.cpu_count() or 1) // a.stages)
@@ -270,7 +281,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "model": str(model_dir),
-        "stages": a.stages,
+        "stages": [f"{x}:{y}" for x, y in layers],
         "threads": a.threads,
         "new_tokens": n,
         "torch": torch.__version__,

@@ -177,3 +177,40 @@ def test_over_the_limits_429_then_serves(tmp_path: Path, e2e_model: Path, refere
         assert status == 200 and text == reference("Hello there!", 16)
     finally:
         c.stop()
+
+
+def test_whole_model_worker_beside_a_two_stage_pipeline(fresh_cluster: Cluster, reference) -> None:
+    c = fresh_cluster
+    c.start_broker()
+    for layers in ("0:2", "2:4", "0:4"):
+        c.start_worker(layers)
+    c.start_gateway()
+    c.wait_ready()
+    c.wait_for(lambda: len(c.status()["workers"]) == 3, timeout=60, what="three workers")
+    routes: set[tuple[str, ...]] = set()
+    lock = threading.Lock()
+
+    def one(prompt: str) -> tuple[int, str]:
+        conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=60)
+        conn.request(
+            "POST",
+            "/chat?max_tokens=40",
+            body=prompt.encode(),
+            headers={"X-Request-ID": f"mixed-{abs(hash(prompt))}"},
+        )
+        resp = conn.getresponse()
+        text = resp.read().decode()
+        conn.close()
+        return resp.status, text
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, PROMPTS))
+    for prompt, (status, text) in zip(PROMPTS, results, strict=True):
+        assert status == 200 and text == reference(prompt, 40), prompt
+    # Both kinds of route served sessions: one hop and two hops.
+    gateway = c.by_name("gateway")[0]
+    for line in c.log_lines(gateway):
+        if line.get("event") == "request finished" and line.get("route"):
+            with lock:
+                routes.add(tuple(line["route"]))
+    assert {len(r) for r in routes} == {1, 2}, routes
