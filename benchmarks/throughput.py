@@ -210,6 +210,11 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument(
+        "--cpu-lock",
+        action="store_true",
+        help="workers take turns on the cores with all their threads (no batch_threads)",
+    )
+    ap.add_argument(
         "--layers",
         nargs="+",
         metavar="A:B",
@@ -238,8 +243,15 @@ def main() -> None:
     rows: dict[int, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         batch_threads = a.batch_threads or max(1, (os.cpu_count() or 1) // a.stages)
+        if a.cpu_lock:
+            batch_threads = a.batch_threads
         c = Cluster(
-            Path(tmp), model_dir, heartbeat=1.0, threads=a.threads, batch_threads=batch_threads
+            Path(tmp),
+            model_dir,
+            heartbeat=1.0,
+            threads=a.threads,
+            batch_threads=batch_threads,
+            cpu_lock=a.cpu_lock,
         )
         try:
             c.start_all(tuple(f"{x}:{y}" for x, y in layers))

@@ -394,3 +394,23 @@ def test_memory_limit_refuses_new_sessions(tiny_model_dir: Path) -> None:
         stage.open("s", "r", 16, 4, SamplingParams(), frozenset(), np.arange(3, dtype=np.int32))
     roomy = Stage(load_shard(tiny_model_dir, 0, 4), max_memory_mb=1 << 20)
     roomy.open("s", "r", 16, 4, SamplingParams(), frozenset(), np.arange(3, dtype=np.int32))
+
+
+def test_coalesce_wait_only_while_some_sessions_are_elsewhere(
+    shards: dict[tuple[int, int], MistralShard],
+) -> None:
+    import time
+
+    stage = Stage(shards[(0, 2)])
+    for sid in ("a", "b"):
+        stage.open(sid, "", 20, 8, GREEDY, frozenset(), np.asarray([5, 6, 7], np.int32))
+    now = time.monotonic()
+    assert stage.coalesce_wait(now) == 0.0  # prompts waiting: never hold them back
+    stage.run()  # both prompts in one forward; now the stage knows its forward time
+    stage.step("a", 1, 9)
+    wait = stage.coalesce_wait(time.monotonic())
+    assert 0.0 < wait <= 0.1  # b is on another stage: worth waiting a little for it
+    assert stage.coalesce_wait(time.monotonic() + 1.0) == 0.0  # the wait is bounded
+    stage.step("b", 1, 9)
+    assert stage.coalesce_wait(time.monotonic()) == 0.0  # everyone is ready: go
+    assert len(stage.run()) == 2

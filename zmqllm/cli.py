@@ -202,6 +202,7 @@ def cmd_worker(ns: argparse.Namespace) -> int:
         layers=layers,
         threads=ns.threads,
         batch_threads=ns.batch_threads,
+        cpu_lock=ns.cpu_lock,
         max_sessions=ns.max_sessions,
         max_kv_tokens=ns.max_kv_tokens,
         max_memory_mb=ns.max_memory_mb,
@@ -273,6 +274,11 @@ def _add_roles(sub: argparse._SubParsersAction) -> None:
         "--batch-threads",
         type=int,
         help="torch threads while several sessions are in flight (stages sharing cores)",
+    )
+    p.add_argument(
+        "--cpu-lock",
+        metavar="FILE",
+        help="lock file shared by the workers of one machine: forwards take turns",
     )
     p.add_argument("--max-sessions", type=int)
     p.add_argument("--max-kv-tokens", type=int)

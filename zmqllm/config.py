@@ -98,6 +98,10 @@ class WorkerSettings:
     # Threads while several sessions are in flight, when stages share the cores and all
     # compute at once (oversubscribed OpenMP is far slower); 0 = same as threads.
     batch_threads: int = 0
+    # A lock file shared by the workers of one machine: each forward holds it, so stages
+    # sharing the cores take turns with all their threads instead of oversubscribing
+    # them. "" = off.
+    cpu_lock: str = ""
     max_sessions: int = 64
     max_kv_tokens: int = 65536
     # Refuse a new session when this process's memory (RSS on cpu, allocated GPU memory

@@ -52,6 +52,7 @@ class Cluster:
     liveness: int = 3
     threads: int = 1  # torch threads per worker
     batch_threads: int = 0  # threads while several sessions are in flight (0: same)
+    cpu_lock: bool = False  # workers take turns on the cores (a shared lock file)
     queue_timeout: float = 10.0  # seconds a request waits for a route
     procs: list[Proc] = field(default_factory=list)
 
@@ -97,6 +98,8 @@ class Cluster:
             args += ["--name", name]
         if self.batch_threads:
             args += ["--batch-threads", str(self.batch_threads)]
+        if self.cpu_lock:
+            args += ["--cpu-lock", str(self.root / "cpu.lock")]
         return self._start(f"worker-{layers.replace(':', '-')}", args)
 
     def start_gateway(self) -> Proc:

@@ -9,6 +9,7 @@ or a second SIGTERM exits at once.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import socket
@@ -109,6 +110,10 @@ class Worker:
         self._threads = cfg.worker.threads or torch.get_num_threads()
         self._batch_threads = cfg.worker.batch_threads
         self._threads_now = torch.get_num_threads()
+        self._cpu_lock: int | None = None
+        if cfg.worker.cpu_lock:
+            Path(cfg.worker.cpu_lock).parent.mkdir(parents=True, exist_ok=True)
+            self._cpu_lock = os.open(cfg.worker.cpu_lock, os.O_RDWR | os.O_CREAT, 0o644)
 
     # -- signals ---------------------------------------------------------------
     def on_sigterm(self, *_: object) -> None:
@@ -193,11 +198,17 @@ class Worker:
         try:
             while not self._stop:
                 busy = self.stage.has_work()
-                timeout = 0 if busy else max(0.0, self._next_beat - time.monotonic())
+                wait = self._coalesce_wait() if busy else 0.0
+                if busy and not wait:
+                    timeout = 0.0
+                elif busy:
+                    timeout = min(wait, max(0.0, self._next_beat - time.monotonic()))
+                else:
+                    timeout = max(0.0, self._next_beat - time.monotonic())
                 assert self.sock is not None
                 if self.sock.poll(int(timeout * 1000) + (0 if busy else 1), zmq.POLLIN):
                     self.drain_socket()
-                if self.stage.has_work():
+                if self.stage.has_work() and not self._coalesce_wait():
                     self.run_batch()
                 now = time.monotonic()
                 if now >= self._next_beat:
@@ -352,6 +363,22 @@ class Worker:
         if not self.stage.activation(h.session, h.step, hidden, bool(h.fields.get("final", True))):
             log.debug("activation for an unknown session dropped", session=h.session)
 
+    def _coalesce_wait(self) -> float:
+        """Only stages taking turns on shared cores (cpu_lock) wait to batch more, and
+        only while another stage computes (holds the lock): its results are coming.
+        Two stages waiting for each other's sessions would otherwise both idle."""
+        if self._cpu_lock is None:
+            return 0.0
+        wait = self.stage.coalesce_wait(time.monotonic())
+        if not wait:
+            return 0.0
+        try:
+            fcntl.flock(self._cpu_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return wait  # another stage is computing
+        fcntl.flock(self._cpu_lock, fcntl.LOCK_UN)
+        return 0.0
+
     def _pick_threads(self) -> None:
         """One session in flight: stages take turns, so each may use every core. Several:
         all stages compute at once, and sharing cores they need their batch_threads."""
@@ -368,6 +395,8 @@ class Worker:
         from zmqllm.engine.frames import tensor_to_payload
 
         self._pick_threads()
+        if self._cpu_lock is not None:
+            fcntl.flock(self._cpu_lock, fcntl.LOCK_EX)  # our turn on the shared cores
         try:
             outputs = self.stage.run()
         except Exception as exc:
@@ -377,6 +406,9 @@ class Worker:
                 self.send(error_header("internal", f"forward failed: {exc}", sid, s.request_id))
                 self.stage.close(sid)
             return
+        finally:
+            if self._cpu_lock is not None:
+                fcntl.flock(self._cpu_lock, fcntl.LOCK_UN)
         for sid, rid, reason in self.stage.failed:
             log.warning("session failed", session=sid, request_id=rid, reason=reason)
             self.send(error_header("internal", reason, sid, rid))

@@ -214,3 +214,18 @@ def test_whole_model_worker_beside_a_two_stage_pipeline(fresh_cluster: Cluster, 
             with lock:
                 routes.add(tuple(line["route"]))
     assert {len(r) for r in routes} == {1, 2}, routes
+
+
+def test_workers_taking_turns_on_shared_cores_stay_exact(
+    tmp_path: Path, e2e_model: Path, reference
+) -> None:
+    c = Cluster(tmp_path / "cluster", e2e_model, cpu_lock=True, threads=2)
+    try:
+        c.start_all()
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda pm: _chat_text(c, *pm), BURST[:8]))
+        for (prompt, n), (status, text) in zip(BURST[:8], results, strict=True):
+            assert status == 200 and text == reference(prompt, n), prompt
+        assert (c.root / "cpu.lock").exists()
+    finally:
+        c.stop()

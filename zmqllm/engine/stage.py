@@ -19,6 +19,9 @@ from zmqllm.engine.cache import CacheFullError, CachePool, KVCache
 from zmqllm.engine.model import MistralShard, Segment
 from zmqllm.engine.sampling import SamplingParams, sample
 
+# The longest a ready forward waits for more sessions (see Stage.coalesce_wait).
+COALESCE_MAX_S = 0.1
+
 
 @dataclass
 class SessionState:
@@ -40,6 +43,7 @@ class Work:
     step: int
     inputs: torch.Tensor  # stage 0: token ids [n]; later stages: hidden [n, hidden]
     final: bool  # the last chunk of the prompt, or a decode step: the last stage samples
+    ready_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -153,6 +157,25 @@ class Stage:
     # -- running ---------------------------------------------------------------
     def has_work(self) -> bool:
         return bool(self._ready) or any(s.prompt_left.size for s in self.sessions.values())
+
+    def coalesce_wait(self, now: float) -> float:
+        """Seconds worth waiting before the next forward so that it takes more sessions.
+
+        When stages share the cores and take turns, sessions split into groups that
+        reach each stage at different times, and a forward of 16 rows costs little
+        more than one of 8: work that is ready may wait, at most about one forward,
+        for the sessions still on the other stage. 0 when every session is ready,
+        when a prompt waits, or when the wait is over.
+        """
+        if not self._ready or any(s.prompt_left.size for s in self.sessions.values()):
+            return 0.0
+        ready = {w.session.id for w in self._ready}
+        if len(ready) >= len(self.sessions):
+            return 0.0
+        st = self.stats
+        limit = min(COALESCE_MAX_S, st.forward_s / st.forwards) if st.forwards else 0.0
+        oldest = min(w.ready_at for w in self._ready)
+        return max(0.0, oldest + limit - now)
 
     def _take_batch(self) -> list[Work]:
         """Decode work first, then prefill chunks within the token budget; at
