@@ -120,8 +120,15 @@ def stage_stats(frontend: str) -> dict[str, dict[str, float]]:
     }
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def burst(c: Cluster, level: int, n: int) -> dict[str, Any]:
     before = stage_stats(c.frontend)
+    cpu_before = {p.name: cpu_seconds(p.popen.pid) for p in c.procs if p.alive()}
     stamps: list[list[float]] = [[] for _ in range(level)]
     threads = [
         threading.Thread(target=stream, args=(c.http_port, PROMPTS[i % len(PROMPTS)], n, stamps[i]))
@@ -133,6 +140,7 @@ def burst(c: Cluster, level: int, n: int) -> dict[str, Any]:
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    cpu_after = {name: cpu_seconds(p.popen.pid) for p in c.procs if (name := p.name) in cpu_before}
     time.sleep(1.2)  # one heartbeat, so the workers' figures reach the broker
     after = stage_stats(c.frontend)
     ttfts = [s[1] - s[0] for s in stamps]
@@ -158,6 +166,10 @@ def burst(c: Cluster, level: int, n: int) -> dict[str, Any]:
         "tokens": tokens,
         "wall_s": wall,
         "stages": stages,
+        # Where the CPU went: core-milliseconds per generated token, per process.
+        "cpu_ms_per_token": {
+            k: round((cpu_after[k] - cpu_before[k]) * 1e3 / max(1, tokens), 2) for k in cpu_after
+        },
     }
 
 
@@ -289,6 +301,8 @@ def main() -> None:
             f"{h['batched_tokens_per_s']:8.1f} {r['ratio_vs_hf_batched']:11.2f}  {stages}"
         )
 
+    top = rows[max(rows)]
+    print(f"CPU ms per token at concurrency {max(rows)}: {top['cpu_ms_per_token']}")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
