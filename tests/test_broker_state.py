@@ -320,3 +320,16 @@ def test_pools_group_workers_by_range() -> None:
         {"layers": [2, 4], "workers": ["b1"]},
     ]
     assert Registry().pools() == []
+
+
+def test_route_shapes_list_every_chain_of_pools() -> None:
+    reg = Registry()
+    for ident, (a, b) in {"p0": (0, 15), "p1": (15, 30), "whole": (0, 30), "p0b": (0, 15)}.items():
+        reg.add(
+            ident.encode(),
+            {"start": a, "end": b, "capacity": 4, "num_layers": 30, "fingerprint": "x"},
+            {},
+        )
+    assert sorted(reg.route_shapes()) == [["0:15", "15:30"], ["0:30"]]
+    reg.remove(reg.workers["p1"])
+    assert reg.route_shapes() == [["0:30"]]

@@ -121,7 +121,7 @@ def test_format_status_prints_pools_and_counters() -> None:
 def test_format_status_of_an_empty_broker() -> None:
     out = format_status({"complete_route": False})
     assert "complete route: NO" in out
-    assert out.count("(none)") == 2  # no workers, no pools
+    assert out.count("(none)") == 3  # no workers, no pools, no routes
 
 
 @pytest.fixture

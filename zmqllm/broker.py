@@ -520,6 +520,7 @@ class Broker:
             "sessions": len(self.sessions),
             "workers": [w.describe(now) for w in self.registry.workers.values()],
             "pools": self.registry.pools(),
+            "routes": self.registry.route_shapes(),
             "counters": {
                 "sessions_opened": st.sessions_opened,
                 "sessions_finished": st.sessions_finished,

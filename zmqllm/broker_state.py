@@ -226,6 +226,28 @@ class Registry:
                 i += 1
         return ", ".join(gaps)
 
+    def route_shapes(self, limit: int = 32) -> list[list[str]]:
+        """Every chain of layer ranges (pools) covering [0, L), e.g. [["0:15", "15:30"]];
+        at most ``limit`` of them."""
+        ranges = sorted({(w.start, w.end) for w in self.workers.values()})
+        out: list[list[str]] = []
+
+        def walk(pos: int, chain: list[str]) -> None:
+            if len(out) >= limit:
+                return
+            if pos == self.num_layers and chain:
+                out.append(list(chain))
+                return
+            for a, b in ranges:
+                if a == pos:
+                    chain.append(f"{a}:{b}")
+                    walk(b, chain)
+                    chain.pop()
+
+        if self.num_layers:
+            walk(0, [])
+        return out
+
     def pools(self) -> list[dict[str, Any]]:
         by_range: dict[tuple[int, int], list[str]] = {}
         for w in self.workers.values():

@@ -74,6 +74,9 @@ def format_status(st: dict[str, Any]) -> str:
         [f"{p['layers'][0]}:{p['layers'][1]}", ", ".join(p["workers"])] for p in st.get("pools", [])
     ]
     out.append(_table(pools, ["layers", "workers"]) if pools else "  (none)")
+    routes = [" -> ".join(r) for r in st.get("routes", [])]
+    out += ["", "routes (chains of pools covering every layer)"]
+    out += [f"  {r}" for r in routes] if routes else ["  (none)"]
     counters = st.get("counters", {})
     if counters:
         out += ["", "  ".join(f"{k} {v}" for k, v in counters.items())]
