@@ -197,6 +197,7 @@ def test_status_command_prints_tables(cluster: Cluster) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "0:2" in out.stdout and "2:4" in out.stdout and "complete route: yes" in out.stdout
+    assert "0:2 -> 2:4" in out.stdout  # the route, as a chain of pools
     js = subprocess.run(
         [sys.executable, "-m", "zmqllm.cli", "status", "--broker", cluster.frontend, "--json"],
         capture_output=True,
