@@ -149,3 +149,24 @@ def test_fingerprint_is_stable_and_names_differences(
     diffs = fingerprint_differences(a, c)
     assert any(d.startswith("num_layers: 4 != 30") for d in diffs)
     assert fingerprint_differences(a, b) == []
+
+
+def test_hub_range_from_the_config_fetches_only_that_ranges_files(
+    tiny_sharded_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker given "2/2" learns the layer count from config.json first: the range
+    is a function of the config, and still only its files are asked for."""
+    import huggingface_hub
+
+    calls: list[list[str]] = []
+
+    def fake_snapshot(repo_id: str, revision=None, allow_patterns=None, **kw) -> str:
+        calls.append(list(allow_patterns or []))
+        return str(tiny_sharded_dir)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot)
+    args = ModelArgs.from_dir(tiny_sharded_dir)
+    resolve_checkpoint("org/model", args_for=lambda a: (a.num_layers - 1, a.num_layers))
+    wmap = weight_map(tiny_sharded_dir)
+    assert len(calls) == 2
+    assert set(calls[1]) == {wmap[n] for n in shard_tensor_names(args, 3, 4)}

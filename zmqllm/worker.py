@@ -19,10 +19,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import zmq
 
 from zmqllm import __version__
 from zmqllm.config import Config, parse_layers, resolve_model_path
+from zmqllm.engine.args import ModelArgs
+from zmqllm.engine.cache import CacheFullError
+from zmqllm.engine.frames import payload_to_tensor, tensor_to_payload
+from zmqllm.engine.generator import load_shard
+from zmqllm.engine.sampling import SamplingParams
+from zmqllm.engine.stage import Stage
+from zmqllm.engine.weights import model_fingerprint, resolve_checkpoint
 from zmqllm.log import bind_request, get_logger
 from zmqllm.protocol import Header, MsgType, Payload, ProtocolError, decode, encode, error_header
 
@@ -38,7 +46,7 @@ class WorkerRefused(RuntimeError):
 
 @dataclass
 class Loaded:
-    stage: Any  # zmqllm.engine.stage.Stage (torch imported lazily)
+    stage: Stage
     fingerprint: dict[str, Any]
     start: int
     end: int
@@ -48,28 +56,18 @@ class Loaded:
 
 def load_stage(cfg: Config) -> Loaded:
     """Resolve the checkpoint, read only this shard's tensors, warm it up."""
-    import torch
-
-    from zmqllm.engine.args import ModelArgs
-    from zmqllm.engine.generator import load_shard
-    from zmqllm.engine.stage import Stage
-    from zmqllm.engine.weights import resolve_checkpoint
-
     w = cfg.worker
     if w.threads:
         torch.set_num_threads(w.threads)
     spec = resolve_model_path(cfg.model.path)
-    # The layer count comes from the config, which a Hub repo yields first.
-    directory = (
-        resolve_checkpoint(spec, None, cfg.model.revision)
-        if not Path(spec).is_dir()
-        else Path(spec)
-    )
+
+    def layer_range(args: ModelArgs) -> tuple[int, int]:
+        return parse_layers(w.layers, args.num_layers)
+
+    # From the Hub: config first, then only the files holding this range's tensors.
+    directory = resolve_checkpoint(spec, layer_range, cfg.model.revision)
     args = ModelArgs.from_dir(directory)
-    start, end = parse_layers(w.layers, args.num_layers)
-    if not Path(spec).is_dir():
-        directory = resolve_checkpoint(spec, (start, end), cfg.model.revision)
-    from zmqllm.engine.weights import model_fingerprint
+    start, end = layer_range(args)
 
     t0 = time.perf_counter()
     shard = load_shard(directory, start, end, cfg.model.dtype, cfg.model.device, args)
@@ -105,8 +103,6 @@ class Worker:
         self._next_beat = 0.0
         self._backoff = self.interval
         self._boot: str | None = None
-        import torch
-
         self._threads = cfg.worker.threads or torch.get_num_threads()
         self._batch_threads = cfg.worker.batch_threads
         self._threads_now = torch.get_num_threads()
@@ -309,9 +305,6 @@ class Worker:
             log.warning("unexpected message dropped", type=t.value)
 
     def on_open(self, h: Header, payloads: list[Payload]) -> None:
-        from zmqllm.engine.cache import CacheFullError
-        from zmqllm.engine.sampling import SamplingParams
-
         with bind_request(h.request_id, h.session):
             f = h.fields
             if self.draining:
@@ -349,8 +342,6 @@ class Worker:
             log.info("session opened", max_len=f["max_len"], stage=f.get("stage"))
 
     def on_activation(self, h: Header, payloads: list[Payload]) -> None:
-        from zmqllm.engine.frames import payload_to_tensor
-
         shard = self.stage.shard
         if shard.is_first or len(payloads) != 1:
             log.warning("activation dropped: wrong stage or payload count", session=h.session)
@@ -382,8 +373,6 @@ class Worker:
     def _pick_threads(self) -> None:
         """One session in flight: stages take turns, so each may use every core. Several:
         all stages compute at once, and sharing cores they need their batch_threads."""
-        import torch
-
         want = self._threads
         if self._batch_threads and len(self.stage.sessions) > 1:
             want = self._batch_threads
@@ -392,8 +381,6 @@ class Worker:
             self._threads_now = want
 
     def run_batch(self) -> None:
-        from zmqllm.engine.frames import tensor_to_payload
-
         self._pick_threads()
         if self._cpu_lock is not None:
             fcntl.flock(self._cpu_lock, fcntl.LOCK_EX)  # our turn on the shared cores

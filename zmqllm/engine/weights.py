@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,15 +84,16 @@ def is_local(model: str) -> bool:
 
 def resolve_checkpoint(
     model: str,
-    args_for: tuple[int, int] | None = None,
+    args_for: tuple[int, int] | Callable[[ModelArgs], tuple[int, int]] | None = None,
     revision: str | None = None,
 ) -> Path:
     """A local directory holding what a shard needs.
 
     ``model`` is a directory or a Hub repo id. For a repo id the config,
-    tokenizer and index come first; then, if ``args_for`` = (start, end) is
-    given, only the safetensors files that hold those layers' tensors, else all
-    of them. Honours the usual HF_HOME / HF_HUB_OFFLINE settings.
+    tokenizer and index come first; then, if ``args_for`` gives the layer range
+    (start, end) — or a function of the config that does, when the range
+    depends on the layer count — only the safetensors files that hold those
+    layers' tensors, else all of them. Honours HF_HOME / HF_HUB_OFFLINE.
     """
     path = Path(model).expanduser()
     if path.is_dir():
@@ -105,7 +107,8 @@ def resolve_checkpoint(
         args = ModelArgs.from_dir(local)
         if (local / INDEX_FILE).exists():
             wmap = weight_map(local)
-            names = shard_tensor_names(args, *args_for) if args_for else list(wmap)
+            bounds = args_for(args) if callable(args_for) else args_for
+            names = shard_tensor_names(args, *bounds) if bounds else list(wmap)
             files = sorted({wmap[n] for n in names if n in wmap})
         else:
             files = [SINGLE_FILE]

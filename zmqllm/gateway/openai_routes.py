@@ -193,6 +193,27 @@ async def _events(
     yield _DONE
 
 
+def _plan(
+    service: GatewayService,
+    body: ChatCompletionRequest | CompletionRequest,
+    prompt_ids: list[int],
+    prompt_param: str,
+) -> GenerationPlan:
+    """The sampling fields both endpoints share, checked against the context."""
+    return service.plan(
+        prompt_ids,
+        max_tokens=body.token_limit,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=body.seed,
+        stops=body.stop or (),
+        n=body.n,
+        prompt_param=prompt_param,
+        ignore_eos=body.ignore_eos,
+    )
+
+
 @router.post("/chat/completions")
 async def chat_completions(request: Request) -> Response:
     service = service_of(request)
@@ -202,18 +223,7 @@ async def chat_completions(request: Request) -> Response:
         {"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
         for m in body.messages
     ]
-    plan = service.plan(
-        service.encode_chat(messages),
-        max_tokens=body.token_limit,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        seed=body.seed,
-        stops=body.stop or (),
-        n=body.n,
-        prompt_param="messages",
-        ignore_eos=body.ignore_eos,
-    )
+    plan = _plan(service, body, service.encode_chat(messages), "messages")
     return await _answer(
         request,
         plan,
@@ -228,18 +238,7 @@ async def completions(request: Request) -> Response:
     service = service_of(request)
     body: CompletionRequest = await _parse(request, CompletionRequest)
     service.check_model(body.model)
-    plan = service.plan(
-        service.encode_text(body.prompt),
-        max_tokens=body.token_limit,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        seed=body.seed,
-        stops=body.stop or (),
-        n=body.n,
-        prompt_param="prompt",
-        ignore_eos=body.ignore_eos,
-    )
+    plan = _plan(service, body, service.encode_text(body.prompt), "prompt")
     return await _answer(
         request,
         plan,
