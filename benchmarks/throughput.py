@@ -223,8 +223,17 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument(
         "--cpu-lock",
-        action="store_true",
-        help="workers take turns on the cores with all their threads (no batch_threads)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="workers take turns on the cores with all their threads, as `zmqllm up` runs "
+        "them (default); --no-cpu-lock: all compute at once on batch_threads each",
+    )
+    ap.add_argument(
+        "--native",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="workers attend batched decode steps with the compiled kernel (default); "
+        "--no-native: the PyTorch path (ZMQLLM_NATIVE=0)",
     )
     ap.add_argument(
         "--layers",
@@ -252,6 +261,8 @@ def main() -> None:
         a.stages = len(layers)
     else:
         layers = split_layers(ModelArgs.from_dir(model_dir).num_layers, a.stages)
+    if not a.native:
+        os.environ["ZMQLLM_NATIVE"] = "0"  # inherited by the workers
     rows: dict[int, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         batch_threads = a.batch_threads or max(1, (os.cpu_count() or 1) // a.stages)
@@ -278,12 +289,13 @@ def main() -> None:
     single = rows[a.levels[0]]
     print(
         f"\nthroughput — {model_dir.name}, fp32, {a.stages} stages, {a.threads} threads per "
-        f"worker, {n} tokens per request"
+        f"worker, {n} tokens per request, cpu_lock {'on' if a.cpu_lock else 'off'}, "
+        f"decode attention {'compiled' if a.native else 'pytorch'}"
     )
     print(
         f"{'conc':>4} {'tok/s':>7} {'x single':>8} {'ITL p50':>8} {'ITL p99':>8} "
         f"{'TTFT p50':>9} {'TTFT p99':>9} {'HF seq':>7} {'HF batch':>8} {'vs HF batch':>11}  "
-        "stages: busy / mean batch"
+        "stages: busy / rows per forward"
     )
     for level, r in rows.items():
         h = hf[level]
@@ -309,6 +321,8 @@ def main() -> None:
         "model": str(model_dir),
         "stages": [f"{x}:{y}" for x, y in layers],
         "threads": a.threads,
+        "cpu_lock": a.cpu_lock,
+        "native_attention": a.native,
         "new_tokens": n,
         "torch": torch.__version__,
     }

@@ -12,12 +12,22 @@ from pathlib import Path
 import pytest
 
 
+def _build_kernel() -> None:
+    """Build the compiled decode attention once, before any worker starts: workers
+    started by tests then load it in well under a second instead of each waiting on
+    the first one's build."""
+    from zmqllm.engine import native
+
+    native.load()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random MistralForCausalLM (4 layers, GQA, sliding window 8) + tokenizer."""
     pytest.importorskip("torch")
     from zmqllm.models import prepare_tiny_model
 
+    _build_kernel()
     return prepare_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)
 
 
@@ -39,6 +49,7 @@ def default_model_dir() -> Path:
     from zmqllm.models import prepare_default_model
 
     path = target()
+    _build_kernel()
     prepare_default_model(path)
     os.environ.setdefault("ZMQLLM_DEFAULT_MODEL_DIR", str(path))
     return path

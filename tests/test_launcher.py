@@ -23,6 +23,7 @@ from zmqllm.launcher import (
     Child,
     Cluster,
     connect_address,
+    cpu_lock_path,
     layer_flags,
     log_path,
     plan,
@@ -62,8 +63,8 @@ def write_config(tmp_path: Path, body: str) -> Path:
 # --- command lines ----------------------------------------------------------------------
 
 
-# Two workers on this machine share its cores while both compute.
-SHARE = ("--batch-threads", str(max(1, (os.cpu_count() or 1) // 2)))
+# Workers on this machine take turns on its cores.
+SHARE = ("--cpu-lock", str(cpu_lock_path()))
 
 
 def test_local_toml_plan() -> None:
@@ -98,6 +99,22 @@ def test_tiny_toml_plan_with_overrides(tmp_path: Path) -> None:
     # The gateway needs the model too: its tokenizer and chat template come from there.
     gateway = children[-1].argv
     assert gateway[4:] == ("--config", str(used), "--model", "/m", "--port", "9123", *JSON, *level)
+
+
+def test_workers_take_turns_on_the_cores_unless_the_config_says_how(tmp_path: Path) -> None:
+    def worker_flags(body: str) -> list[tuple[str, ...]]:
+        cfg, used = up_config(ns(config=str(write_config(tmp_path, body))))
+        return [c.argv for c in plan(cfg, used, python=PY) if c.role == "worker"]
+
+    two = '[[stages]]\nlayers = "0:2"\n[[stages]]\nlayers = "2:"\n'
+    assert all("--cpu-lock" in argv for argv in worker_flags(two))
+    # The config chose: threads per stage, or its own lock file (read by the workers).
+    for setting in ("batch_threads = 1", 'cpu_lock = "/tmp/x.lock"'):
+        for argv in worker_flags(f"[worker]\n{setting}\n{two}"):
+            assert "--cpu-lock" not in argv and "--batch-threads" not in argv
+    # One worker has no one to take turns with.
+    (alone,) = worker_flags('[[stages]]\nlayers = ":"\n')
+    assert "--cpu-lock" not in alone
 
 
 def test_unchanged_values_are_left_to_the_config_file() -> None:

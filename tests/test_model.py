@@ -130,6 +130,22 @@ def test_batched_decode_equals_each_session_alone(tiny_model_dir: Path) -> None:
         torch.testing.assert_close(h[row], _alone(shards, p, n), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="packing needs MKL")
+def test_packed_weights_give_the_same_logits(tiny_model_dir: Path) -> None:
+    """Batches within the packed row count (padded up to it) and beyond (unpacked path):
+    the same logits as without packing."""
+    plain = [load_shard(tiny_model_dir, s, e) for s, e in SPLITS[2]]
+    packed = [load_shard(tiny_model_dir, s, e) for s, e in SPLITS[2]]
+    assert all(sh.pack(8) > 0 for sh in packed)
+    for rows in (7, 8, 11):
+        tokens = torch.tensor(_prompt(rows, seed=rows))
+        want = _chain(plain, _caches(plain, 32), tokens, all_logits=True)
+        got = _chain(packed, _caches(packed, 32), tokens, all_logits=True)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert load_shard(tiny_model_dir, 0, 2, dtype="bfloat16").pack(8) == 0  # float32 only
+    assert load_shard(tiny_model_dir, 0, 2).pack(4) == 0  # below PACK_MIN_ROWS: nothing to gain
+
+
 def test_prefill_and_decode_mixed_in_one_call(tiny_model_dir: Path) -> None:
     shards = [load_shard(tiny_model_dir, s, e) for s, e in SPLITS[2]]
     old, new = _prompt(11, seed=30), _prompt(14, seed=31)

@@ -498,3 +498,46 @@ def test_sigint_leaves_with_disconnect(setup: Setup) -> None:
     running.worker.on_sigint()
     broker.expect(MsgType.DISCONNECT)
     assert running.join() == 0
+
+
+# -- taking turns on shared cores (cpu_lock) ---------------------------------------------
+
+
+def test_cpu_lock_waits_for_sessions_while_another_stage_computes(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Ready work waits while another stage holds the lock and, once it lets go, until
+    the other sessions' messages stop coming; then it runs. Without cpu_lock: never."""
+    import fcntl
+    import os
+
+    from zmqllm.engine.sampling import SamplingParams
+    from zmqllm.worker import HOP_GRACE_S, LOCK_POLL_S
+
+    cfg = Config()
+    cfg.model.path = str(tiny_model_dir)
+    cfg.worker.layers = "0:2"
+    cfg.worker.cpu_lock = str(tmp_path / "cpu.lock")
+    worker = Worker(cfg, load_stage(cfg), context=zmq.Context.instance())
+    stage = worker.stage
+    for sid in ("a", "b"):
+        stage.open(sid, "", 20, 8, SamplingParams(), frozenset(), np.asarray([5, 6], np.int32))
+    stage.run()  # both prompts; both sessions are now "on the next stage"
+    stage.step("a", 1, 9)
+    other = os.open(cfg.worker.cpu_lock, os.O_RDWR)  # another stage's lock handle
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        assert worker._coalesce_wait() == pytest.approx(LOCK_POLL_S)  # it computes: b is coming
+        fcntl.flock(other, fcntl.LOCK_UN)
+        assert 0.0 < worker._coalesce_wait() <= HOP_GRACE_S  # just let go: b is on its way
+        worker._lock_busy_at -= 1.0
+        assert worker._coalesce_wait() == 0.0  # quiet for longer than the grace: run
+        worker._last_work_at = time.monotonic()  # a message just came: more may follow
+        assert 0.0 < worker._coalesce_wait() <= HOP_GRACE_S
+        cfg.worker.cpu_lock = ""
+        plain = Worker(cfg, worker.loaded, context=zmq.Context.instance())
+        assert plain._coalesce_wait() == 0.0  # stages computing at once never wait
+        stage.step("b", 1, 9)
+        assert worker._coalesce_wait() == 0.0  # everyone is ready
+    finally:
+        os.close(other)

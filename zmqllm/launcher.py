@@ -35,6 +35,7 @@ from zmqllm.config import (
     log_dir,
     resolve_model_path,
     with_overrides,
+    zmqllm_home,
 )
 
 DEFAULT_STAGES = (StageSpec("1/2"), StageSpec("2/2"))
@@ -90,6 +91,11 @@ def stage_slug(layers: str) -> str:
     return f"{start or 0}-{end or 'end'}"
 
 
+def cpu_lock_path() -> Path:
+    """One lock per machine: every worker of every local cluster shares its cores."""
+    return zmqllm_home() / "cpu.lock"
+
+
 def layer_flags(layers: str) -> list[str]:
     # ":" rather than "" so the flag is visibly "all layers" in `ps` and the logs.
     return ["--stage", layers] if "/" in layers else ["--layers", layers or ":"]
@@ -126,12 +132,13 @@ def plan(cfg: Config, config_path: Path | None, python: str = sys.executable) ->
 
     children = [Child("broker", "broker", command("broker"))]
     backend = connect_address(cfg.broker.backend)
-    # Every worker here shares this machine's cores: when all compute at once (several
-    # sessions in flight), each takes its share, unless the config says otherwise.
+    # Every worker here shares this machine's cores. Unless the config says how, they
+    # take turns (cpu_lock): each forward gets every core and batches merge across
+    # stages, measured well ahead of all computing at once on a share of the cores.
     n_workers = sum(stage.count for stage in stages_of(cfg))
     share = []
-    if not cfg.worker.batch_threads and n_workers > 1:
-        share = ["--batch-threads", str(max(1, (os.cpu_count() or 1) // n_workers))]
+    if not cfg.worker.batch_threads and not cfg.worker.cpu_lock and n_workers > 1:
+        share = ["--cpu-lock", str(cpu_lock_path())]
     for stage in stages_of(cfg):
         for replica in range(stage.count):
             name = f"worker-{stage_slug(stage.layers)}-{replica}"

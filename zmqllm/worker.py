@@ -10,6 +10,7 @@ or a second SIGTERM exits at once.
 from __future__ import annotations
 
 import fcntl
+import math
 import os
 import signal
 import socket
@@ -24,12 +25,13 @@ import zmq
 
 from zmqllm import __version__
 from zmqllm.config import Config, parse_layers, resolve_model_path
+from zmqllm.engine import native
 from zmqllm.engine.args import ModelArgs
 from zmqllm.engine.cache import CacheFullError
 from zmqllm.engine.frames import payload_to_tensor, tensor_to_payload
 from zmqllm.engine.generator import load_shard
 from zmqllm.engine.sampling import SamplingParams
-from zmqllm.engine.stage import Stage
+from zmqllm.engine.stage import Stage, rss_bytes
 from zmqllm.engine.weights import model_fingerprint, resolve_checkpoint
 from zmqllm.log import bind_request, get_logger
 from zmqllm.protocol import Header, MsgType, Payload, ProtocolError, decode, encode, error_header
@@ -38,6 +40,12 @@ log = get_logger("zmqllm.worker")
 
 RECONNECT_MAX_S = 30.0
 MAX_MESSAGES_PER_TURN = 1024
+# cpu_lock: how often a waiting stage looks at the lock, and the quiet time after
+# which no more results of another stage's forward are on their way (they come
+# worker -> broker -> worker, one message per session, ~0.25 ms apart when the
+# broker and gateway share two cores with the workers).
+LOCK_POLL_S = 0.001
+HOP_GRACE_S = 0.003
 
 
 class WorkerRefused(RuntimeError):
@@ -71,6 +79,10 @@ def load_stage(cfg: Config) -> Loaded:
 
     t0 = time.perf_counter()
     shard = load_shard(directory, start, end, cfg.model.dtype, cfg.model.device, args)
+    kernel = shard.use_kernel(native.load()) if w.native_attention else False
+    rss = rss_bytes()
+    packed = shard.pack(w.packed_rows) > 0 if w.packed_rows else False
+    packed_mib = (rss_bytes() - rss) >> 20 if packed else 0
     stage = Stage(shard, w.max_sessions, w.max_kv_tokens, w.prefill_chunk, w.max_memory_mb)
     stage.warmup()
     log.info(
@@ -80,6 +92,8 @@ def load_stage(cfg: Config) -> Loaded:
         seconds=round(time.perf_counter() - t0, 2),
         dtype=cfg.model.dtype,
         device=cfg.model.device,
+        batched_decode_attention="compiled kernel" if kernel else "pytorch",
+        packed_weights_mib=packed_mib,
     )
     fp = model_fingerprint(directory, args, cfg.model.dtype)
     return Loaded(stage, fp, start, end, args.num_layers, args.max_position_embeddings)
@@ -110,6 +124,8 @@ class Worker:
         if cfg.worker.cpu_lock:
             Path(cfg.worker.cpu_lock).parent.mkdir(parents=True, exist_ok=True)
             self._cpu_lock = os.open(cfg.worker.cpu_lock, os.O_RDWR | os.O_CREAT, 0o644)
+        self._lock_busy_at = 0.0  # when another stage was last seen holding cpu_lock
+        self._last_work_at = 0.0  # when the last STEP or ACTIVATION arrived
 
     # -- signals ---------------------------------------------------------------
     def on_sigterm(self, *_: object) -> None:
@@ -202,7 +218,7 @@ class Worker:
                 else:
                     timeout = max(0.0, self._next_beat - time.monotonic())
                 assert self.sock is not None
-                if self.sock.poll(int(timeout * 1000) + (0 if busy else 1), zmq.POLLIN):
+                if self.sock.poll(math.ceil(timeout * 1000) + (0 if busy else 1), zmq.POLLIN):
                     self.drain_socket()
                 if self.stage.has_work() and not self._coalesce_wait():
                     self.run_batch()
@@ -263,8 +279,10 @@ class Worker:
     def handle(self, h: Header, payloads: list[Payload]) -> None:
         t = h.type
         if t is MsgType.ACTIVATION:
+            self._last_work_at = time.monotonic()
             self.on_activation(h, payloads)
         elif t is MsgType.STEP:
+            self._last_work_at = time.monotonic()
             if not self.stage.step(h.session, h.step, h.fields["token"]):
                 log.debug("step for an unknown session dropped", session=h.session)
         elif t is MsgType.OPEN:
@@ -355,20 +373,29 @@ class Worker:
             log.debug("activation for an unknown session dropped", session=h.session)
 
     def _coalesce_wait(self) -> float:
-        """Only stages taking turns on shared cores (cpu_lock) wait to batch more, and
-        only while another stage computes (holds the lock): its results are coming.
-        Two stages waiting for each other's sessions would otherwise both idle."""
+        """Only stages taking turns on shared cores (cpu_lock) wait to batch more.
+
+        While another stage holds the lock we could not compute anyway: wait, and
+        take in what arrives. Once it lets go, its results for our missing sessions
+        are one hop through the broker away, arriving one message per session: wait
+        until none has come for HOP_GRACE_S, so the groups merge into one batch. Two
+        stages waiting for each other's sessions both run once the grace is over (the
+        stage bounds every wait too).
+        """
         if self._cpu_lock is None:
             return 0.0
-        wait = self.stage.coalesce_wait(time.monotonic())
-        if not wait:
+        now = time.monotonic()
+        limit = self.stage.coalesce_wait(now)
+        if not limit:
             return 0.0
         try:
             fcntl.flock(self._cpu_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return wait  # another stage is computing
+        except BlockingIOError:  # another stage is computing
+            self._lock_busy_at = now
+            return min(limit, LOCK_POLL_S)
         fcntl.flock(self._cpu_lock, fcntl.LOCK_UN)
-        return 0.0
+        grace = max(self._lock_busy_at, self._last_work_at) + HOP_GRACE_S - now
+        return min(limit, grace) if grace > 0 else 0.0
 
     def _pick_threads(self) -> None:
         """One session in flight: stages take turns, so each may use every core. Several:

@@ -19,8 +19,9 @@ from zmqllm.engine.cache import CacheFullError, CachePool, KVCache
 from zmqllm.engine.model import MistralShard, Segment
 from zmqllm.engine.sampling import SamplingParams, sample
 
-# The longest a ready forward waits for more sessions (see Stage.coalesce_wait).
-COALESCE_MAX_S = 0.1
+# The longest ready work waits for more sessions (see Stage.coalesce_wait): a
+# safety net, far above one forward of a shard on the CPU.
+COALESCE_MAX_S = 0.25
 
 
 @dataclass
@@ -159,23 +160,23 @@ class Stage:
         return bool(self._ready) or any(s.prompt_left.size for s in self.sessions.values())
 
     def coalesce_wait(self, now: float) -> float:
-        """Seconds worth waiting before the next forward so that it takes more sessions.
+        """Seconds the ready work may still wait for the sessions that are elsewhere.
 
         When stages share the cores and take turns, sessions split into groups that
         reach each stage at different times, and a forward of 16 rows costs little
-        more than one of 8: work that is ready may wait, at most about one forward,
-        for the sessions still on the other stage. 0 when every session is ready,
-        when a prompt waits, or when the wait is over.
+        more than one of 8: ready work is worth holding back until the sessions now
+        on another stage come back, so that the groups merge into one batch (the
+        worker decides when they are coming; see Worker._coalesce_wait). This is the
+        bound on that wait: 0 when every session is ready, when a prompt waits, or
+        when the oldest ready work has waited COALESCE_MAX_S.
         """
         if not self._ready or any(s.prompt_left.size for s in self.sessions.values()):
             return 0.0
         ready = {w.session.id for w in self._ready}
         if len(ready) >= len(self.sessions):
             return 0.0
-        st = self.stats
-        limit = min(COALESCE_MAX_S, st.forward_s / st.forwards) if st.forwards else 0.0
         oldest = min(w.ready_at for w in self._ready)
-        return max(0.0, oldest + limit - now)
+        return max(0.0, oldest + COALESCE_MAX_S - now)
 
     def _take_batch(self) -> list[Work]:
         """Decode work first, then prefill chunks within the token budget; at
@@ -282,14 +283,14 @@ class Stage:
             "mean_forward_ms": round(st.forward_s / st.forwards * 1e3, 3) if st.forwards else 0.0,
             "last_forward_ms": round(st.last_forward_ms, 3),
             "busy_s": round(st.forward_s, 4),  # total time in forwards: utilisation
-            "rss_bytes": _rss_bytes(),
+            "rss_bytes": rss_bytes(),
             **self._cuda_memory(),
         }
 
     def _memory_in_use(self) -> int:
         if self.shard.device.type == "cuda":
             return int(torch.cuda.memory_allocated(self.shard.device))
-        return _rss_bytes()
+        return rss_bytes()
 
     def _cuda_memory(self) -> dict[str, int]:
         """On cuda, what the caching allocator holds: an out-of-memory shard shows here first."""
@@ -302,7 +303,7 @@ class Stage:
         }
 
 
-def _rss_bytes() -> int:
+def rss_bytes() -> int:
     """Resident memory of this process now (Linux /proc; the peak elsewhere)."""
     try:
         with open("/proc/self/statm") as f:

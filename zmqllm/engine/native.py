@@ -1,0 +1,78 @@
+"""The optional compiled decode-attention kernel (csrc/decode_attention.cpp).
+
+Built on first use with torch's C++ extension loader (a C++ compiler and ninja
+are needed) into ``~/.cache/zmqllm/kernels``, once per source and torch
+version; later loads take well under a second. Where it cannot be built, or
+with ``ZMQLLM_NATIVE=0``, the engine keeps its pure-PyTorch path: same results
+to float32 rounding, slower when many sessions decode at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from zmqllm.log import get_logger
+
+log = get_logger("zmqllm.engine.native")
+
+SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
+_lock = threading.Lock()
+_state: dict[str, ModuleType | None] = {}
+
+
+def enabled() -> bool:
+    return os.environ.get("ZMQLLM_NATIVE", "1").lower() not in ("0", "false", "no", "off")
+
+
+def build_dir() -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return base / "zmqllm" / "kernels"
+
+
+def load() -> ModuleType | None:
+    """The compiled module, building it if needed; None where it cannot be had
+    (the reason is logged once)."""
+    with _lock:
+        if "module" not in _state:
+            _state["module"] = _build() if enabled() else None
+        return _state["module"]
+
+
+def _build() -> ModuleType | None:
+    from torch.utils import cpp_extension
+
+    # ninja from the `worker` extra sits beside this interpreter, maybe not on PATH.
+    bindir = str(Path(sys.executable).parent)
+    if shutil.which("ninja") is None and (Path(bindir) / "ninja").exists():
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    source = SOURCE.read_bytes()
+    tag = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:12]
+    name = f"zmqllm_decode_attention_{tag}"
+    directory = build_dir() / name
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        module = cpp_extension.load(
+            name=name,
+            sources=[str(SOURCE)],
+            build_directory=str(directory),
+            # The build runs on the machine that uses it: tune for its CPU. OpenMP
+            # makes at::parallel_for use torch's threads (without it, it runs serially).
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, a failed build: stay in Python
+        log.warning(
+            "compiled decode attention unavailable; using the PyTorch path",
+            error=str(exc).splitlines()[-1][:300] if str(exc) else type(exc).__name__,
+        )
+        return None
+    return module
