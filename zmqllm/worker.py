@@ -80,8 +80,10 @@ def load_stage(cfg: Config) -> Loaded:
     t0 = time.perf_counter()
     shard = load_shard(directory, start, end, cfg.model.dtype, cfg.model.device, args)
     kernel = shard.use_kernel(native.load()) if w.native_attention else False
+    # Resident growth, not the packed tensors' sizes: MKL's buffers are allocated
+    # larger than they are filled.
     rss = rss_bytes()
-    packed = shard.pack(w.packed_rows) > 0 if w.packed_rows else False
+    packed = shard.pack(w.packed_rows)
     packed_mib = (rss_bytes() - rss) >> 20 if packed else 0
     stage = Stage(shard, w.max_sessions, w.max_kv_tokens, w.prefill_chunk, w.max_memory_mb)
     stage.warmup()

@@ -231,34 +231,34 @@ class MistralShard(nn.Module):
         self.packed_head: torch.Tensor | None = None  # see pack
         self.packed_rows = 0
 
-    def pack(self, rows: int) -> int:
+    def _cpu_float32(self) -> bool:
+        """The compiled kernel and the packed weights exist for float32 on the CPU only."""
+        return self.device.type == "cpu" and self.dtype is torch.float32
+
+    def pack(self, rows: int) -> bool:
         """Keep an MKL-packed copy of every matmul weight for batches of up to ``rows``
-        rows (from PACK_MIN_ROWS): a second copy of the weights in memory for ~25%
-        faster batched decode forwards. float32 on the CPU with MKL only; returns
-        the bytes the copies take (0: not packed)."""
+        rows (from PACK_MIN_ROWS): about a second copy of the weights in memory for
+        ~25% faster batched decode forwards. float32 on the CPU with MKL only;
+        returns whether the weights were packed."""
         mkl = torch.ops.mkl
         usable = (
             rows >= PACK_MIN_ROWS
-            and self.device.type == "cpu"
-            and self.dtype is torch.float32
+            and self._cpu_float32()
             and torch.backends.mkl.is_available()
             and hasattr(mkl, "_mkl_reorder_linear_weight")
         )
         if not usable:
-            return 0
-        total = 0
+            return False
         with torch.no_grad():
             for layer in self.layers:
                 assert isinstance(layer, DecoderLayer)
                 for name in _PACKED:
                     layer.packed[name] = mkl._mkl_reorder_linear_weight(getattr(layer, name), rows)
-                    total += layer.packed[name].nbytes
                 layer.packed_rows = rows
             if self.lm_head is not None:
                 self.packed_head = mkl._mkl_reorder_linear_weight(self.lm_head, rows)
-                total += self.packed_head.nbytes
         self.packed_rows = rows
-        return total
+        return True
 
     def use_kernel(self, kernel: ModuleType | None) -> bool:
         """Attend batched decode steps with the compiled kernel (engine.native).
@@ -267,7 +267,7 @@ class MistralShard(nn.Module):
         A single session always takes the PyTorch path, the one that matches
         transformers bit for bit. Returns whether the kernel is in use.
         """
-        ok = kernel is not None and self.device.type == "cpu" and self.dtype is torch.float32
+        ok = kernel is not None and self._cpu_float32()
         self.kernel = kernel if ok else None
         return ok
 
