@@ -310,12 +310,14 @@ def test_a_session_flows_through_both_stages(cluster: Callable[..., Harness]) ->
     assert open1.payloads == []
     assert open1.header.fields["stage"] == 1
     assert open1.header.fields["stages"] == 2
+    assert open1.header.fields["next"] == "w0"  # the last stage's STEPs go to stage 0
     open0 = h.expect(w0, MsgType.OPEN)
     assert open0.header.session == "s1"
     assert open0.header.request_id == "req-s1"
     assert open0.header.fields["stage"] == 0
     assert open0.header.fields["max_len"] == 3 + 2
     assert open0.header.fields["max_tokens"] == 2
+    assert open0.header.fields["next"] == "w1"
     assert [p.dtype for p in open0.payloads] == ["int32"]
     assert open0.frames[1] == prompt[0].array.tobytes()
 
@@ -328,8 +330,10 @@ def test_a_session_flows_through_both_stages(cluster: Callable[..., Harness]) ->
     np.testing.assert_array_equal(got.payloads[0].array, act[0].array)
 
     # A token that does not finish: to the client (with the route on step 0), and the
-    # next step straight to stage 0.
-    w1.send(token_header("s1", 0, 42))
+    # next step straight to stage 0, with the group it was computed in.
+    tagged = token_header("s1", 0, 42)
+    tagged.fields["group"] = ["w-x/7/w0", 3]
+    w1.send(tagged)
     tok = h.expect(client, MsgType.TOKEN)
     assert tok.header.step == 0
     boot = tok.header.fields.pop("boot")
@@ -337,6 +341,7 @@ def test_a_session_flows_through_both_stages(cluster: Callable[..., Harness]) ->
     assert tok.header.fields == {"token": 42, "finish": None, "route": ["w0", "w1"]}
     step = h.expect(w0, MsgType.STEP)
     assert (step.header.session, step.header.step, step.header.fields["token"]) == ("s1", 1, 42)
+    assert step.header.fields["group"] == ["w-x/7/w0", 3]
 
     # The last token: to the client, then every stage frees the session.
     w1.send(token_header("s1", 1, 43, finish="length"))

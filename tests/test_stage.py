@@ -406,11 +406,17 @@ def test_coalesce_wait_only_while_some_sessions_are_elsewhere(
         stage.open(sid, "", 20, 8, GREEDY, frozenset(), np.asarray([5, 6, 7], np.int32))
     now = time.monotonic()
     assert stage.coalesce_wait(now) == 0.0  # prompts waiting: never hold them back
+    assert not stage.others_pending()
     stage.run()  # both prompts in one forward; now the stage knows its forward time
     stage.step("a", 1, 9)
     wait = stage.coalesce_wait(time.monotonic())
     assert 0.0 < wait <= COALESCE_MAX_S  # b is on another stage: may wait for it
     assert stage.coalesce_wait(time.monotonic() + COALESCE_MAX_S) == 0.0  # bounded
+    # ... from when it was last stalled elsewhere (the worker's `since`), if later.
+    later = time.monotonic() + COALESCE_MAX_S
+    assert stage.coalesce_wait(later, since=later - 0.01) == pytest.approx(COALESCE_MAX_S - 0.01)
+    assert stage.others_pending()
     stage.step("b", 1, 9)
+    assert not stage.others_pending()
     assert stage.coalesce_wait(time.monotonic()) == 0.0  # everyone is ready: go
     assert len(stage.run()) == 2

@@ -503,6 +503,24 @@ def test_sigint_leaves_with_disconnect(setup: Setup) -> None:
 # -- taking turns on shared cores (cpu_lock) ---------------------------------------------
 
 
+def locked_stage_worker(tiny_model_dir: Path, tmp_path: Path, sessions: Sequence[str]) -> Worker:
+    """A stage-0 worker with cpu_lock whose sessions' prompts have run: all of them
+    are "on the next stage" until a STEP comes back."""
+    from zmqllm.engine.sampling import SamplingParams
+
+    cfg = Config()
+    cfg.model.path = str(tiny_model_dir)
+    cfg.worker.layers = "0:2"
+    cfg.worker.cpu_lock = str(tmp_path / "cpu.lock")
+    worker = Worker(cfg, load_stage(cfg), context=zmq.Context.instance())
+    for sid in sessions:
+        worker.stage.open(
+            sid, "", 20, 8, SamplingParams(), frozenset(), np.asarray([5, 6], np.int32)
+        )
+    worker.stage.run()
+    return worker
+
+
 def test_cpu_lock_waits_for_sessions_while_another_stage_computes(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -511,18 +529,11 @@ def test_cpu_lock_waits_for_sessions_while_another_stage_computes(
     import fcntl
     import os
 
-    from zmqllm.engine.sampling import SamplingParams
-    from zmqllm.worker import HOP_GRACE_S, LOCK_POLL_S
+    from zmqllm.engine.stage import COALESCE_MAX_S
+    from zmqllm.worker import HOP_GRACE_S, LOCK_POLL_S, LOCK_WAIT_MAX_S
 
-    cfg = Config()
-    cfg.model.path = str(tiny_model_dir)
-    cfg.worker.layers = "0:2"
-    cfg.worker.cpu_lock = str(tmp_path / "cpu.lock")
-    worker = Worker(cfg, load_stage(cfg), context=zmq.Context.instance())
-    stage = worker.stage
-    for sid in ("a", "b"):
-        stage.open(sid, "", 20, 8, SamplingParams(), frozenset(), np.asarray([5, 6], np.int32))
-    stage.run()  # both prompts; both sessions are now "on the next stage"
+    worker = locked_stage_worker(tiny_model_dir, tmp_path, ("a", "b"))
+    cfg, stage = worker.cfg, worker.stage
     stage.step("a", 1, 9)
     other = os.open(cfg.worker.cpu_lock, os.O_RDWR)  # another stage's lock handle
     try:
@@ -534,6 +545,22 @@ def test_cpu_lock_waits_for_sessions_while_another_stage_computes(
         assert worker._coalesce_wait() == 0.0  # quiet for longer than the grace: run
         worker._last_work_at = time.monotonic()  # a message just came: more may follow
         assert 0.0 < worker._coalesce_wait() <= HOP_GRACE_S
+        worker._last_work_at -= 1.0
+        # Time spent while another stage computes does not count against the bound.
+        for w in stage._ready:
+            w.ready_at -= 2 * COALESCE_MAX_S
+        fcntl.flock(other, fcntl.LOCK_EX)
+        assert worker._coalesce_wait() == pytest.approx(LOCK_POLL_S)
+        fcntl.flock(other, fcntl.LOCK_UN)
+        assert 0.0 < worker._coalesce_wait() <= HOP_GRACE_S
+        worker._lock_busy_at -= 2 * COALESCE_MAX_S
+        assert worker._coalesce_wait() == 0.0
+        # ... but a stage that never lets go for long is queued on, not polled, forever.
+        fcntl.flock(other, fcntl.LOCK_EX)
+        for w in stage._ready:
+            w.ready_at -= LOCK_WAIT_MAX_S
+        assert worker._coalesce_wait() == 0.0
+        fcntl.flock(other, fcntl.LOCK_UN)
         cfg.worker.cpu_lock = ""
         plain = Worker(cfg, worker.loaded, context=zmq.Context.instance())
         assert plain._coalesce_wait() == 0.0  # stages computing at once never wait
@@ -541,3 +568,64 @@ def test_cpu_lock_waits_for_sessions_while_another_stage_computes(
         assert worker._coalesce_wait() == 0.0  # everyone is ready
     finally:
         os.close(other)
+
+
+def test_a_stage_waits_for_the_rest_of_a_group_it_has_seen_part_of(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Tagged results say how many of their forward come here: the stage waits for
+    the rest (a few ms late is no reason to split the batch) and not a moment longer
+    once they are all in; a malformed tag counts as none (the quiet-time rule)."""
+    from zmqllm.worker import GROUP_WAIT_S, HOP_GRACE_S, MAX_GROUPS
+
+    worker = locked_stage_worker(tiny_model_dir, tmp_path, ("a", "b", "c", "d"))
+    worker.stage.step("a", 1, 9)  # b, c, d are elsewhere
+    assert worker._coalesce_wait() == 0.0  # nothing says they are coming
+    worker._note_arrival(["w-1/7/w0", 3])
+    assert HOP_GRACE_S < worker._coalesce_wait() <= GROUP_WAIT_S  # 2 more of group 7
+    worker._note_arrival(["w-1/7/w0", 3])
+    assert worker._coalesce_wait() > HOP_GRACE_S
+    worker._note_arrival(["w-1/7/w0", 3])
+    assert worker._groups == {}
+    assert worker._coalesce_wait() == 0.0  # the group is complete: run now
+    worker._note_arrival(["w-1/8/w0", 2])
+    worker._groups["w-1/8/w0"][2] -= GROUP_WAIT_S  # the rest never came (cancelled)
+    assert worker._coalesce_wait() == 0.0
+    for bad in (["g"], "g", [1, 2], ["g", True], ["g", 2.5], None):
+        worker._last_work_at -= 1.0
+        worker._note_arrival(bad)
+        assert worker._groups.keys() == {"w-1/8/w0"}
+        assert 0.0 < worker._coalesce_wait() <= HOP_GRACE_S  # untagged: quiet-time rule
+    # Groups that never complete do not pile up.
+    for i in range(3 * MAX_GROUPS):
+        worker._note_arrival([f"w-2/{i}/w0", 2])
+        worker._groups[f"w-2/{i}/w0"][2] -= GROUP_WAIT_S
+    assert len(worker._groups) <= MAX_GROUPS
+
+
+def test_results_are_tagged_with_their_group_per_next_worker(tiny_model_dir: Path) -> None:
+    from zmqllm.engine.sampling import SamplingParams
+    from zmqllm.engine.stage import Output
+
+    cfg = Config()
+    cfg.model.path = str(tiny_model_dir)
+    worker = Worker(cfg, load_stage(cfg), context=zmq.Context.instance())
+    for sid, hop in (("a", "w1"), ("b", "w2"), ("c", "w1"), ("d", "w1")):
+        s = worker.stage.open(sid, "", 20, 8, SamplingParams(), frozenset(), None)
+        s.next_hop = hop
+    worker.stage.stats.forwards = 12
+    outs = [
+        Output("a", "", 1, True, token=5),
+        Output("b", "", 1, True, token=5),
+        Output("c", "", 1, True, token=5, finish="length"),  # the broker ends it: no STEP
+        Output("d", "", 1, True, token=5),
+        Output("gone", "", 1, True, token=5),  # closed meanwhile
+    ]
+    g = f"{worker.identity}/12"
+    assert worker._tag_groups(outs) == [
+        [f"{g}/w1", 2],
+        [f"{g}/w2", 1],
+        None,
+        [f"{g}/w1", 2],
+        [f"{g}/", 1],
+    ]

@@ -308,7 +308,10 @@ class Broker:
             # Later stages first: each must hold the session before stage 0's
             # activations can reach it (per-peer ordering keeps OPEN ahead).
             for i in reversed(range(n)):
-                fields = dict(h.fields, stage=i, stages=n, max_len=p.max_len)
+                # next: where stage i's results go (the last stage's STEPs go to the
+                # first); a worker groups its results by it (see Worker._tag_groups).
+                nxt = route[(i + 1) % n].worker_id
+                fields = dict(h.fields, stage=i, stages=n, max_len=p.max_len, next=nxt)
                 header = Header(MsgType.OPEN, s.wire, s.request_id, 0, fields)
                 if i == 0:
                     # The prompt frame goes on as received (same frame object).
@@ -427,9 +430,10 @@ class Broker:
         else:
             first = self.registry.workers.get(s.route[0])
             if first is not None:
-                step = Header(
-                    MsgType.STEP, s.wire, s.request_id, h.step + 1, {"token": h.fields["token"]}
-                )
+                step_fields: dict[str, Any] = {"token": h.fields["token"]}
+                if "group" in h.fields:
+                    step_fields["group"] = h.fields["group"]  # passed on for stage 0
+                step = Header(MsgType.STEP, s.wire, s.request_id, h.step + 1, step_fields)
                 self._to_worker(first, encode(step))
 
     def on_worker_error(self, w: WorkerEntry, h: Header) -> None:

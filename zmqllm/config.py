@@ -114,7 +114,12 @@ class WorkerSettings:
     # Refuse a new session when this process's memory (RSS on cpu, allocated GPU memory
     # on cuda) plus the session's KV cache would pass this many MiB; 0 = no limit.
     max_memory_mb: int = 0
-    prefill_chunk: int = 512  # prompt tokens per forward, so long prompts don't stall decodes
+    # Prompt tokens per forward (llama.cpp's server batches 2048 too). A long prompt
+    # stalls the other sessions' decode steps one chunk at a time (~1 ms per token for
+    # the default model on 2 cores); a burst of short prompts that fits is prefilled in
+    # one forward (32 chat prompts of ~40 tokens do). Split over two, the streams of the
+    # first start decoding and their next token waits on the second.
+    prefill_chunk: int = 2048
     name: str = ""
 
 

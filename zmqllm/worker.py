@@ -16,6 +16,7 @@ import signal
 import socket
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from zmqllm.engine.cache import CacheFullError
 from zmqllm.engine.frames import payload_to_tensor, tensor_to_payload
 from zmqllm.engine.generator import load_shard
 from zmqllm.engine.sampling import SamplingParams
-from zmqllm.engine.stage import Stage, rss_bytes
+from zmqllm.engine.stage import Output, Stage, rss_bytes
 from zmqllm.engine.weights import model_fingerprint, resolve_checkpoint
 from zmqllm.log import bind_request, get_logger
 from zmqllm.protocol import Header, MsgType, Payload, ProtocolError, decode, encode, error_header
@@ -46,6 +47,16 @@ MAX_MESSAGES_PER_TURN = 1024
 # broker and gateway share two cores with the workers).
 LOCK_POLL_S = 0.001
 HOP_GRACE_S = 0.003
+# The results of one forward bound for the same next worker form a group, and
+# each of their messages says so ("group": [id, size]); a stage waits for the rest
+# of a group it has seen part of for at most this long after the last one came
+# (a broker or gateway descheduled for a few ms must not split the batch).
+GROUP_WAIT_S = 0.025
+MAX_GROUPS = 64
+# A stage polling the lock for its turn might never see it free if others let go
+# only for an instant between forwards: past this, it blocks on the lock instead
+# (longer than one full prefill chunk elsewhere takes, ~1 s here).
+LOCK_WAIT_MAX_S = 2.0
 
 
 class WorkerRefused(RuntimeError):
@@ -127,7 +138,9 @@ class Worker:
             Path(cfg.worker.cpu_lock).parent.mkdir(parents=True, exist_ok=True)
             self._cpu_lock = os.open(cfg.worker.cpu_lock, os.O_RDWR | os.O_CREAT, 0o644)
         self._lock_busy_at = 0.0  # when another stage was last seen holding cpu_lock
-        self._last_work_at = 0.0  # when the last STEP or ACTIVATION arrived
+        self._last_work_at = 0.0  # when the last untagged STEP or ACTIVATION arrived
+        # Groups seen in part: id -> [size, arrived, last arrival] (see GROUP_WAIT_S).
+        self._groups: dict[str, list[Any]] = {}
 
     # -- signals ---------------------------------------------------------------
     def on_sigterm(self, *_: object) -> None:
@@ -281,10 +294,10 @@ class Worker:
     def handle(self, h: Header, payloads: list[Payload]) -> None:
         t = h.type
         if t is MsgType.ACTIVATION:
-            self._last_work_at = time.monotonic()
+            self._note_arrival(h.fields.get("group"))
             self.on_activation(h, payloads)
         elif t is MsgType.STEP:
-            self._last_work_at = time.monotonic()
+            self._note_arrival(h.fields.get("group"))
             if not self.stage.step(h.session, h.step, h.fields["token"]):
                 log.debug("step for an unknown session dropped", session=h.session)
         elif t is MsgType.OPEN:
@@ -344,7 +357,7 @@ class Worker:
                         or int(prompt.min()) < 0
                     ):
                         raise ValueError("prompt token ids must be in [0, vocab_size)")
-                self.stage.open(
+                state = self.stage.open(
                     h.session,
                     h.request_id,
                     int(f["max_len"]),
@@ -353,6 +366,8 @@ class Worker:
                     frozenset(int(x) for x in f["stop_ids"]),
                     prompt,
                 )
+                # Where this session's results go next (absent from older brokers).
+                state.next_hop = str(f.get("next", ""))
             except CacheFullError as exc:
                 self.send(error_header("full", str(exc), h.session, h.request_id))
                 return
@@ -374,30 +389,73 @@ class Worker:
         if not self.stage.activation(h.session, h.step, hidden, bool(h.fields.get("final", True))):
             log.debug("activation for an unknown session dropped", session=h.session)
 
+    def _note_arrival(self, group: Any) -> None:
+        """Count a STEP or ACTIVATION towards its group; untagged ones restart the
+        quiet time (HOP_GRACE_S) instead. A malformed tag is treated as none."""
+        now = time.monotonic()
+        if not (
+            isinstance(group, list)
+            and len(group) == 2
+            and isinstance(group[0], str)
+            and isinstance(group[1], int)
+            and not isinstance(group[1], bool)
+        ):
+            self._last_work_at = now
+            return
+        gid, size = group
+        g = self._groups.get(gid)
+        if g is None:
+            if len(self._groups) >= MAX_GROUPS:  # groups that never completed (cancels)
+                self._groups = {k: v for k, v in self._groups.items() if v[2] + GROUP_WAIT_S > now}
+            g = self._groups[gid] = [size, 0, now]
+        g[1] += 1
+        g[2] = now
+        if g[1] >= g[0]:
+            del self._groups[gid]
+
     def _coalesce_wait(self) -> float:
         """Only stages taking turns on shared cores (cpu_lock) wait to batch more.
 
         While another stage holds the lock we could not compute anyway: wait, and
-        take in what arrives. Once it lets go, its results for our missing sessions
-        are one hop through the broker away, arriving one message per session: wait
-        until none has come for HOP_GRACE_S, so the groups merge into one batch. Two
-        stages waiting for each other's sessions both run once the grace is over (the
-        stage bounds every wait too).
+        take in what arrives (this time does not count against the stage's bound, or
+        a long prefill elsewhere would make us run a fraction of the sessions just
+        before the rest come back). Once it lets go, its results for our missing
+        sessions are one hop through the broker away, one message per session: wait
+        HOP_GRACE_S for the first, then for the rest of every group seen in part
+        (GROUP_WAIT_S after the last arrival at most), or, for untagged messages,
+        until none has come for HOP_GRACE_S. Two stages waiting for each other's
+        sessions both run once that is over (the stage bounds every wait too).
         """
-        if self._cpu_lock is None:
+        if self._cpu_lock is None or not self.stage.others_pending():
             return 0.0
         now = time.monotonic()
-        limit = self.stage.coalesce_wait(now)
-        if not limit:
-            return 0.0
         try:
             fcntl.flock(self._cpu_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:  # another stage is computing
             self._lock_busy_at = now
-            return min(limit, LOCK_POLL_S)
+            if now - self.stage.oldest_ready() > LOCK_WAIT_MAX_S:
+                return 0.0  # queue on the lock like any forward (see LOCK_WAIT_MAX_S)
+            return LOCK_POLL_S
         fcntl.flock(self._cpu_lock, fcntl.LOCK_UN)
-        grace = max(self._lock_busy_at, self._last_work_at) + HOP_GRACE_S - now
-        return min(limit, grace) if grace > 0 else 0.0
+        limit = self.stage.coalesce_wait(now, since=self._lock_busy_at)
+        wait = max(self._lock_busy_at, self._last_work_at) + HOP_GRACE_S - now
+        for size, arrived, last in self._groups.values():
+            if arrived < size:
+                wait = max(wait, last + GROUP_WAIT_S - now)
+        return min(limit, wait) if wait > 0 else 0.0
+
+    def _tag_groups(self, outputs: list[Output]) -> list[list[Any] | None]:
+        """[group id, size] per output that travels on (None: a final token)."""
+        gid = f"{self.identity}/{self.stage.stats.forwards}"
+        hops: list[str | None] = []
+        for o in outputs:
+            if o.token is not None and o.finish is not None:
+                hops.append(None)  # the broker ends it here: no STEP follows
+                continue
+            s = self.stage.sessions.get(o.session)
+            hops.append(s.next_hop if s is not None else "")
+        sizes = Counter(h for h in hops if h is not None)
+        return [None if h is None else [f"{gid}/{h}", sizes[h]] for h in hops]
 
     def _pick_threads(self) -> None:
         """One session in flight: stages take turns, so each may use every core. Several:
@@ -430,14 +488,18 @@ class Worker:
             self.send(error_header("internal", reason, sid, rid))
             self.stage.close(sid)
         self.stage.failed.clear()
-        for o in outputs:
+        for o, group in zip(outputs, self._tag_groups(outputs), strict=True):
+            fields: dict[str, Any] = {}
+            if group is not None:
+                fields["group"] = group
             if o.token is not None:
-                fields = {"token": o.token, "finish": o.finish}
+                fields.update(token=o.token, finish=o.finish)
                 self.send(Header(MsgType.TOKEN, o.session, o.request_id, o.step, fields))
             else:
                 assert o.hidden is not None
+                fields["final"] = o.final
                 self.send(
-                    Header(MsgType.ACTIVATION, o.session, o.request_id, o.step, {"final": o.final}),
+                    Header(MsgType.ACTIVATION, o.session, o.request_id, o.step, fields),
                     [tensor_to_payload(o.hidden)],
                 )
 

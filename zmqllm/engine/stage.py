@@ -7,6 +7,7 @@ batched forward over the shard. Sessions join and leave between calls.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections import deque
@@ -36,6 +37,7 @@ class SessionState:
     prompt_left: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     prompt_step: int = 0
     opened: float = field(default_factory=time.monotonic)
+    next_hop: str = ""  # the worker its results go to next (the worker groups by it)
 
 
 @dataclass
@@ -75,7 +77,7 @@ class Stage:
         shard: MistralShard,
         max_sessions: int = 64,
         max_kv_tokens: int = 65536,
-        prefill_chunk: int = 512,
+        prefill_chunk: int = 2048,
         max_memory_mb: int = 0,
     ) -> None:
         self.shard = shard
@@ -159,7 +161,17 @@ class Stage:
     def has_work(self) -> bool:
         return bool(self._ready) or any(s.prompt_left.size for s in self.sessions.values())
 
-    def coalesce_wait(self, now: float) -> float:
+    def others_pending(self) -> bool:
+        """Work is ready, no prompt waits, and some sessions are not ready here."""
+        if not self._ready or any(s.prompt_left.size for s in self.sessions.values()):
+            return False
+        return len({w.session.id for w in self._ready}) < len(self.sessions)
+
+    def oldest_ready(self) -> float:
+        """When the longest-waiting ready work arrived (inf: none)."""
+        return min((w.ready_at for w in self._ready), default=math.inf)
+
+    def coalesce_wait(self, now: float, since: float = 0.0) -> float:
         """Seconds the ready work may still wait for the sessions that are elsewhere.
 
         When stages share the cores and take turns, sessions split into groups that
@@ -168,15 +180,14 @@ class Stage:
         on another stage come back, so that the groups merge into one batch (the
         worker decides when they are coming; see Worker._coalesce_wait). This is the
         bound on that wait: 0 when every session is ready, when a prompt waits, or
-        when the oldest ready work has waited COALESCE_MAX_S.
+        when COALESCE_MAX_S has passed since the oldest ready work arrived or, if
+        later, since `since` (the worker passes when it last saw another stage
+        computing: time we could not have computed in does not count).
         """
-        if not self._ready or any(s.prompt_left.size for s in self.sessions.values()):
+        if not self.others_pending():
             return 0.0
-        ready = {w.session.id for w in self._ready}
-        if len(ready) >= len(self.sessions):
-            return 0.0
-        oldest = min(w.ready_at for w in self._ready)
-        return max(0.0, oldest + COALESCE_MAX_S - now)
+        start = max(min(w.ready_at for w in self._ready), since)
+        return max(0.0, start + COALESCE_MAX_S - now)
 
     def _take_batch(self) -> list[Work]:
         """Decode work first, then prefill chunks within the token budget; at
