@@ -91,6 +91,12 @@ class MsgType(str, enum.Enum):
     ERROR         any -> the peer it answers            code, message
     STATUS        client -> broker                      -
     STATUS_REPLY  broker -> client                      status
+
+    Optional fields: OPEN ``next`` (the worker the stage's results go to; for the
+    last stage, stage 0), ACTIVATION ``final`` (the last prompt chunk or a decode
+    step), and ACTIVATION, TOKEN and STEP ``group``: ``[id, size]``, the forward the
+    result came from and how many of its results go to the same next worker (the
+    broker copies it from a TOKEN to the STEP it sends on).
     """
 
     REGISTER = "register"
