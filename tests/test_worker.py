@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -208,9 +209,15 @@ PROMPT = [5, 17, 42, 9, 101, 33]
 
 
 def open_header(
-    session: str, *, stage: int = 0, stages: int = 1, max_tokens: int = 5, prompt_len: int = 6
+    session: str,
+    *,
+    stage: int = 0,
+    stages: int = 1,
+    max_tokens: int = 5,
+    prompt_len: int = 6,
+    next_hop: str | None = None,
 ) -> Header:
-    fields = {
+    fields: dict[str, Any] = {
         "max_tokens": max_tokens,
         "prompt_len": prompt_len,
         "sampling": {"temperature": 0.0},
@@ -219,6 +226,8 @@ def open_header(
         "stages": stages,
         "max_len": prompt_len + max_tokens,
     }
+    if next_hop is not None:
+        fields["next"] = next_hop
     return Header(MsgType.OPEN, session, f"req-{session}", 0, fields)
 
 
@@ -283,13 +292,16 @@ def test_two_workers_make_a_pipeline(setup: Setup, generator: Generator) -> None
     b1, _ = setup.start("2:4")
     assert b0.register().header.fields["end"] == 2
     assert b1.register().header.fields["start"] == 2
-    b1.send(open_header("s1", stage=1, stages=2, max_tokens=4))
-    b0.send(open_header("s1", stage=0, stages=2, max_tokens=4), prompt_payload())
+    b1.send(open_header("s1", stage=1, stages=2, max_tokens=4, next_hop="w-a"))
+    b0.send(open_header("s1", stage=0, stages=2, max_tokens=4, next_hop="w-b"), prompt_payload())
     tokens: list[int] = []
     for n in range(4):
         act = b0.expect(MsgType.ACTIVATION)
         assert (act.header.session, act.header.step) == ("s1", n)
         assert act.header.fields["final"] is True
+        # Its forward's group: one result for the next worker the OPEN named.
+        gid, size = act.header.fields["group"]
+        assert gid.endswith("/w-b") and size == 1
         (hidden,) = act.payloads
         # Prefill carries one row per prompt token, a decode step one row.
         assert hidden.array.shape == (len(PROMPT) if n == 0 else 1, 64)
@@ -298,7 +310,10 @@ def test_two_workers_make_a_pipeline(setup: Setup, generator: Generator) -> None
         assert tok.header.step == n
         tokens.append(tok.header.fields["token"])
         if tok.header.fields["finish"] is None:
+            assert tok.header.fields["group"][0].endswith("/w-a")  # its STEP goes to stage 0
             b0.send(step("s1", n + 1, tokens[-1]))
+        else:
+            assert "group" not in tok.header.fields  # no STEP follows a last token
     assert tok.header.fields["finish"] == "length"
     assert tokens == list(generator.generate(PROMPT, 4))
 
@@ -521,85 +536,128 @@ def locked_stage_worker(tiny_model_dir: Path, tmp_path: Path, sessions: Sequence
     return worker
 
 
+@pytest.fixture
+def slow_waits(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+    """The wait constants scaled far above scheduling noise: no assertion below
+    depends on two statements running within a few milliseconds."""
+    import zmqllm.engine.stage as stage_module
+    import zmqllm.worker as worker_module
+
+    t = SimpleNamespace(hop=1.0, group=5.0, bound=30.0, lock_max=300.0)
+    monkeypatch.setattr(worker_module, "HOP_GRACE_S", t.hop)
+    monkeypatch.setattr(worker_module, "GROUP_WAIT_S", t.group)
+    monkeypatch.setattr(worker_module, "LOCK_WAIT_MAX_S", t.lock_max)
+    monkeypatch.setattr(stage_module, "COALESCE_MAX_S", t.bound)
+    return t
+
+
+def lock_is_free(path: str) -> bool:
+    """Whether another process could take the lock now (and leave it as it was)."""
+    import fcntl
+    import os
+
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)  # closing the descriptor drops a lock taken through it
+    return True
+
+
 def test_cpu_lock_waits_for_sessions_while_another_stage_computes(
-    tiny_model_dir: Path, tmp_path: Path
+    tiny_model_dir: Path, tmp_path: Path, slow_waits: SimpleNamespace
 ) -> None:
     """Ready work waits while another stage holds the lock and, once it lets go, until
     the other sessions' messages stop coming; then it runs. Without cpu_lock: never."""
     import fcntl
     import os
 
-    from zmqllm.engine.stage import COALESCE_MAX_S
-    from zmqllm.worker import HOP_GRACE_S, LOCK_POLL_S, LOCK_WAIT_MAX_S
+    from zmqllm.worker import LOCK_POLL_S
 
+    t = slow_waits
     worker = locked_stage_worker(tiny_model_dir, tmp_path, ("a", "b"))
     cfg, stage = worker.cfg, worker.stage
     stage.step("a", 1, 9)
     other = os.open(cfg.worker.cpu_lock, os.O_RDWR)  # another stage's lock handle
     try:
         fcntl.flock(other, fcntl.LOCK_EX)
-        assert worker._coalesce_wait() == pytest.approx(LOCK_POLL_S)  # it computes: b is coming
+        assert worker._coalesce_wait() == LOCK_POLL_S  # it computes: b is coming
         fcntl.flock(other, fcntl.LOCK_UN)
-        assert 0.0 < worker._coalesce_wait() <= HOP_GRACE_S  # just let go: b is on its way
-        worker._lock_busy_at -= 1.0
+        assert 0.0 < worker._coalesce_wait() <= t.hop  # just let go: b is on its way
+        assert lock_is_free(cfg.worker.cpu_lock)  # within our bound: others may go first
+        worker._lock_busy_at -= 2 * t.hop
         assert worker._coalesce_wait() == 0.0  # quiet for longer than the grace: run
         worker._last_work_at = time.monotonic()  # a message just came: more may follow
-        assert 0.0 < worker._coalesce_wait() <= HOP_GRACE_S
-        worker._last_work_at -= 1.0
-        # Time spent while another stage computes does not count against the bound.
+        assert 0.0 < worker._coalesce_wait() <= t.hop
+        worker._last_work_at -= 2 * t.hop
+
+        # Time spent while another stage computes does not count against the bound...
         for w in stage._ready:
-            w.ready_at -= 2 * COALESCE_MAX_S
+            w.ready_at -= 2 * t.bound
         fcntl.flock(other, fcntl.LOCK_EX)
-        assert worker._coalesce_wait() == pytest.approx(LOCK_POLL_S)
+        assert worker._coalesce_wait() == LOCK_POLL_S
         fcntl.flock(other, fcntl.LOCK_UN)
-        assert 0.0 < worker._coalesce_wait() <= HOP_GRACE_S
-        worker._lock_busy_at -= 2 * COALESCE_MAX_S
+        # ... and past the bound, the stage keeps the turn it sees while b comes in
+        # (a third worker sharing the cores could otherwise take every turn).
+        assert 0.0 < worker._coalesce_wait() <= t.hop
+        assert not lock_is_free(cfg.worker.cpu_lock)
+        worker._lock_busy_at -= 2 * t.hop
         assert worker._coalesce_wait() == 0.0
-        # ... but a stage that never lets go for long is queued on, not polled, forever.
+        sent: list[Header] = []
+        worker.send = lambda h, payloads=None: sent.append(h)  # type: ignore[method-assign]
+        worker.run_batch()  # its forward lets go of the lock
+        assert lock_is_free(cfg.worker.cpu_lock)
+        assert [(h.type, h.session) for h in sent] == [(MsgType.ACTIVATION, "a")]
+        stage.step("a", 2, 9)
+
+        # A stage that never lets go for long is queued on, not polled, forever.
         fcntl.flock(other, fcntl.LOCK_EX)
         for w in stage._ready:
-            w.ready_at -= LOCK_WAIT_MAX_S
+            w.ready_at -= t.lock_max
         assert worker._coalesce_wait() == 0.0
         fcntl.flock(other, fcntl.LOCK_UN)
         cfg.worker.cpu_lock = ""
         plain = Worker(cfg, worker.loaded, context=zmq.Context.instance())
         assert plain._coalesce_wait() == 0.0  # stages computing at once never wait
-        stage.step("b", 1, 9)
+        stage.step("b", 2, 9)
         assert worker._coalesce_wait() == 0.0  # everyone is ready
     finally:
         os.close(other)
 
 
 def test_a_stage_waits_for_the_rest_of_a_group_it_has_seen_part_of(
-    tiny_model_dir: Path, tmp_path: Path
+    tiny_model_dir: Path, tmp_path: Path, slow_waits: SimpleNamespace
 ) -> None:
     """Tagged results say how many of their forward come here: the stage waits for
-    the rest (a few ms late is no reason to split the batch) and not a moment longer
-    once they are all in; a malformed tag counts as none (the quiet-time rule)."""
-    from zmqllm.worker import GROUP_WAIT_S, HOP_GRACE_S, MAX_GROUPS
+    the rest (a few ms late is no reason to split the batch) and runs once they are
+    all in; a malformed tag counts as none (the quiet-time rule)."""
+    from zmqllm.worker import MAX_GROUPS
 
+    t = slow_waits
     worker = locked_stage_worker(tiny_model_dir, tmp_path, ("a", "b", "c", "d"))
     worker.stage.step("a", 1, 9)  # b, c, d are elsewhere
     assert worker._coalesce_wait() == 0.0  # nothing says they are coming
     worker._note_arrival(["w-1/7/w0", 3])
-    assert HOP_GRACE_S < worker._coalesce_wait() <= GROUP_WAIT_S  # 2 more of group 7
+    assert t.hop < worker._coalesce_wait() <= t.group  # 2 more of group 7
     worker._note_arrival(["w-1/7/w0", 3])
-    assert worker._coalesce_wait() > HOP_GRACE_S
+    assert worker._coalesce_wait() > t.hop
     worker._note_arrival(["w-1/7/w0", 3])
     assert worker._groups == {}
     assert worker._coalesce_wait() == 0.0  # the group is complete: run now
     worker._note_arrival(["w-1/8/w0", 2])
-    worker._groups["w-1/8/w0"][2] -= GROUP_WAIT_S  # the rest never came (cancelled)
+    worker._groups["w-1/8/w0"][2] -= t.group  # the rest never came (cancelled)
     assert worker._coalesce_wait() == 0.0
     for bad in (["g"], "g", [1, 2], ["g", True], ["g", 2.5], None):
-        worker._last_work_at -= 1.0
+        worker._last_work_at -= 2 * t.hop
         worker._note_arrival(bad)
         assert worker._groups.keys() == {"w-1/8/w0"}
-        assert 0.0 < worker._coalesce_wait() <= HOP_GRACE_S  # untagged: quiet-time rule
+        assert 0.0 < worker._coalesce_wait() <= t.hop  # untagged: quiet-time rule
     # Groups that never complete do not pile up.
     for i in range(3 * MAX_GROUPS):
         worker._note_arrival([f"w-2/{i}/w0", 2])
-        worker._groups[f"w-2/{i}/w0"][2] -= GROUP_WAIT_S
+        worker._groups[f"w-2/{i}/w0"][2] -= t.group
     assert len(worker._groups) <= MAX_GROUPS
 
 

@@ -54,8 +54,9 @@ HOP_GRACE_S = 0.003
 GROUP_WAIT_S = 0.025
 MAX_GROUPS = 64
 # A stage polling the lock for its turn might never see it free if others let go
-# only for an instant between forwards: past this, it blocks on the lock instead
-# (longer than one full prefill chunk elsewhere takes, ~1 s here).
+# only for an instant between forwards: past this, it blocks on the lock instead.
+# (Past its own wait bound it keeps the lock as soon as it sees it free, so this
+# is only the last resort.)
 LOCK_WAIT_MAX_S = 2.0
 
 
@@ -138,6 +139,7 @@ class Worker:
             Path(cfg.worker.cpu_lock).parent.mkdir(parents=True, exist_ok=True)
             self._cpu_lock = os.open(cfg.worker.cpu_lock, os.O_RDWR | os.O_CREAT, 0o644)
         self._lock_busy_at = 0.0  # when another stage was last seen holding cpu_lock
+        self._held_at: float | None = None  # we hold cpu_lock while results come in
         self._last_work_at = 0.0  # when the last untagged STEP or ACTIVATION arrived
         # Groups seen in part: id -> [size, arrived, last arrival] (see GROUP_WAIT_S).
         self._groups: dict[str, list[Any]] = {}
@@ -237,6 +239,8 @@ class Worker:
                     self.drain_socket()
                 if self.stage.has_work() and not self._coalesce_wait():
                     self.run_batch()
+                elif self._held_at is not None and not self.stage.has_work():
+                    self._release_turn()  # the sessions we waited with were closed
                 now = time.monotonic()
                 if now >= self._next_beat:
                     self.heartbeat(now)
@@ -423,26 +427,41 @@ class Worker:
         sessions are one hop through the broker away, one message per session: wait
         HOP_GRACE_S for the first, then for the rest of every group seen in part
         (GROUP_WAIT_S after the last arrival at most), or, for untagged messages,
-        until none has come for HOP_GRACE_S. Two stages waiting for each other's
-        sessions both run once that is over (the stage bounds every wait too).
+        until none has come for HOP_GRACE_S. Within the stage's own bound that wait
+        leaves the lock free (the other stage may need a turn to send us its
+        sessions); past it, the stage keeps the lock while it waits (GROUP_WAIT_S at
+        most), or a third worker sharing the cores could take it back before every
+        grace ends, again and again. Two stages waiting for each other's sessions
+        both run once that is over.
         """
         if self._cpu_lock is None or not self.stage.others_pending():
             return 0.0
         now = time.monotonic()
-        try:
-            fcntl.flock(self._cpu_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # another stage is computing
-            self._lock_busy_at = now
-            if now - self.stage.oldest_ready() > LOCK_WAIT_MAX_S:
-                return 0.0  # queue on the lock like any forward (see LOCK_WAIT_MAX_S)
-            return LOCK_POLL_S
-        fcntl.flock(self._cpu_lock, fcntl.LOCK_UN)
+        if self._held_at is None:
+            try:
+                fcntl.flock(self._cpu_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # another stage is computing
+                self._lock_busy_at = now
+                if now - self.stage.oldest_ready() > LOCK_WAIT_MAX_S:
+                    return 0.0  # queue on the lock like any forward (see LOCK_WAIT_MAX_S)
+                return LOCK_POLL_S
+            if self.stage.coalesce_wait(now):
+                fcntl.flock(self._cpu_lock, fcntl.LOCK_UN)
+            else:
+                self._held_at = now
         limit = self.stage.coalesce_wait(now, since=self._lock_busy_at)
+        if self._held_at is not None:
+            limit = min(limit, self._held_at + GROUP_WAIT_S - now)
         wait = max(self._lock_busy_at, self._last_work_at) + HOP_GRACE_S - now
         for size, arrived, last in self._groups.values():
             if arrived < size:
                 wait = max(wait, last + GROUP_WAIT_S - now)
-        return min(limit, wait) if wait > 0 else 0.0
+        return min(limit, wait) if wait > 0 and limit > 0 else 0.0
+
+    def _release_turn(self) -> None:
+        assert self._cpu_lock is not None
+        fcntl.flock(self._cpu_lock, fcntl.LOCK_UN)
+        self._held_at = None
 
     def _tag_groups(self, outputs: list[Output]) -> list[list[Any] | None]:
         """[group id, size] per output that travels on (None: a final token)."""
@@ -470,7 +489,8 @@ class Worker:
     def run_batch(self) -> None:
         self._pick_threads()
         if self._cpu_lock is not None:
-            fcntl.flock(self._cpu_lock, fcntl.LOCK_EX)  # our turn on the shared cores
+            # Our turn on the shared cores (already ours if we kept it while waiting).
+            fcntl.flock(self._cpu_lock, fcntl.LOCK_EX)
         try:
             outputs = self.stage.run()
         except Exception as exc:
@@ -482,7 +502,7 @@ class Worker:
             return
         finally:
             if self._cpu_lock is not None:
-                fcntl.flock(self._cpu_lock, fcntl.LOCK_UN)
+                self._release_turn()
         for sid, rid, reason in self.stage.failed:
             log.warning("session failed", session=sid, request_id=rid, reason=reason)
             self.send(error_header("internal", reason, sid, rid))

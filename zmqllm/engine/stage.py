@@ -20,8 +20,9 @@ from zmqllm.engine.cache import CacheFullError, CachePool, KVCache
 from zmqllm.engine.model import MistralShard, Segment
 from zmqllm.engine.sampling import SamplingParams, sample
 
-# The longest ready work waits for more sessions (see Stage.coalesce_wait): a
-# safety net, far above one forward of a shard on the CPU.
+# How long ready work may wait for more sessions while the cores are free (see
+# Stage.coalesce_wait; time another stage spends computing does not count, up to
+# the worker's LOCK_WAIT_MAX_S): a safety net, far above one forward of a shard.
 COALESCE_MAX_S = 0.25
 
 
