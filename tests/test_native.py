@@ -109,3 +109,36 @@ def test_disabled_or_unbuildable_means_the_pytorch_path(
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert native.load() is None  # logged as a warning; the worker goes on
+
+
+def test_fused_layer_steps_match_pytorch(kernel: ModuleType) -> None:
+    """RMSNorm, rotary embedding and silu(gate) * up of a batched decode forward."""
+    import torch.nn.functional as F
+
+    from zmqllm.engine.model import RMSNorm, _rope
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 64, generator=g) * 3
+    norm = RMSNorm(64, 1e-5)
+    norm.weight.copy_(torch.randn(64, generator=g))
+    torch.testing.assert_close(kernel.rms_norm(x, norm.weight, 1e-5), norm(x))
+
+    # q and k heads (4 + 2) roped in place; the v heads (2) after them untouched.
+    qkv = torch.randn(5, 8 * 16, generator=g)
+    angles = torch.rand(5, 8, generator=g) * 100
+    cos, sin = angles.cos(), angles.sin()
+    want = _rope(qkv[:, : 6 * 16].view(5, 6, 16), cos[:, None], sin[:, None])
+    got = qkv.clone()
+    kernel.rope_(got, cos, sin, 6, 16)
+    torch.testing.assert_close(got[:, : 6 * 16].view(5, 6, 16), want)
+    assert torch.equal(got[:, 6 * 16 :], qkv[:, 6 * 16 :])
+
+    gate_up = torch.randn(7, 48, generator=g) * 4
+    torch.testing.assert_close(kernel.silu_mul(gate_up), F.silu(gate_up[:, :24]) * gate_up[:, 24:])
+
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        kernel.rms_norm(x.t(), norm.weight, 1e-5)
+    with pytest.raises(RuntimeError, match="rope_"):
+        kernel.rope_(got, cos[:4], sin[:4], 6, 16)  # a table for 4 rows, not 5
+    with pytest.raises(RuntimeError, match="silu_mul"):
+        kernel.silu_mul(gate_up.double())

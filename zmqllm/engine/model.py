@@ -146,9 +146,18 @@ class DecoderLayer(nn.Module):
         args = self.args
         t = x.shape[0]
         h, kvh, d = args.num_heads, args.num_kv_heads, args.head_dim
-        qkv = self._linear(self.input_norm(x), "wqkv")  # [T, (H + 2 KVH) * D]
-        qk = _rope(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), plan.cos, plan.sin)
-        q, k = qk[:, :h], qk[:, h:]  # [T, H, D], [T, KVH, D]
+        # Batched decode (the compiled kernel attends): its small steps fused as well.
+        fused = plan.kernel if plan.decode is not None else None
+        if fused is not None:
+            normed = fused.rms_norm(x, self.input_norm.weight, self.input_norm.eps)
+            qkv = self._linear(normed, "wqkv")  # [T, (H + 2 KVH) * D]
+            fused.rope_(qkv, plan.cos[:, 0], plan.sin[:, 0], h + kvh, d)
+            q = qkv[:, : h * d].view(t, h, d)  # [T, H, D]
+            k = qkv[:, h * d : (h + kvh) * d].view(t, kvh, d)  # [T, KVH, D]
+        else:
+            qkv = self._linear(self.input_norm(x), "wqkv")
+            qk = _rope(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), plan.cos, plan.sin)
+            q, k = qk[:, :h], qk[:, h:]
         v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
 
         single = plan.decode is None and len(plan.spans) == 1
@@ -166,8 +175,13 @@ class DecoderLayer(nn.Module):
             else:
                 attn[off : off + n] = out
         x = x + self._linear(attn, "wo")
-        gate, up = self._linear(self.post_norm(x), "w_gate_up").chunk(2, dim=-1)
-        return x + self._linear(F.silu(gate) * up, "w_down")
+        if fused is not None:
+            normed = fused.rms_norm(x, self.post_norm.weight, self.post_norm.eps)
+            act = fused.silu_mul(self._linear(normed, "w_gate_up"))
+        else:
+            gate, up = self._linear(self.post_norm(x), "w_gate_up").chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return x + self._linear(act, "w_down")
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

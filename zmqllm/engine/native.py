@@ -1,4 +1,6 @@
-"""The optional compiled decode-attention kernel (csrc/decode_attention.cpp).
+"""The optional compiled decode-attention kernel (csrc/decode_attention.cpp),
+with the small per-layer steps of a batched decode forward (RMSNorm, rotary
+embedding, silu(gate) * up) fused beside it.
 
 Built on first use with torch's C++ extension loader (a C++ compiler and ninja
 are needed) into ``~/.cache/zmqllm/kernels``, once per source and torch

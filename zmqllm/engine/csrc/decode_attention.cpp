@@ -164,10 +164,90 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_new, t
   });
 }
 
+// The small per-layer steps of a batched decode forward, one call each instead of
+// 4-7 PyTorch ops (each op's dispatch costs about what its work does at 16 rows).
+
+// RMSNorm as transformers computes it in float32: w * (x * rsqrt(mean(x^2) + eps)).
+// x [T, D] contiguous, w [D]; returns [T, D].
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32 &&
+                  w.dim() == 1 && w.is_contiguous() && w.scalar_type() == torch::kFloat32 &&
+                  w.size(0) == x.size(1),
+              "rms_norm: x [T, D] and w [D], contiguous float32");
+  const int64_t T = x.size(0), D = x.size(1);
+  auto out = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* xr = xp + t * D;
+      const float inv = 1.f / std::sqrt(dot(xr, xr, D) / static_cast<float>(D) + feps);
+      float* orow = op + t * D;
+      for (int64_t d = 0; d < D; ++d) orow[d] = wp[d] * (xr[d] * inv);
+    }
+  });
+  return out;
+}
+
+// Rotary embedding in place (rotate-half layout) on the first `heads` heads of each
+// row: qkv [T, >= heads * D] with contiguous rows, cos and sin [T, D / 2] contiguous.
+void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t D) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.scalar_type() == torch::kFloat32 &&
+                  qkv.size(1) >= heads * D && D % 2 == 0,
+              "rope_: qkv [T, >= heads * D], contiguous float32");
+  const int64_t T = qkv.size(0), half = D / 2, width = qkv.size(1);
+  TORCH_CHECK(cos.dim() == 2 && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.sizes() == sin.sizes() && cos.size(0) == T && cos.size(1) == half &&
+                  cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32,
+              "rope_: cos and sin [T, D / 2], contiguous float32");
+  float* p = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + t * half;
+      const float* s = sp + t * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* x = p + t * width + h * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = x[i], x2 = x[i + half];
+          x[i] = x1 * c[i] - x2 * s[i];
+          x[i + half] = x2 * c[i] + x1 * s[i];
+        }
+      }
+    }
+  });
+}
+
+// silu(gate) * up for gate_up [T, 2 I] (gate first, as the fused projection has it).
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() &&
+                  gate_up.scalar_type() == torch::kFloat32 && gate_up.size(1) % 2 == 0,
+              "silu_mul: gate_up [T, 2 I], contiguous float32");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = torch::empty({T, I}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* g = gp + t * 2 * I;
+      const float* u = g + I;
+      float* o = op + t * I;
+      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecodeBatch>(m, "DecodeBatch")
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>>());
   m.def("decode_attention", &decode_attention,
         "write one new key/value row per session and attend, all sessions in one call");
+  m.def("rms_norm", &rms_norm, "w * (x * rsqrt(mean(x^2) + eps)) per row");
+  m.def("rope_", &rope_, "rotary embedding in place on the first heads of each row");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
 }
