@@ -13,7 +13,6 @@ Prints a table and writes JSON (default benchmarks/results/engine_latency.json).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -21,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from report import write_json
 
 from zmqllm.config import default_model_dir
 from zmqllm.engine.generator import Generator
@@ -140,8 +140,6 @@ def main() -> None:
         f"{bound_ms:.1f} ms/token; zmqllm decode is {summary['zmqllm_decode_over_bound']:.2f}x "
         f"the bound; greedy tokens identical: {same}"
     )
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "model": str(model_dir),
         "dtype": a.dtype,
@@ -152,8 +150,7 @@ def main() -> None:
         "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(),
     }
-    out.write_text(json.dumps({"meta": meta, "results": results, "summary": summary}, indent=2))
-    print(f"wrote {out}")
+    write_json(Path(a.out), {"meta": meta, "results": results, "summary": summary})
 
 
 if __name__ == "__main__":

@@ -22,11 +22,13 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from report import write_json, write_plot
 
 from zmqllm.config import default_model_dir
 from zmqllm.engine.generator import Generator
@@ -41,16 +43,26 @@ def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
 
 
-def summarize(
-    ttfts: list[float], itls: list[float], tokens: int, seconds: float
-) -> dict[str, float]:
+def measure(once: Callable[[], list[float]], requests: int) -> dict[str, float]:
+    """Run ``once`` (the start time, then each token's arrival) requests + 1 times, the
+    first to warm up, and summarize the rest."""
+    ttfts: list[float] = []
+    itls: list[float] = []
+    tokens, total = 0, 0.0
+    for r in range(requests + 1):
+        stamps = once()
+        if r:
+            ttfts.append(stamps[1] - stamps[0])
+            itls += list(np.diff(stamps[1:]))
+            tokens += len(stamps) - 1
+            total += stamps[-1] - stamps[0]
     return {
         "ttft_ms_p50": pct(ttfts, 50) * 1e3,
         "itl_ms_p50": pct(itls, 50) * 1e3,
         "itl_ms_p95": pct(itls, 95) * 1e3,
         "itl_ms_p99": pct(itls, 99) * 1e3,
         "itl_ms_mean": statistics.fmean(itls) * 1e3 if itls else float("nan"),
-        "tokens_per_s": tokens / seconds if seconds else float("nan"),
+        "tokens_per_s": tokens / total if total else float("nan"),
     }
 
 
@@ -79,8 +91,8 @@ def bench_hf(model_dir: Path, ids: list[int], n: int, requests: int) -> dict[str
             pass
 
     x = torch.tensor([ids])
-    ttfts, itls, tokens, total = [], [], 0, 0.0
-    for r in range(requests + 1):  # the first run warms up
+
+    def once() -> list[float]:
         st = Stamps()
         t0 = time.perf_counter()
         model.generate(
@@ -91,29 +103,21 @@ def bench_hf(model_dir: Path, ids: list[int], n: int, requests: int) -> dict[str
             eos_token_id=None,
             streamer=st,
         )
-        stamps = st.t[1:]  # put() is first called with the prompt itself
-        if r:
-            ttfts.append(stamps[0] - t0)
-            itls += list(np.diff(stamps))
-            tokens += len(stamps)
-            total += stamps[-1] - t0
-    return summarize(ttfts, itls, tokens, total)
+        return [t0, *st.t[1:]]  # put() is first called with the prompt itself
+
+    return measure(once, requests)
 
 
 def bench_engine(model_dir: Path, ids: list[int], n: int, requests: int) -> dict[str, float]:
     gen = Generator(model_dir)
-    ttfts, itls, tokens, total = [], [], 0, 0.0
-    for r in range(requests + 1):
-        t0 = time.perf_counter()
-        stamps = []
+
+    def once() -> list[float]:
+        stamps = [time.perf_counter()]
         for _ in gen.generate(ids, n):
             stamps.append(time.perf_counter())
-        if r:
-            ttfts.append(stamps[0] - t0)
-            itls += list(np.diff(stamps))
-            tokens += len(stamps)
-            total += stamps[-1] - t0
-    return summarize(ttfts, itls, tokens, total)
+        return stamps
+
+    return measure(once, requests)
 
 
 def stream_once(port: int, n: int) -> list[float]:
@@ -160,15 +164,7 @@ def bench_cluster(
         )
         try:
             c.start_all(tuple(f"{a}:{b}" for a, b in layers))
-            ttfts, itls, tokens, total = [], [], 0, 0.0
-            for r in range(requests + 1):
-                stamps = stream_once(c.http_port, n)
-                if r:
-                    ttfts.append(stamps[1] - stamps[0])
-                    itls += list(np.diff(stamps[1:]))
-                    tokens += len(stamps) - 1
-                    total += stamps[-1] - stamps[0]
-            res: dict[str, Any] = summarize(ttfts, itls, tokens, total)
+            res: dict[str, Any] = measure(lambda: stream_once(c.http_port, n), requests)
             res["rss_mb"] = {p.name: round(peak_rss_mb(p.popen.pid), 1) for p in c.procs}
             return res
         finally:
@@ -234,8 +230,6 @@ def main() -> None:
             f"peak RSS MB {r['rss_mb']}"
         )
 
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "model": str(model_dir),
         "threads": a.threads,
@@ -243,29 +237,22 @@ def main() -> None:
         "requests": a.requests,
         "torch": torch.__version__,
     }
-    out.write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
-    print(f"wrote {out}")
-    try:
-        import matplotlib
+    out = Path(a.out)
+    write_json(out, {"meta": meta, "results": rows})
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install matplotlib)")
-        return
-    names = list(rows)
-    fig, ax = plt.subplots(figsize=(8, 4))
-    x = np.arange(len(names))
-    for i, q in enumerate(("itl_ms_p50", "itl_ms_p95", "itl_ms_p99")):
-        ax.bar(x + (i - 1) * 0.27, [rows[m][q] for m in names], 0.27, label=q.split("_")[-1])
-    ax.set_xticks(x, names, rotation=15)
-    ax.set_ylabel("inter-token latency (ms)")
-    ax.set_title(f"{model_dir.name}: per-token latency, {a.threads} threads")
-    ax.legend()
-    fig.tight_layout()
-    png = out.with_suffix(".png")
-    fig.savefig(png, dpi=120)
-    print(f"wrote {png}")
+    def draw(plt: Any) -> Any:
+        names = list(rows)
+        fig, ax = plt.subplots(figsize=(8, 4))
+        x = np.arange(len(names))
+        for i, q in enumerate(("itl_ms_p50", "itl_ms_p95", "itl_ms_p99")):
+            ax.bar(x + (i - 1) * 0.27, [rows[m][q] for m in names], 0.27, label=q.split("_")[-1])
+        ax.set_xticks(x, names, rotation=15)
+        ax.set_ylabel("inter-token latency (ms)")
+        ax.set_title(f"{model_dir.name}: per-token latency, {a.threads} threads")
+        ax.legend()
+        return fig
+
+    write_plot(out, draw)
 
 
 if __name__ == "__main__":

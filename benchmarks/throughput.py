@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from report import write_json, write_plot
 
 from zmqllm.config import default_model_dir, split_layers
 from zmqllm.engine.args import ModelArgs
@@ -315,8 +316,6 @@ def main() -> None:
 
     top = rows[max(rows)]
     print(f"CPU ms per token at concurrency {max(rows)}: {top['cpu_ms_per_token']}")
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "model": str(model_dir),
         "stages": [f"{x}:{y}" for x, y in layers],
@@ -326,36 +325,31 @@ def main() -> None:
         "new_tokens": n,
         "torch": torch.__version__,
     }
-    out.write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
-    print(f"wrote {out}")
-    try:
-        import matplotlib
+    out = Path(a.out)
+    write_json(out, {"meta": meta, "results": rows})
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install matplotlib)")
-        return
-    lv = list(rows)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    ax1.plot(lv, [rows[x]["tokens_per_s"] for x in lv], "o-", label="zmqllm cluster")
-    ax1.plot(lv, [hf[x]["batched_tokens_per_s"] for x in lv], "s--", label="HF batched generate")
-    ax1.plot(lv, [hf[x]["sequential_tokens_per_s"] for x in lv], ":", label="HF sequential")
-    ax1.set_xscale("log", base=2)
-    ax1.set_xlabel("concurrent streams")
-    ax1.set_ylabel("aggregate tokens/s")
-    ax1.legend()
-    ax2.plot(lv, [rows[x]["itl_ms_p50"] for x in lv], "o-", label="ITL p50")
-    ax2.plot(lv, [rows[x]["itl_ms_p99"] for x in lv], "o--", label="ITL p99")
-    ax2.set_xscale("log", base=2)
-    ax2.set_xlabel("concurrent streams")
-    ax2.set_ylabel("ms")
-    ax2.legend()
-    fig.suptitle(f"{model_dir.name}: {a.stages}-stage cluster throughput")
-    fig.tight_layout()
-    png = out.with_suffix(".png")
-    fig.savefig(png, dpi=120)
-    print(f"wrote {png}")
+    def draw(plt: Any) -> Any:
+        lv = list(rows)
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+        ax1.plot(lv, [rows[x]["tokens_per_s"] for x in lv], "o-", label="zmqllm cluster")
+        ax1.plot(
+            lv, [hf[x]["batched_tokens_per_s"] for x in lv], "s--", label="HF batched generate"
+        )
+        ax1.plot(lv, [hf[x]["sequential_tokens_per_s"] for x in lv], ":", label="HF sequential")
+        ax1.set_xscale("log", base=2)
+        ax1.set_xlabel("concurrent streams")
+        ax1.set_ylabel("aggregate tokens/s")
+        ax1.legend()
+        ax2.plot(lv, [rows[x]["itl_ms_p50"] for x in lv], "o-", label="ITL p50")
+        ax2.plot(lv, [rows[x]["itl_ms_p99"] for x in lv], "o--", label="ITL p99")
+        ax2.set_xscale("log", base=2)
+        ax2.set_xlabel("concurrent streams")
+        ax2.set_ylabel("ms")
+        ax2.legend()
+        fig.suptitle(f"{model_dir.name}: {a.stages}-stage cluster throughput")
+        return fig
+
+    write_plot(out, draw)
 
 
 if __name__ == "__main__":

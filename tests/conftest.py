@@ -7,9 +7,11 @@ the model fixtures import it lazily.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import zmq
 
 
 def _build_kernel() -> None:
@@ -53,3 +55,20 @@ def default_model_dir() -> Path:
     prepare_default_model(path)
     os.environ.setdefault("ZMQLLM_DEFAULT_MODEL_DIR", str(path))
     return path
+
+
+@pytest.fixture
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[zmq.Socket[bytes], zmq.Socket[bytes]]]:
+    """Two connected PAIR sockets over inproc: frames as the bus moves them."""
+    ctx = zmq.Context()
+    a = ctx.socket(zmq.PAIR)
+    b = ctx.socket(zmq.PAIR)
+    address = f"inproc://pair-{request.node.name}"
+    a.bind(address)
+    b.connect(address)
+    try:
+        yield a, b
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+        ctx.term()

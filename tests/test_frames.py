@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -27,21 +26,6 @@ def _sample(dtype: Any, shape: tuple[int, ...] = (4, 8)) -> Any:
     if dtype.is_floating_point:
         return torch.randn(shape, generator=gen).to(dtype)
     return torch.randint(-(2**31), 2**31 - 1, shape, generator=gen, dtype=dtype)
-
-
-@pytest.fixture
-def pair() -> Iterator[tuple[zmq.Socket[bytes], zmq.Socket[bytes]]]:
-    ctx = zmq.Context()
-    a = ctx.socket(zmq.PAIR)
-    b = ctx.socket(zmq.PAIR)
-    a.bind("inproc://frames-test")
-    b.connect("inproc://frames-test")
-    try:
-        yield a, b
-    finally:
-        a.close(linger=0)
-        b.close(linger=0)
-        ctx.term()
 
 
 def _address(buf: Any) -> int:

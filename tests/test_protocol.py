@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -167,21 +167,6 @@ def test_token_finish_accepts_str_and_none() -> None:
 
 
 # ---------------------------------------------------------------- zero copy over zmq
-
-
-@pytest.fixture
-def pair() -> Iterator[tuple[zmq.Socket[bytes], zmq.Socket[bytes]]]:
-    ctx = zmq.Context()
-    a = ctx.socket(zmq.PAIR)
-    b = ctx.socket(zmq.PAIR)
-    a.bind("inproc://protocol-test")
-    b.connect("inproc://protocol-test")
-    try:
-        yield a, b
-    finally:
-        a.close(linger=0)
-        b.close(linger=0)
-        ctx.term()
 
 
 def _address(buf: Any) -> int:

@@ -111,9 +111,10 @@ def test_hub_repo_resolves_offline_from_cache(
     assert torch.equal(shard.layers[0].wqkv, ref.layers[0].wqkv)
 
 
-def test_hub_download_asks_only_for_the_shards_files(
-    tiny_sharded_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def hub_calls(tiny_sharded_dir: Path, monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The allow_patterns of every Hub download, each answered with the sharded tiny
+    checkpoint (no network)."""
     import huggingface_hub
 
     calls: list[list[str]] = []
@@ -123,12 +124,18 @@ def test_hub_download_asks_only_for_the_shards_files(
         return str(tiny_sharded_dir)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot)
+    return calls
+
+
+def test_hub_download_asks_only_for_the_shards_files(
+    tiny_sharded_dir: Path, hub_calls: list[list[str]]
+) -> None:
     args = ModelArgs.from_dir(tiny_sharded_dir)
     resolve_checkpoint("org/model", args_for=(3, 4))
-    assert "config.json" in calls[0] and INDEX_FILE in calls[0]
+    assert "config.json" in hub_calls[0] and INDEX_FILE in hub_calls[0]
     wmap = weight_map(tiny_sharded_dir)
-    assert set(calls[1]) == {wmap[n] for n in shard_tensor_names(args, 3, 4)}
-    assert not any(f.endswith(".safetensors") for f in calls[0])
+    assert set(hub_calls[1]) == {wmap[n] for n in shard_tensor_names(args, 3, 4)}
+    assert not any(f.endswith(".safetensors") for f in hub_calls[0])
 
 
 def test_missing_checkpoint_errors(tmp_path: Path) -> None:
@@ -152,21 +159,12 @@ def test_fingerprint_is_stable_and_names_differences(
 
 
 def test_hub_range_from_the_config_fetches_only_that_ranges_files(
-    tiny_sharded_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_sharded_dir: Path, hub_calls: list[list[str]]
 ) -> None:
     """A worker given "2/2" learns the layer count from config.json first: the range
     is a function of the config, and still only its files are asked for."""
-    import huggingface_hub
-
-    calls: list[list[str]] = []
-
-    def fake_snapshot(repo_id: str, revision=None, allow_patterns=None, **kw) -> str:
-        calls.append(list(allow_patterns or []))
-        return str(tiny_sharded_dir)
-
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot)
     args = ModelArgs.from_dir(tiny_sharded_dir)
     resolve_checkpoint("org/model", args_for=lambda a: (a.num_layers - 1, a.num_layers))
     wmap = weight_map(tiny_sharded_dir)
-    assert len(calls) == 2
-    assert set(calls[1]) == {wmap[n] for n in shard_tensor_names(args, 3, 4)}
+    assert len(hub_calls) == 2
+    assert set(hub_calls[1]) == {wmap[n] for n in shard_tensor_names(args, 3, 4)}

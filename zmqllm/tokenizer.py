@@ -19,6 +19,17 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
+# The small files of a model directory that this tokenizer and the model config come
+# from: what a process that runs no weights fetches from the Hub.
+MODEL_FILES = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+]
+
 # The named special tokens transformers passes to a chat template (its special_tokens_map).
 _SPECIAL_TOKEN_NAMES = (
     "bos_token",

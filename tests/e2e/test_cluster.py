@@ -48,6 +48,23 @@ def post_chat(c: Cluster, prompt: str, query: str = "max_tokens=40", headers=Non
     return resp.status, chunks, dict(resp.getheaders())
 
 
+def open_long_stream(
+    c: Cluster, timeout: float, model: str | None = "tiny"
+) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """Start a streamed completion of 900 tokens (it outlasts the test's checks)."""
+    conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=timeout)
+    fields = {"prompt": "Once upon a time", "max_tokens": 900, "stream": True, "ignore_eos": True}
+    if model is not None:
+        fields = {"model": model, **fields}
+    conn.request(
+        "POST",
+        "/v1/completions",
+        body=json.dumps(fields),
+        headers={"Content-Type": "application/json"},
+    )
+    return conn, conn.getresponse()
+
+
 def test_chat_equals_hf_greedy_and_streams(cluster: Cluster, reference) -> None:
     status, chunks, headers = post_chat(cluster, "Tell me a story about a robot.")
     assert status == 200, chunks
@@ -158,18 +175,7 @@ def test_request_id_on_every_process_log(cluster: Cluster) -> None:
 
 
 def test_client_disconnect_frees_the_session_on_every_stage(cluster: Cluster) -> None:
-    conn = http.client.HTTPConnection("127.0.0.1", cluster.http_port, timeout=30)
-    body = json.dumps(
-        {
-            "model": "tiny",
-            "prompt": "Once upon a time",
-            "max_tokens": 900,
-            "stream": True,
-            "ignore_eos": True,
-        }
-    ).encode()
-    conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
-    resp = conn.getresponse()
+    conn, resp = open_long_stream(cluster, timeout=30)
     assert resp.status == 200
     resp.read1(100)
     cluster.wait_for(lambda: cluster.status()["sessions"] == 1, what="session open")
@@ -211,20 +217,7 @@ def test_status_command_prints_tables(cluster: Cluster) -> None:
 def _stream_in_thread(c: Cluster, out: dict) -> threading.Thread:
     def run() -> None:
         try:
-            conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=60)
-            body = json.dumps(
-                {
-                    "model": "tiny",
-                    "prompt": "Once upon a time",
-                    "max_tokens": 900,
-                    "stream": True,
-                    "ignore_eos": True,
-                }
-            ).encode()
-            conn.request(
-                "POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"}
-            )
-            resp = conn.getresponse()
+            _, resp = open_long_stream(c, timeout=60)
             data = b""
             while True:
                 piece = resp.read1(65536)

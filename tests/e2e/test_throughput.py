@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_cluster import PROMPTS, post_chat
+from tests.e2e.test_cluster import PROMPTS, open_long_stream, post_chat
 from zmqllm.local_cluster import Cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
@@ -145,19 +145,7 @@ def test_over_the_limits_429_then_serves(tmp_path: Path, e2e_model: Path, refere
         c.wait_ready()
         conns = []
         for _ in range(2):  # two long streams hold both slots
-            conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=60)
-            body = json.dumps(
-                {
-                    "prompt": "Once upon a time",
-                    "max_tokens": 900,
-                    "stream": True,
-                    "ignore_eos": True,
-                }
-            )
-            conn.request(
-                "POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"}
-            )
-            resp = conn.getresponse()
+            conn, resp = open_long_stream(c, timeout=60, model=None)
             assert resp.status == 200
             resp.read1(64)
             conns.append(conn)

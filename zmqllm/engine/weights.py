@@ -18,20 +18,13 @@ import torch
 from safetensors import safe_open
 
 from zmqllm.engine.args import ModelArgs
+from zmqllm.tokenizer import MODEL_FILES
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-# Small files every process wants: the config, tokenizer and chat template.
-META_PATTERNS = [
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    INDEX_FILE,
-]
+# Small files every process wants (the config, tokenizer and chat template), and the
+# weight index that names a shard's files.
+META_PATTERNS = [*MODEL_FILES, "chat_template.json", INDEX_FILE]
 # Config keys that say nothing about the computation.
 _VOLATILE_CONFIG_KEYS = {
     "transformers_version",

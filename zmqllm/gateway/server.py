@@ -18,20 +18,12 @@ from zmqllm.config import Config, ConfigError, ModelSettings, resolve_model_path
 from zmqllm.engine.args import ModelArgs
 from zmqllm.gateway.app import create_app
 from zmqllm.log import configure_logging, get_logger
-from zmqllm.tokenizer import Tokenizer
+from zmqllm.tokenizer import MODEL_FILES, Tokenizer
 
 __all__ = ["META_FILES", "model_files_dir", "serve"]
 
-# The files the gateway reads (zmqllm.engine.weights.META_PATTERNS minus the weight index;
-# that module imports torch).
-META_FILES = [
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-]
+# The files the gateway reads: no weights.
+META_FILES = MODEL_FILES
 # Seconds uvicorn waits for open streams on SIGINT/SIGTERM before cancelling them (which
 # cancels their sessions); long enough for a short answer to finish.
 GRACEFUL_SHUTDOWN_S = 5
