@@ -528,6 +528,10 @@ def test_a_silent_worker_is_removed_and_its_sessions_fail(
     client = h.client()
     w = h.register("w0", 0, 4)
     open_on(h, client, [w], "s1")
+    # A token has reached the client: the session cannot start over elsewhere.
+    w.send(token_header("s1", 0, 42))
+    h.expect(client, MsgType.TOKEN)
+    h.expect(w, MsgType.STEP)
     w.keepalive = False  # the worker hangs from here on
 
     err = h.expect(client, MsgType.ERROR)
@@ -544,6 +548,10 @@ def test_a_leaving_worker_fails_its_sessions(cluster: Callable[..., Harness]) ->
     h = cluster()
     client, w0, w1 = pipeline(h)
     open_on(h, client, [w1, w0], "s1")
+    # A token has reached the client: the session cannot start over elsewhere.
+    w1.send(token_header("s1", 0, 42))
+    h.expect(client, MsgType.TOKEN)
+    h.expect(w0, MsgType.STEP)
     w1.send(Header(MsgType.DISCONNECT, fields={"reason": "worker shutting down"}))
     err = h.expect(client, MsgType.ERROR)
     assert err.header.fields["code"] == "worker_lost"
@@ -553,12 +561,39 @@ def test_a_leaving_worker_fails_its_sessions(cluster: Callable[..., Harness]) ->
     assert [x["id"] for x in h.status()["workers"]] == ["w0"]
 
 
+def test_a_worker_lost_before_the_first_token_requeues_the_request(
+    cluster: Callable[..., Harness],
+) -> None:
+    # No token has reached the client: the request starts again on another replica
+    # (e.g. a drained worker left while the OPEN for it was on its way).
+    h = cluster()
+    client = h.client()
+    wa = h.register("wa", 0, 4)
+    wb = h.register("wb", 0, 4)
+    header, prompt = open_message("s1")
+    client.send(header, prompt)
+    assert h.expect(wa, MsgType.OPEN).header.session == "s1"  # equal load: the lowest id
+    wa.send(Header(MsgType.DISCONNECT, fields={"reason": "worker shutting down"}))
+    reopen = h.expect(wb, MsgType.OPEN)
+    assert reopen.header.session == "s1.2"
+    assert reopen.frames[1] == prompt[0].array.tobytes()
+    wb.send(token_header("s1.2", 0, 9, finish="stop"))
+    tok = h.expect(client, MsgType.TOKEN)  # the client never saw the loss
+    assert tok.header.fields["route"] == ["wb"]
+    st = h.status()
+    assert st["counters"]["sessions_failed"] == 0 and st["sessions"] == 0
+
+
 def test_a_worker_registering_again_fails_its_sessions(cluster: Callable[..., Harness]) -> None:
     # A worker that reconnected has dropped its caches: its sessions cannot go on.
     h = cluster()
     client = h.client()
     w = h.register("w0", 0, 4)
     open_on(h, client, [w], "s1")
+    # A token has reached the client: the session cannot start over elsewhere.
+    w.send(token_header("s1", 0, 42))
+    h.expect(client, MsgType.TOKEN)
+    h.expect(w, MsgType.STEP)
     w.send(register_header(0, 4))
     assert h.expect(w, MsgType.REGISTERED).header.fields["worker_id"] == "w0"
     err = h.expect(client, MsgType.ERROR)

@@ -414,6 +414,7 @@ class Broker:
         if h.step == 0:
             fields["route"] = s.route
             fields["boot"] = self.boot  # lets the client tell this broker's sessions apart
+            s.pending = None  # from here on the request cannot start over elsewhere
         self.stats.tokens += 1
         s.step = h.step
         ok = self._to_client(
@@ -448,7 +449,7 @@ class Broker:
             return
         with bind_request(s.request_id, s.id):
             code = h.fields["code"]
-            if code == "full" and s.step == 0 and s.pending is not None:
+            if code == "full" and s.pending is not None:
                 # The worker had no room after all: undo, remember, retry.
                 log.info("worker full; request requeued", worker=w.worker_id)
                 w.full_until = time.monotonic() + self.s.heartbeat_interval
@@ -486,11 +487,23 @@ class Broker:
             return
         self.registry.remove(w)
         log.warning("worker removed", worker=w.worker_id, reason=reason)
+        requeued: list[Pending] = []
         for s in [s for s in self.sessions.values() if w.worker_id in s.route]:
             with bind_request(s.request_id, s.id):
+                if s.pending is not None:
+                    # No token has reached the client: it loses nothing if the request
+                    # starts again on another route (e.g. a drained worker that left
+                    # while an OPEN for it was on its way).
+                    log.info("worker lost before the first token; request requeued")
+                    self.end_session(s, failed=False, count=False)
+                    requeued.append(s.pending)
+                    continue
                 log.warning("session failed: worker lost", worker=w.worker_id)
                 self._error_to_client(s.client, s.id, s.request_id, "worker_lost", reason)
                 self.end_session(s, failed=True)
+        if requeued:
+            self.queue.extendleft(reversed(requeued))  # ahead of newer requests, in order
+            self.dispatch()
 
     def _fail_pending(self, p: Pending, code: str, message: str) -> None:
         with bind_request(p.header.request_id, p.session):

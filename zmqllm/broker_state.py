@@ -94,7 +94,9 @@ class Session:
     max_len: int
     max_tokens: int
     step: int = 0
-    pending: Pending | None = None  # kept so a refused open can be queued again
+    # Kept until the first token reaches the client: a request refused by a full stage or
+    # whose worker is lost before then is queued again (the client has lost nothing).
+    pending: Pending | None = None
     opened: float = field(default_factory=time.monotonic)
     # The id the workers know this attempt by (the session id, then "<session>.<attempt>"
     # after a requeue): messages of an earlier attempt, still in flight, match nothing.
