@@ -129,6 +129,7 @@ class FakeBrokerClient:
         self.complete_route = True
         self.unreachable = False
         self.status_calls = 0
+        self.status_delay = 0.0  # seconds each status call takes
         self.started = False
         self.closed = False
 
@@ -167,6 +168,8 @@ class FakeBrokerClient:
 
     async def status(self, timeout: float = 2.0) -> dict[str, Any]:
         self.status_calls += 1
+        if self.status_delay:
+            await asyncio.sleep(self.status_delay)
         if self.unreachable:
             raise FakeBrokerError("broker_unreachable", "no answer from the broker")
         return {
