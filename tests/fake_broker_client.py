@@ -45,6 +45,9 @@ class Script:
     fail_with: FakeBrokerError = field(
         default_factory=lambda: FakeBrokerError("worker_lost", "worker w1 stopped answering")
     )
+    # After this many tokens, wait ``stall`` seconds before the next (a stuck worker).
+    stall_after: int | None = None
+    stall: float = 0.0
 
 
 @dataclass
@@ -70,6 +73,7 @@ class FakeTokenStream:
 
     async def __aenter__(self) -> FakeTokenStream:
         self.client.open_streams.add(self.session)
+        self.client.most_open = max(self.client.most_open, len(self.client.open_streams))
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -93,6 +97,8 @@ class FakeTokenStream:
                 raise script.fail_with
             if script.delay:
                 await asyncio.sleep(script.delay)
+            if script.stall_after is not None and step == script.stall_after:
+                await asyncio.sleep(script.stall)
             self.route = ["w0", "w1"]
             finish = None
             if token in stop_ids:
@@ -126,6 +132,7 @@ class FakeBrokerClient:
         self.streams: list[FakeTokenStream] = []
         self.cancels: list[str] = []
         self.open_streams: set[str] = set()
+        self.most_open = 0  # the most sessions open at one time
         self.complete_route = True
         self.unreachable = False
         self.status_calls = 0

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 __all__ = [
+    "CLIENT_CLOSED",
     "RETRY_AFTER_S",
     "APIError",
     "broker_failure",
@@ -30,11 +31,16 @@ __all__ = [
 # worker (re)registers, which takes about a heartbeat interval.
 RETRY_AFTER_S = 1
 
+# nginx's convention for "client closed the request": only ever seen in our own log line.
+CLIENT_CLOSED = 499
+
 # How a broker error code maps to an HTTP status when it arrives before the first token.
-# Anything not listed (no_capacity, broker_unreachable, worker_lost, timeout) is a
-# temporary lack of service: 503 with Retry-After.
+# Anything not listed (no_capacity, broker_unreachable, worker_lost) is a temporary lack
+# of service: 503 with Retry-After.
 # "busy": the broker's queue is full: back off and retry (429, like the gateway's own limit).
-_BROKER_STATUS = {"bad_request": 400, "internal": 500, "busy": 429}
+# "timeout": the gateway's own first-token deadline passed (504, as a proxy answers an
+# upstream that did not).
+_BROKER_STATUS = {"bad_request": 400, "internal": 500, "busy": 429, "timeout": 504}
 
 
 class APIError(Exception):

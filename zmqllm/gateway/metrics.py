@@ -164,6 +164,9 @@ class GatewayMetrics:
         self.in_flight = Gauge(
             "zmqllm_requests_in_flight", "Generation requests being answered", registry=r
         )
+        self.queued = Gauge(
+            "zmqllm_requests_queued", "Generation requests waiting for a slot", registry=r
+        )
         self.cluster = ClusterCollector()
         r.register(self.cluster)
 
@@ -181,7 +184,8 @@ class GatewayMetrics:
         for gap in gen.token_gaps:
             self.itl.observe(gap)
 
-    def render(self, status: dict[str, Any] | None, in_flight: int) -> bytes:
+    def render(self, status: dict[str, Any] | None, in_flight: int, queued: int = 0) -> bytes:
         self.cluster.status = status
         self.in_flight.set(in_flight)
+        self.queued.set(queued)
         return generate_latest(self.registry)

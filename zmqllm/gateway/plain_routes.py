@@ -55,7 +55,7 @@ async def chat(
         seed=seed,
         prompt_param=None,
     )
-    generation = await service.open(plan, record)
+    generation = await service.open(plan, record, request)
     return GenerationResponse(
         _text_chunks(generation, record),
         generation,
