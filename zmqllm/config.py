@@ -147,7 +147,7 @@ class GatewaySettings:
     # HTTP connections plus requests in progress past which uvicorn answers 503; above
     # max_concurrent + max_queued so the queue, not this, is what a burst meets.
     limit_concurrency: int = 2048
-    keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
+    keep_alive_timeout: int = 5  # seconds an idle keep-alive connection stays open
     # Seconds for a request's line and headers to arrive (slowloris): then the
     # connection is closed.
     header_timeout: float = 10.0
@@ -421,7 +421,13 @@ def _check_gateway(s: GatewaySettings, where: str) -> GatewaySettings:
     _check_endpoint("broker", s.broker, where)
     _check_positive(
         s,
-        ("max_body_bytes", "default_max_tokens", "max_concurrent", "limit_concurrency"),
+        (
+            "max_body_bytes",
+            "default_max_tokens",
+            "max_concurrent",
+            "limit_concurrency",
+            "keep_alive_timeout",
+        ),
         where,
     )
     _check_positive(s, ("max_queued",), where, minimum=0)
@@ -432,7 +438,6 @@ def _check_gateway(s: GatewaySettings, where: str) -> GatewaySettings:
             "first_token_timeout",
             "inter_token_timeout",
             "request_timeout",
-            "keep_alive_timeout",
             "header_timeout",
             "body_timeout",
         ),

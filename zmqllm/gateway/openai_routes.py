@@ -57,7 +57,8 @@ def _sse(model: BaseModel | dict[str, Any]) -> str:
 
 
 async def _parse(request: Request, schema: type[BaseModel]) -> Any:
-    data = await read_json_object(request, service_of(request).settings.max_body_bytes)
+    settings = service_of(request).settings
+    data = await read_json_object(request, settings.max_body_bytes, settings.body_timeout)
     try:
         return schema.model_validate(data)
     except ValidationError as exc:
