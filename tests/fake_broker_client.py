@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from zmqllm.engine.sampling import SamplingParams
+from zmqllm.sampling_params import SamplingParams
 
 
 @dataclass

@@ -20,7 +20,7 @@ import zmq
 import zmq.asyncio
 
 from zmqllm.client import BrokerClient, BrokerError, TokenEvent, TokenStream
-from zmqllm.engine.sampling import SamplingParams
+from zmqllm.sampling_params import SamplingParams
 from zmqllm.protocol import Header, MsgType, decode, encode, error_header
 
 TIMEOUT = 10.0  # bound on any single wait; a correct client is far quicker

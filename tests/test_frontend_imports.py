@@ -14,7 +14,7 @@ FRONT_END_MODULES = [
     "zmqllm.config",
     "zmqllm.log",
     "zmqllm.tokenizer",
-    "zmqllm.engine.args",
+    "zmqllm.model_args",
     "zmqllm.engine.sampling",
     "zmqllm.cli",
     "zmqllm.broker",

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 from zmqllm.engine.cache import CacheFullError  # noqa: E402
 from zmqllm.engine.generator import Generator, load_shard  # noqa: E402
 from zmqllm.engine.model import MistralShard  # noqa: E402
-from zmqllm.engine.sampling import SamplingParams  # noqa: E402
+from zmqllm.sampling_params import SamplingParams  # noqa: E402
 from zmqllm.engine.stage import COALESCE_MAX_S, Stage  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -385,7 +385,7 @@ def test_seeded_sampling_replays_the_same_tokens(
 def test_memory_limit_refuses_new_sessions(tiny_model_dir: Path) -> None:
     from zmqllm.engine.cache import CacheFullError
     from zmqllm.engine.generator import load_shard
-    from zmqllm.engine.sampling import SamplingParams
+    from zmqllm.sampling_params import SamplingParams
     from zmqllm.engine.stage import Stage
 
     # A limit below what the process already uses: every new session is refused.

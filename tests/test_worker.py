@@ -521,7 +521,7 @@ def test_sigint_leaves_with_disconnect(setup: Setup) -> None:
 def locked_stage_worker(tiny_model_dir: Path, tmp_path: Path, sessions: Sequence[str]) -> Worker:
     """A stage-0 worker with cpu_lock whose sessions' prompts have run: all of them
     are "on the next stage" until a STEP comes back."""
-    from zmqllm.engine.sampling import SamplingParams
+    from zmqllm.sampling_params import SamplingParams
 
     cfg = Config()
     cfg.model.path = str(tiny_model_dir)
@@ -662,7 +662,7 @@ def test_a_stage_waits_for_the_rest_of_a_group_it_has_seen_part_of(
 
 
 def test_results_are_tagged_with_their_group_per_next_worker(tiny_model_dir: Path) -> None:
-    from zmqllm.engine.sampling import SamplingParams
+    from zmqllm.sampling_params import SamplingParams
     from zmqllm.engine.stage import Output
 
     cfg = Config()

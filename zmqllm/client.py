@@ -20,7 +20,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from zmqllm.engine.sampling import SamplingParams
+from zmqllm.sampling_params import SamplingParams
 from zmqllm.log import get_logger
 from zmqllm.protocol import Header, MsgType, Payload, ProtocolError, decode, encode
 

@@ -27,11 +27,11 @@ import zmq
 from zmqllm import __version__
 from zmqllm.config import Config, parse_layers, resolve_model_path
 from zmqllm.engine import native
-from zmqllm.engine.args import ModelArgs
+from zmqllm.model_args import ModelArgs
 from zmqllm.engine.cache import CacheFullError
 from zmqllm.engine.frames import payload_to_tensor, tensor_to_payload
 from zmqllm.engine.generator import load_shard
-from zmqllm.engine.sampling import SamplingParams
+from zmqllm.sampling_params import SamplingParams
 from zmqllm.engine.stage import Output, Stage, rss_bytes
 from zmqllm.engine.weights import model_fingerprint, resolve_checkpoint
 from zmqllm.log import bind_request, get_logger

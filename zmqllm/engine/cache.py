@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zmqllm.engine.args import ModelArgs
+from zmqllm.model_args import ModelArgs
 
 
 class CacheFullError(RuntimeError):

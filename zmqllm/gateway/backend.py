@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
 from typing import Any, Protocol
 
-from zmqllm.engine.sampling import SamplingParams
+from zmqllm.sampling_params import SamplingParams
 
 __all__ = [
     "BrokerClientLike",

@@ -15,7 +15,7 @@ from pathlib import Path
 import uvicorn
 
 from zmqllm.config import Config, ConfigError, ModelSettings, resolve_model_path, served_model_name
-from zmqllm.engine.args import ModelArgs
+from zmqllm.model_args import ModelArgs
 from zmqllm.gateway.app import create_app
 from zmqllm.log import configure_logging, get_logger
 from zmqllm.tokenizer import MODEL_FILES, Tokenizer

@@ -15,7 +15,7 @@ from typing import Any
 from starlette.requests import Request
 
 from zmqllm.config import GatewaySettings
-from zmqllm.engine.sampling import SamplingParams
+from zmqllm.sampling_params import SamplingParams
 from zmqllm.gateway.backend import BrokerClientLike, broker_error_fields
 from zmqllm.gateway.errors import RETRY_AFTER_S, APIError, broker_failure
 from zmqllm.gateway.request_context import RequestRecord

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from zmqllm.broker_state import Registry, WorkerEntry, fingerprint_differences
+from zmqllm.registry import Registry, WorkerEntry, fingerprint_differences
 
 VERSION = "1.2.3"
 SUMMARY: dict[str, Any] = {"num_layers": 4, "hidden_size": 64, "sliding_window": 8, "digest": "d1"}
