@@ -197,10 +197,12 @@ def optional(inner: Check) -> Check:
 
 def one_of(kind: type[enum.Enum]) -> Check:
     def check(field_name: str, value: Any) -> Any:
-        try:
-            return kind(value) if type(value) is str else None
-        except ValueError:
-            pass
+        # A value that is not a str is as wrong as an unknown one (it must not become None).
+        if type(value) is str:
+            try:
+                return kind(value)
+            except ValueError:
+                pass
         raise _fail(field_name, "one of " + ", ".join(str(m.value) for m in kind), value)
 
     return check
