@@ -1,44 +1,383 @@
-"""The broker's session lifecycle, without sockets (see SessionTable)."""
+"""The broker's session lifecycle, without sockets: open, route, requeue, fail, end.
+
+:class:`SessionTable` is a state machine in the manner of vLLM's scheduler: each method
+takes what arrived (and the time) and returns the messages to send as :class:`Out`
+values; the broker does the sending and reports back what could not be sent
+(``worker_lost`` / ``client_lost``). Tested without sockets.
+
+Sessions are keyed by (client routing id, the client's session id), so no client can
+name, cancel or collide with another client's session. Workers know a session by a wire
+id the broker assigns, plus the attempt number: messages of an earlier attempt still in
+flight match nothing.
+"""
 
 from __future__ import annotations
 
-import time
+import itertools
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from zmqllm.protocol import Header
+from zmqllm.log import bind_request, get_logger
+from zmqllm.messages import (
+    Activation,
+    Close,
+    Error,
+    ErrorCode,
+    Message,
+    Open,
+    Step,
+    Token,
+)
+from zmqllm.registry import Registry, WorkerEntry
+
+log = get_logger("zmqllm.broker")
+
+# Routes one request may be tried on (a full worker, a worker lost before the first
+# token): past this it fails instead of bouncing around a sick cluster forever.
+MAX_ATTEMPTS = 8
+
+Key = tuple[bytes, str]  # (client routing id, client's session id)
+
+
+@dataclass(frozen=True, slots=True)
+class Out:
+    """One message to send: to a worker (by routing id) or a client; ``frames`` are
+    pre-encoded frames forwarded as received (activations)."""
+
+    to_worker: bool
+    identity: bytes
+    msg: Message | None = None
+    frames: Sequence[Any] | None = None
+
 
 @dataclass
 class Pending:
-    """A request waiting for a route: the client, its OPEN header, the prompt frame."""
+    """A request waiting for a route: its client and OPEN (the prompt a view of the
+    received frame, forwarded to stage 0 without a copy)."""
 
     client: bytes
-    header: Header
-    tokens: Any  # the received zmq.Frame, forwarded untouched to stage 0
-    max_len: int
-    enqueued: float = field(default_factory=time.monotonic)
-    attempts: int = 0  # routes tried (a stage that turns out full sends it back)
+    open: Open
+    enqueued: float
+    attempts: int = 0
 
     @property
-    def session(self) -> str:
-        return self.header.session
+    def key(self) -> Key:
+        return (self.client, self.open.session)
+
+    @property
+    def max_len(self) -> int:
+        return self.open.prompt_len + self.open.max_tokens
 
 
 @dataclass
 class Session:
-    id: str
-    client: bytes
-    request_id: str
+    request: Pending
+    wire: str  # the id workers know it by
     route: list[str]  # worker ids, stage order
-    max_len: int
-    max_tokens: int
-    step: int = 0
-    # Kept until the first token reaches the client: a request refused by a full stage or
-    # whose worker is lost before then is queued again (the client has lost nothing).
-    pending: Pending | None = None
-    opened: float = field(default_factory=time.monotonic)
-    # The id the workers know this attempt by (the session id, then "<session>.<attempt>"
-    # after a requeue): messages of an earlier attempt, still in flight, match nothing.
-    wire: str = ""
+    opened: float
+    last_active: float  # any message about it from its route (inactivity deadline)
+    next_step: int = 0  # the step of the TOKEN expected next
+
+    @property
+    def key(self) -> Key:
+        return self.request.key
+
+    @property
+    def attempt(self) -> int:
+        return self.request.attempts
+
+    @property
+    def request_id(self) -> str:
+        return self.request.open.request_id
+
+    @property
+    def streamed(self) -> bool:
+        """A token reached the client: the request can no longer start over unseen."""
+        return self.next_step > 0
 
 
+@dataclass
+class SessionStats:
+    opened: int = 0
+    finished: int = 0
+    failed: int = 0
+    tokens: int = 0
+
+
+@dataclass
+class SessionTable:
+    registry: Registry
+    boot: str
+    queue_size: int = 256
+    queue_timeout: float = 30.0
+    session_timeout: float = 120.0
+    full_backoff: float = 1.0  # how long a worker that said "full" is skipped
+    sessions: dict[Key, Session] = field(default_factory=dict)
+    by_wire: dict[str, Session] = field(default_factory=dict)
+    queue: deque[Pending] = field(default_factory=deque)
+    stats: SessionStats = field(default_factory=SessionStats)
+    _ids: Any = field(default_factory=lambda: itertools.count(1))
+
+    # -- clients ---------------------------------------------------------------
+    def open(self, client: bytes, msg: Open, now: float) -> list[Out]:
+        def refuse(code: ErrorCode, text: str) -> list[Out]:
+            return [self._to_client(client, msg.session, msg.request_id, code, text)]
+
+        key = (client, msg.session)
+        if key in self.sessions or any(p.key == key for p in self.queue):
+            return refuse(ErrorCode.BAD_REQUEST, f"session {msg.session} is already open")
+        if msg.tokens is None:
+            return refuse(ErrorCode.BAD_REQUEST, "OPEN needs the prompt's int32 token ids")
+        context = self.registry.context
+        if context and msg.prompt_len + msg.max_tokens > context:
+            return refuse(
+                ErrorCode.BAD_REQUEST,
+                f"prompt ({msg.prompt_len}) + max_tokens ({msg.max_tokens}) exceed "
+                f"the model's context of {context} tokens",
+            )
+        if len(self.queue) >= self.queue_size:
+            return refuse(
+                ErrorCode.BUSY, f"the broker queue is full ({self.queue_size}); retry shortly"
+            )
+        self.queue.append(Pending(client, msg, now))
+        return self.dispatch(now)
+
+    def cancel(self, client: bytes, session: str, now: float) -> list[Out]:
+        """Only the session's own client can name it: the key holds the client's id."""
+        key = (client, session)
+        s = self.sessions.get(key)
+        if s is not None:
+            with bind_request(s.request_id, session):
+                log.info("session cancelled by client", step=s.next_step)
+            return self._end(s, now, failed=False, code=ErrorCode.CANCELLED, text="cancelled")
+        for p in list(self.queue):
+            if p.key == key:
+                self.queue.remove(p)
+                return [
+                    self._to_client(
+                        client, session, p.open.request_id, ErrorCode.CANCELLED, "cancelled"
+                    )
+                ]
+        return []
+
+    def client_lost(self, client: bytes, code: ErrorCode, text: str, now: float) -> list[Out]:
+        """A client we cannot send to (gone, or not reading): its sessions end."""
+        out: list[Out] = []
+        for s in [s for s in self.sessions.values() if s.key[0] == client]:
+            with bind_request(s.request_id, s.key[1]):
+                log.warning("session failed: client lost", code=code.value)
+            out += self._end(s, now, failed=True, tell_client=False)
+        self.queue = deque(p for p in self.queue if p.client != client)
+        return out
+
+    # -- routing ---------------------------------------------------------------
+    def dispatch(self, now: float) -> list[Out]:
+        """Open queued requests, oldest first, while a route with room exists."""
+        out: list[Out] = []
+        while self.queue:
+            p = self.queue[0]
+            route = self.registry.find_route(p.max_len)
+            if route is None:
+                break
+            self.queue.popleft()
+            out += self._start(p, route, now)
+        return out
+
+    def _start(self, p: Pending, route: list[WorkerEntry], now: float) -> list[Out]:
+        p.attempts += 1
+        wire = f"{self.boot}-{next(self._ids):x}"
+        s = Session(p, wire, [w.worker_id for w in route], now, now)
+        self.sessions[p.key] = s
+        self.by_wire[wire] = s
+        self.registry.reserve(route, wire, p.max_len)
+        self.stats.opened += 1
+        with bind_request(s.request_id, p.open.session):
+            log.info(
+                "session opened",
+                route=s.route,
+                attempt=p.attempts,
+                queue_wait_ms=round((now - p.enqueued) * 1e3, 1),
+            )
+        out: list[Out] = []
+        n = len(route)
+        # Later stages first: each must hold the session before stage 0's activations
+        # reach it (per-peer ordering keeps each OPEN ahead of what follows it).
+        for i in reversed(range(n)):
+            # next: where stage i's results go (the last stage's STEPs go to the first).
+            stage_open = Open(
+                session=wire,
+                attempt=p.attempts,
+                request_id=s.request_id,
+                max_tokens=p.open.max_tokens,
+                prompt_len=p.open.prompt_len,
+                sampling=p.open.sampling,
+                stop_ids=p.open.stop_ids,
+                stage=i,
+                stages=n,
+                max_len=p.max_len,
+                next=route[(i + 1) % n].worker_id,
+                tokens=p.open.tokens if i == 0 else None,
+            )
+            out.append(Out(True, route[i].identity, stage_open))
+        return out
+
+    # -- workers ---------------------------------------------------------------
+    def _session_of(self, w: WorkerEntry, wire: str, attempt: int) -> Session | None:
+        s = self.by_wire.get(wire)
+        if s is None or s.attempt != attempt or w.worker_id not in s.route:
+            return None  # cancelled meanwhile, an earlier attempt, or not its business
+        return s
+
+    def on_activation(self, w: WorkerEntry, msg: Activation, frames: Any, now: float) -> list[Out]:
+        s = self._session_of(w, msg.session, msg.attempt)
+        if s is None:
+            return []
+        i = s.route.index(w.worker_id)
+        nxt = self.registry.workers.get(s.route[i + 1]) if i + 1 < len(s.route) else None
+        if nxt is None:
+            return []  # from the last stage (a worker's bug), or the next one just left
+        s.last_active = now
+        return [Out(True, nxt.identity, frames=frames)]
+
+    def on_token(self, w: WorkerEntry, msg: Token, now: float) -> list[Out]:
+        s = self._session_of(w, msg.session, msg.attempt)
+        if s is None or s.route[-1] != w.worker_id or msg.step != s.next_step:
+            return []
+        first = msg.step == 0
+        s.next_step += 1
+        s.last_active = now
+        self.stats.tokens += 1
+        client, sid = s.key
+        token = Token(
+            session=sid,
+            request_id=s.request_id,
+            step=msg.step,
+            token=msg.token,
+            finish=msg.finish,
+            route=tuple(s.route) if first else None,
+            boot=self.boot if first else None,
+        )
+        out = [Out(False, client, token)]
+        if msg.finish is not None:
+            with bind_request(s.request_id, sid):
+                log.info("session finished", finish=msg.finish.value, tokens=msg.step + 1)
+            return out + self._end(s, now, failed=False, tell_client=False)
+        stage0 = self.registry.workers.get(s.route[0])
+        if stage0 is not None:
+            step = Step(
+                session=s.wire,
+                attempt=s.attempt,
+                request_id=s.request_id,
+                step=msg.step + 1,
+                token=msg.token,
+                group=msg.group,  # the next forward at stage 0 waits for its whole group
+            )
+            out.append(Out(True, stage0.identity, step))
+        return out
+
+    def on_worker_error(self, w: WorkerEntry, msg: Error, now: float) -> list[Out]:
+        s = self._session_of(w, msg.session, msg.attempt)
+        if s is None:
+            log.warning("worker error", worker=w.worker_id, code=msg.code.value)
+            return []
+        with bind_request(s.request_id, s.key[1]):
+            if msg.code is ErrorCode.FULL and not s.streamed:
+                # The worker had no room after all: undo, skip it a while, retry now while
+                # full_until still steers the route away from it.
+                log.info("worker full; request requeued", worker=w.worker_id)
+                w.full_until = now + self.full_backoff
+                return self._requeue(s, now)
+            log.warning("session failed on worker", worker=w.worker_id, code=msg.code.value)
+            return self._end(s, now, failed=True, code=msg.code, text=msg.message)
+
+    def worker_lost(self, worker_id: str, reason: str, now: float) -> list[Out]:
+        """A worker left or stopped answering (the registry already forgot it)."""
+        out: list[Out] = []
+        for s in [s for s in self.sessions.values() if worker_id in s.route]:
+            with bind_request(s.request_id, s.key[1]):
+                if not s.streamed:
+                    # No token reached the client: it loses nothing if the request starts
+                    # again on another route.
+                    log.info("worker lost before the first token; request requeued")
+                    out += self._requeue(s, now, dispatch=False)
+                    continue
+                log.warning("session failed: worker lost", worker=worker_id)
+                out += self._end(s, now, failed=True, code=ErrorCode.WORKER_LOST, text=reason)
+        return out + self.dispatch(now)
+
+    # -- time ------------------------------------------------------------------
+    def tick(self, now: float, no_route_reason: str) -> list[Out]:
+        """Queue timeouts, inactivity deadlines, then whatever can now be routed."""
+        out: list[Out] = []
+        while self.queue and now - self.queue[0].enqueued > self.queue_timeout:
+            p = self.queue.popleft()
+            with bind_request(p.open.request_id, p.open.session):
+                log.warning("request failed in queue", code=ErrorCode.NO_CAPACITY.value)
+            code = ErrorCode.NO_CAPACITY
+            out.append(
+                self._to_client(p.client, p.open.session, p.open.request_id, code, no_route_reason)
+            )
+        for s in [s for s in self.sessions.values() if now - s.last_active > self.session_timeout]:
+            with bind_request(s.request_id, s.key[1]):
+                log.warning("session timed out", idle_s=round(now - s.last_active, 1))
+            out += self._end(
+                s,
+                now,
+                failed=True,
+                code=ErrorCode.TIMEOUT,
+                text=f"no progress from the route for {self.session_timeout:g}s",
+            )
+        return out + self.dispatch(now)
+
+    # -- endings ---------------------------------------------------------------
+    def fail(self, s: Session, now: float, code: ErrorCode, text: str) -> list[Out]:
+        """End a session with an error its client is told."""
+        return self._end(s, now, failed=True, code=code, text=text)
+
+    def _release(self, s: Session) -> list[Out]:
+        """Forget an attempt and free its caches on every stage of its route."""
+        self.sessions.pop(s.key, None)
+        self.by_wire.pop(s.wire, None)
+        self.registry.release(s.route, s.wire, s.request.max_len)
+        close = Close(session=s.wire, attempt=s.attempt, request_id=s.request_id)
+        return [
+            Out(True, w.identity, close)
+            for wid in s.route
+            if (w := self.registry.workers.get(wid)) is not None
+        ]
+
+    def _requeue(self, s: Session, now: float, dispatch: bool = True) -> list[Out]:
+        out = self._release(s)
+        if s.attempt >= MAX_ATTEMPTS:
+            self.stats.failed += 1
+            text = f"no route took the request in {MAX_ATTEMPTS} attempts"
+            client, sid = s.key
+            return [*out, self._to_client(client, sid, s.request_id, ErrorCode.NO_CAPACITY, text)]
+        self.queue.appendleft(s.request)  # ahead of newer requests
+        return out + self.dispatch(now) if dispatch else out
+
+    def _end(
+        self,
+        s: Session,
+        now: float,
+        *,
+        failed: bool,
+        code: ErrorCode = ErrorCode.INTERNAL,
+        text: str = "",
+        tell_client: bool = True,
+    ) -> list[Out]:
+        out = self._release(s)
+        if failed:
+            self.stats.failed += 1
+        else:
+            self.stats.finished += 1
+        if tell_client:
+            client, sid = s.key
+            out.append(self._to_client(client, sid, s.request_id, code, text))
+        return out + self.dispatch(now)
+
+    @staticmethod
+    def _to_client(client: bytes, session: str, request_id: str, code: ErrorCode, text: str) -> Out:
+        return Out(False, client, Error.of(code, text, session, request_id=request_id))
