@@ -193,7 +193,17 @@ class Message:
         try:
             msg = cls(**values)
         except TypeError:
-            raise ProtocolError(f"{cls.TYPE.value}: a required field is missing") from None
+            # Name what is missing: the peer's author reads this in our log.
+            missing = [
+                f.name
+                for f in dataclasses.fields(cls)
+                if f.name not in values
+                and f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING
+            ]
+            raise ProtocolError(
+                f"{cls.TYPE.value}: required field(s) missing: {', '.join(missing)}"
+            ) from None
         msg._validate()
         return msg
 
