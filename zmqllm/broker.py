@@ -284,7 +284,7 @@ class Broker:
     def on_register(self, identity: bytes, reg: Register) -> None:
         reason = self.registry.refusal(reg, __version__, identity)
         if reason:
-            self.drops.drop("backend:refused", reason=reason)
+            self.drops.drop("backend:refused", why=reason)
             self.send([Out(True, identity, Refused(reason=reason))])
             return
         now = time.monotonic()

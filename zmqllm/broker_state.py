@@ -164,12 +164,13 @@ class SessionTable:
 
     def client_lost(self, client: bytes, code: ErrorCode, text: str, now: float) -> list[Out]:
         """A client we cannot send to (gone, or not reading): its sessions end."""
+        # Its queued requests go first, or freeing its sessions would route them.
+        self.queue = deque(p for p in self.queue if p.client != client)
         out: list[Out] = []
         for s in [s for s in self.sessions.values() if s.key[0] == client]:
             with bind_request(s.request_id, s.key[1]):
                 log.warning("session failed: client lost", code=code.value)
             out += self._end(s, now, failed=True, tell_client=False)
-        self.queue = deque(p for p in self.queue if p.client != client)
         return out
 
     # -- routing ---------------------------------------------------------------

@@ -1,0 +1,258 @@
+"""The broker's session lifecycle without sockets: each SessionTable call returns the
+messages to send, and these tests read them.
+
+No torch here: the broker runs without the ML stack.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from zmqllm import __version__
+from zmqllm.broker_state import MAX_ATTEMPTS, Out, SessionTable
+from zmqllm.messages import (
+    Activation,
+    Close,
+    Error,
+    ErrorCode,
+    Finish,
+    Open,
+    Register,
+    Step,
+    Token,
+)
+from zmqllm.registry import Registry, WorkerEntry
+from zmqllm.wire_types import Payload
+
+A, B = b"client-a", b"client-b"
+
+
+def register(reg: Registry, wid: str, start: int, end: int, **kw: Any) -> WorkerEntry:
+    values: dict[str, Any] = dict(
+        start=start,
+        end=end,
+        num_layers=4,
+        capacity=4,
+        max_kv_tokens=1000,
+        context=512,
+        version=__version__,
+        fingerprint="d1",
+    )
+    values.update(kw)
+    return reg.add(wid.encode(), Register(**values))
+
+
+def table(*ranges: tuple[str, int, int], **kw: Any) -> SessionTable:
+    reg = Registry()
+    for wid, start, end in ranges:
+        register(reg, wid, start, end)
+    return SessionTable(reg, "boot1", **kw)
+
+
+def open_msg(session: str = "s1", prompt_len: int = 3, max_tokens: int = 5) -> Open:
+    tokens = Payload(np.arange(prompt_len, dtype=np.int32), "int32")
+    return Open(
+        session=session,
+        request_id="r1",
+        max_tokens=max_tokens,
+        prompt_len=prompt_len,
+        tokens=tokens,
+    )
+
+
+def to(outs: list[Out], identity: bytes) -> list[Any]:
+    return [o.msg if o.msg is not None else o.frames for o in outs if o.identity == identity]
+
+
+def opens(outs: list[Out]) -> list[tuple[bytes, Open]]:
+    return [(o.identity, o.msg) for o in outs if isinstance(o.msg, Open)]
+
+
+def token(t: SessionTable, w: str, wire: str, step: int, attempt: int = 1, **kw: Any) -> list[Out]:
+    worker = t.registry.workers[w]
+    return t.on_token(worker, Token(session=wire, attempt=attempt, step=step, token=7, **kw), 0.0)
+
+
+def test_open_sends_each_stage_its_open_later_stages_first() -> None:
+    t = table(("w0", 0, 2), ("w1", 2, 4))
+    outs = t.open(A, open_msg(), 0.0)
+    sent = opens(outs)
+    assert [ident for ident, _ in sent] == [b"w1", b"w0"]
+    last, first = sent[0][1], sent[1][1]
+    assert first.session == last.session != "s1"  # the broker's wire id, not the client's
+    assert (first.attempt, first.stage, first.stages, first.next) == (1, 0, 2, "w1")
+    assert (last.stage, last.next) == (1, "w0")  # the last stage's steps go to the first
+    assert first.tokens is not None and last.tokens is None
+    assert first.max_len == 8
+    assert t.registry.workers["w0"].reserved_tokens == 8
+
+
+def test_tokens_reach_the_client_and_the_next_step_goes_to_stage_0() -> None:
+    t = table(("w0", 0, 2), ("w1", 2, 4))
+    wire = opens(t.open(A, open_msg(), 0.0))[0][1].session
+    outs = token(t, "w1", wire, 0, group=("g", 1))
+    (to_client,) = to(outs, A)
+    assert isinstance(to_client, Token)
+    assert (to_client.session, to_client.step, to_client.route) == ("s1", 0, ("w0", "w1"))
+    assert to_client.boot == "boot1"
+    (step,) = to(outs, b"w0")
+    assert isinstance(step, Step)
+    assert (step.session, step.step, step.group) == (wire, 1, ("g", 1))
+    # Later tokens carry no route; a repeated or skipped step is dropped.
+    assert to(token(t, "w1", wire, 1), A)[0].route is None
+    assert token(t, "w1", wire, 1) == []
+    assert token(t, "w1", wire, 5) == []
+
+
+def test_the_last_token_ends_the_session_everywhere() -> None:
+    t = table(("w0", 0, 2), ("w1", 2, 4))
+    wire = opens(t.open(A, open_msg(), 0.0))[0][1].session
+    outs = token(t, "w1", wire, 0, finish=Finish.STOP)
+    assert isinstance(to(outs, A)[0], Token)
+    assert all(isinstance(m, Close) for m in to(outs, b"w0") + to(outs, b"w1"))
+    assert not t.sessions and t.registry.workers["w0"].reserved_tokens == 0
+    assert t.stats.finished == 1
+
+
+def test_only_the_owner_can_cancel_and_is_told() -> None:
+    t = table(("w", 0, 4))
+    t.open(A, open_msg(), 0.0)
+    assert t.cancel(B, "s1", 0.0) == []  # another client naming the same id
+    assert len(t.sessions) == 1
+    outs = t.cancel(A, "s1", 0.0)
+    (err,) = to(outs, A)
+    assert isinstance(err, Error) and err.code is ErrorCode.CANCELLED
+    assert isinstance(to(outs, b"w")[0], Close)
+    assert not t.sessions
+
+
+def test_two_clients_may_use_the_same_session_id() -> None:
+    t = table(("w", 0, 4))
+    t.open(A, open_msg(), 0.0)
+    outs = t.open(B, open_msg(), 0.0)
+    assert len(opens(outs)) == 1 and len(t.sessions) == 2
+    again = t.open(A, open_msg(), 0.0)
+    assert to(again, A)[0].code is ErrorCode.BAD_REQUEST
+
+
+def test_a_request_past_the_context_or_without_tokens_is_refused() -> None:
+    t = table(("w", 0, 4))
+    (err,) = to(t.open(A, open_msg(prompt_len=500, max_tokens=100), 0.0), A)
+    assert err.code is ErrorCode.BAD_REQUEST and "context" in err.message
+    bare = Open(session="s2", max_tokens=1, prompt_len=1)
+    assert to(t.open(A, bare, 0.0), A)[0].code is ErrorCode.BAD_REQUEST
+    assert not t.sessions and not t.queue
+
+
+def test_a_full_queue_answers_busy() -> None:
+    t = table(queue_size=1)
+    assert t.open(A, open_msg("s1"), 0.0) == []  # queued: no worker yet
+    (err,) = to(t.open(A, open_msg("s2"), 0.0), A)
+    assert err.code is ErrorCode.BUSY
+
+
+def test_full_before_the_first_token_retries_on_another_replica() -> None:
+    t = table(("w0", 0, 4), ("w1", 0, 4))
+    now = time.monotonic()  # the registry skips a full worker until now + full_backoff
+    (first,) = opens(t.open(A, open_msg(), now))
+    ident, msg = first
+    w = t.registry.by_identity[ident]
+    full = Error(code=ErrorCode.FULL, message="no room", session=msg.session, attempt=1)
+    outs = t.on_worker_error(w, full, now)
+    assert isinstance(to(outs, ident)[0], Close)  # attempt 1 freed there
+    (retry,) = opens(outs)
+    assert retry[0] != ident and retry[1].attempt == 2
+    assert w.reserved_tokens == 0
+    # A late message of attempt 1 matches nothing.
+    assert t.on_token(w, Token(session=msg.session, attempt=1, step=0, token=1), 0.0) == []
+
+
+def test_a_request_bounced_too_often_fails() -> None:
+    t = table(("w", 0, 4))
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        s = next(iter(t.sessions.values()), None) if attempt > 1 else None
+        if s is None:
+            outs = t.open(A, open_msg(), 0.0)
+            s = next(iter(t.sessions.values()))
+        w = t.registry.workers["w"]
+        w.full_until = 0.0
+        err = Error(code=ErrorCode.FULL, message="", session=s.wire, attempt=s.attempt)
+        outs = t.on_worker_error(w, err, 0.0)
+    final = [m for m in to(outs, A) if isinstance(m, Error)]
+    assert final and final[0].code is ErrorCode.NO_CAPACITY
+    assert not t.sessions and not t.queue and t.registry.workers["w"].reserved_tokens == 0
+
+
+def test_worker_lost_requeues_before_the_first_token_and_fails_after() -> None:
+    t = table(("w0", 0, 4), ("w1", 0, 4))
+    t.open(A, open_msg("s1"), 0.0)
+    s1 = t.sessions[(A, "s1")]
+    lost = s1.route[0]
+    t.registry.remove(t.registry.workers[lost])
+    outs = t.worker_lost(lost, "gone", 0.0)
+    (retry,) = opens(outs)
+    assert retry[1].attempt == 2 and retry[0] != lost.encode()
+    assert to(outs, A) == []  # the client saw nothing
+
+    s1 = t.sessions[(A, "s1")]
+    token(t, s1.route[-1], s1.wire, 0, attempt=2)
+    survivor = s1.route[0]
+    t.registry.remove(t.registry.workers[survivor])
+    (err,) = to(t.worker_lost(survivor, "gone too", 0.0), A)
+    assert err.code is ErrorCode.WORKER_LOST and err.message == "gone too"
+    assert not t.sessions
+
+
+def test_activations_go_to_the_next_stage_only_from_the_route() -> None:
+    t = table(("w0", 0, 2), ("w1", 2, 4), ("x", 0, 2))
+    t.registry.workers["x"].full_until = 1e18  # keep it off the route
+    wire = opens(t.open(A, open_msg(), 0.0))[0][1].session
+    hidden = Payload(np.zeros((3, 8), np.float32), "float32")
+    act = Activation(session=wire, attempt=1, hidden=hidden)
+    outs = t.on_activation(t.registry.workers["w0"], act, ["frames"], 0.0)
+    assert outs == [Out(True, b"w1", frames=["frames"])]
+    assert t.on_activation(t.registry.workers["x"], act, ["f"], 0.0) == []  # off the route
+    assert t.on_activation(t.registry.workers["w1"], act, ["f"], 0.0) == []  # the last stage
+
+
+def test_tick_fails_old_queued_requests_and_idle_sessions() -> None:
+    t = table(("w", 0, 2), queue_timeout=5.0, session_timeout=10.0)
+    t.open(A, open_msg("q"), 0.0)  # no complete route: waits
+    (err,) = to(t.tick(6.0, "no capacity: test"), A)
+    assert err.code is ErrorCode.NO_CAPACITY and err.message == "no capacity: test"
+
+    register(t.registry, "v", 2, 4)
+    t.open(A, open_msg("s"), 100.0)
+    assert t.tick(105.0, "") == []
+    outs = t.tick(111.0, "")
+    (err,) = to(outs, A)
+    assert err.code is ErrorCode.TIMEOUT
+    assert isinstance(to(outs, b"w")[0], Close) and isinstance(to(outs, b"v")[0], Close)
+    assert t.registry.workers["w"].reserved_tokens == 0 and not t.sessions
+
+
+def test_a_lost_client_frees_its_sessions_and_queue_place() -> None:
+    t = table(("w", 0, 4), ("h", 0, 2))
+    t.registry.workers["w"].capacity = 1
+    t.open(A, open_msg("s1"), 0.0)
+    t.open(A, open_msg("s2"), 0.0)  # queued behind s1 (no room)
+    t.open(B, open_msg("s3"), 0.0)
+    outs = t.client_lost(A, ErrorCode.SLOW_CONSUMER, "not reading", 0.0)
+    assert to(outs, A) == []  # nothing more is sent to a client that does not read
+    assert [k[0] for k in t.sessions] == [B]
+    assert all(p.client != A for p in t.queue)
+
+
+@pytest.mark.parametrize("code", [ErrorCode.INTERNAL, ErrorCode.BAD_REQUEST])
+def test_a_worker_error_fails_the_session_with_its_code(code: ErrorCode) -> None:
+    t = table(("w", 0, 4))
+    wire = opens(t.open(A, open_msg(), 0.0))[0][1].session
+    err = Error(code=code, message="bad step", session=wire, attempt=1)
+    outs = t.on_worker_error(t.registry.workers["w"], err, 0.0)
+    (to_client,) = to(outs, A)
+    assert to_client.code is code and to_client.session == "s1"
+    assert t.stats.failed == 1
