@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from zmqllm.config import BrokerSettings
-from zmqllm.messages import LOAD_KEYS, MAX_LAYERS, MAX_TEXT, Register
+from zmqllm.messages import LOAD_KEYS, MAX_LAYERS, MAX_STATUS_BYTES, MAX_TEXT, Register, StatusReply
+from zmqllm.protocol import decode, encode
 from zmqllm.registry import (
     MAX_GAPS,
     Registry,
@@ -732,3 +733,27 @@ def test_the_caps_at_their_defaults_stay_fast() -> None:
     route = reg.find_route(1)
     assert ids(route) == ["w511-0"]  # the whole model in one hop
     assert_fast(reg)
+
+
+def test_the_status_of_500_workers_fits_one_reply() -> None:
+    reg = Registry()
+    for i in range(500):
+        w = reg.add(
+            f"w{i:03}-{'x' * 240}".encode(),
+            dataclasses.replace(register(i % 250, i % 250 + 1, num_layers=250), host="h" * 255),
+        )
+        w.load = {k: 2**62 for k in LOAD_KEYS}  # every statistic, each as long as it gets
+    now = time.monotonic()
+    status = {
+        "workers": [w.describe(now) for w in reg.workers.values()],
+        "pools": reg.pools(),
+        "routes": reg.route_shapes(),
+        "uncovered": reg.uncovered(),
+    }
+    reply = decode(encode(StatusReply.of(status)))
+    assert isinstance(reply, StatusReply)
+    assert reply.body.array.nbytes < MAX_STATUS_BYTES
+    back = reply.status()
+    assert len(back["workers"]) == 500
+    assert back["workers"][0]["info"]["host"] == "h" * 255
+    assert len(back["routes"]) == 1
