@@ -42,7 +42,7 @@ from zmqllm.messages import (
     Token,
 )
 from zmqllm.protocol import MAX_FRAMES, MAX_HEADER_BYTES, ProtocolError, decode, encode
-from zmqllm.registry import Registry, WorkerEntry
+from zmqllm.registry import Registry, RegistryError, WorkerEntry
 
 log = get_logger("zmqllm.broker")
 
@@ -265,8 +265,7 @@ class Broker:
         now = time.monotonic()
         w.last_seen = now
         if isinstance(msg, Heartbeat):
-            if msg.load is not None:
-                w.load = msg.load
+            w.load = msg.load or {}
             w.draining = msg.draining
         elif isinstance(msg, Activation):
             self.send(self.table.on_activation(w, msg, frames[1:], now))
@@ -291,7 +290,11 @@ class Broker:
         old = self.registry.by_identity.get(identity)
         if old is not None:
             self.send(self._remove(old, f"worker {old.worker_id} registered again", now))
-        w = self.registry.add(identity, reg)
+        try:
+            w = self.registry.add(identity, reg)
+        except RegistryError as exc:  # refusal() said yes, but the state moved meanwhile
+            self.send([Out(True, identity, Refused(reason=str(exc)))])
+            return
         log.info(
             "worker registered",
             worker=w.worker_id,
@@ -330,6 +333,7 @@ class Broker:
             "version": __version__,
             "uptime_s": round(now - self.started, 1),
             "num_layers": self.registry.num_layers,
+            "model": self.registry.fingerprint,
             "complete_route": self.registry.find_route(1, ignore_room=True) is not None,
             "queue": len(self.table.queue),
             "sessions": len(self.table.sessions),

@@ -405,6 +405,8 @@ def _check_broker(s: BrokerSettings, where: str) -> BrokerSettings:
             "max_message_bytes",
             "frontend_max_message_bytes",
             "peer_queue",
+            "max_workers",
+            "max_ranges",
         ),
         where,
     )
