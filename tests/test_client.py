@@ -19,9 +19,21 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from zmqllm.client import BrokerClient, BrokerError, TokenEvent, TokenStream
+from zmqllm.client import BrokerClient, TokenEvent, TokenStream
+from zmqllm.messages import Finish, MsgType
+from zmqllm.protocol import (
+    Error,
+    ErrorCode,
+    Heartbeat,
+    Message,
+    Open,
+    SessionError,
+    StatusReply,
+    Token,
+    decode,
+    encode,
+)
 from zmqllm.sampling_params import SamplingParams
-from zmqllm.protocol import Header, MsgType, decode, encode, error_header
 
 TIMEOUT = 10.0  # bound on any single wait; a correct client is far quicker
 INTERVAL = 0.1  # client heartbeat interval
@@ -30,7 +42,7 @@ INTERVAL = 0.1  # client heartbeat interval
 @dataclass
 class Received:
     identity: bytes
-    header: Header
+    msg: Any  # the decoded message; Any so a test reads an OPEN's fields without casts
     frames: list[bytes]
 
 
@@ -55,30 +67,26 @@ class FakeBroker:
         while True:
             frames = await self.sock.recv_multipart()
             identity, body = frames[0], frames[1:]
-            header, _ = decode(body)
-            if header.type is MsgType.HEARTBEAT:
+            msg = decode(body)
+            if isinstance(msg, Heartbeat):
                 self.heartbeats += 1
                 if not self.silent:
-                    await self.send(identity, Header(MsgType.HEARTBEAT, fields={"boot": self.boot}))
+                    await self.send(identity, Heartbeat(boot=self.boot))
                 continue
-            if header.type is MsgType.STATUS and self.answer_status:
-                reply = Header(
-                    MsgType.STATUS_REPLY,
-                    request_id=header.request_id,
-                    fields={"status": self.status_body},
-                )
+            if msg.TYPE is MsgType.STATUS and self.answer_status:
+                reply = StatusReply.of(self.status_body, request_id=msg.request_id)
                 await self.send(identity, reply)
-            await self.inbox.put(Received(identity, header, body))
+            await self.inbox.put(Received(identity, msg, body))
 
-    async def send(self, identity: bytes, header: Header) -> None:
-        await self.sock.send_multipart([identity, *encode(header)])
+    async def send(self, identity: bytes, msg: Message) -> None:
+        await self.sock.send_multipart([identity, *encode(msg)])
 
     async def send_raw(self, identity: bytes, frames: list[bytes]) -> None:
         await self.sock.send_multipart([identity, *frames])
 
     async def expect(self, msg_type: MsgType) -> Received:
         got = await asyncio.wait_for(self.inbox.get(), TIMEOUT)
-        assert got.header.type is msg_type, f"expected {msg_type.value}, got {got.header}"
+        assert got.msg.TYPE is msg_type, f"expected {msg_type.value}, got {got.msg}"
         return got
 
     async def token(
@@ -89,9 +97,15 @@ class FakeBroker:
         finish: str | None = None,
         **extra: Any,
     ) -> None:
-        fields = {"token": token, "finish": finish, **extra}
-        h = Header(MsgType.TOKEN, to.header.session, to.header.request_id, step, fields)
-        await self.send(to.identity, h)
+        msg = Token(
+            session=to.msg.session,
+            request_id=to.msg.request_id,
+            step=step,
+            token=token,
+            finish=Finish(finish) if finish else None,
+            **extra,
+        )
+        await self.send(to.identity, msg)
 
     async def close(self) -> None:
         self._task.cancel()
@@ -103,14 +117,14 @@ class FakeBroker:
 Body = Callable[[BrokerClient, FakeBroker], Awaitable[None]]
 
 
-def run(body: Body, *, silent: bool = False, liveness: int = 3) -> None:
+def run(body: Body, *, silent: bool = False, liveness: int = 3, **client_kw: Any) -> None:
     """Run ``body(client, fake)`` with a started client, then tear everything down."""
 
     async def main() -> None:
         ctx = zmq.asyncio.Context()
         fake = FakeBroker(ctx)
         fake.silent = silent
-        client = BrokerClient(fake.address, INTERVAL, liveness, context=ctx)
+        client = BrokerClient(fake.address, INTERVAL, liveness, context=ctx, **client_kw)
         try:
             await client.start()
             await asyncio.wait_for(body(client, fake), 3 * TIMEOUT)
@@ -145,12 +159,12 @@ def test_generate_yields_tokens_in_order_and_ends_at_finish() -> None:
     async def body(client: BrokerClient, fake: FakeBroker) -> None:
         async with generate(client, prompt=[5, 6, 7], session="s1") as stream:
             opened = await fake.expect(MsgType.OPEN)
-            h = opened.header
-            assert (h.session, h.request_id) == ("s1", "req-1")
-            assert h.fields["max_tokens"] == 8
-            assert h.fields["prompt_len"] == 3
-            assert h.fields["stop_ids"] == [2]
-            assert SamplingParams.from_dict(h.fields["sampling"]) == SamplingParams(0.5, seed=3)
+            m = opened.msg
+            assert isinstance(m, Open)
+            assert (m.session, m.request_id, m.attempt, m.step) == ("s1", "req-1", 0, 0)
+            assert (m.max_tokens, m.prompt_len, m.stop_ids) == (8, 3, (2,))
+            assert m.sampling == SamplingParams(0.5, seed=3)
+            assert m.tokens is not None and m.tokens.array.tolist() == [5, 6, 7]
             assert opened.frames[1] == np.array([5, 6, 7], np.int32).tobytes()
 
             await fake.token(opened, 0, 10, route=["w0", "w1"])
@@ -194,7 +208,7 @@ def test_concurrent_streams_get_their_own_tokens() -> None:
         async with generate(client, session="a") as a, generate(client, session="b") as b:
             first = await fake.expect(MsgType.OPEN)
             second = await fake.expect(MsgType.OPEN)
-            opens = {r.header.session: r for r in (first, second)}
+            opens = {r.msg.session: r for r in (first, second)}
             # Interleaved, b first: each stream sees only its own session's tokens.
             await fake.token(opens["b"], 0, 20)
             await fake.token(opens["a"], 0, 10)
@@ -212,14 +226,14 @@ def test_an_error_raises_broker_error_with_code_and_message() -> None:
         async with generate(client, session="s1") as stream:
             opened = await fake.expect(MsgType.OPEN)
             await fake.token(opened, 0, 10)
-            err = error_header("no_capacity", "no route after 30s", "s1", "req-1")
+            err = Error.of(ErrorCode.NO_CAPACITY, "no route after 30s", "s1", request_id="req-1")
             await fake.send(opened.identity, err)
             events: list[TokenEvent] = []
-            with pytest.raises(BrokerError) as info:
+            with pytest.raises(SessionError) as info:
                 async for ev in stream:
                     events.append(ev)
         assert events == [TokenEvent(10, 0, None)]
-        assert info.value.code == "no_capacity"
+        assert info.value.code is ErrorCode.NO_CAPACITY
         assert info.value.message == "no route after 30s"
         assert "no_capacity" in str(info.value)
 
@@ -234,7 +248,7 @@ def test_leaving_the_block_early_sends_cancel() -> None:
             async for _ in stream:
                 break  # the caller loses interest after one token
         cancel = await fake.expect(MsgType.CANCEL)
-        assert (cancel.header.session, cancel.header.request_id) == ("s1", "req-1")
+        assert (cancel.msg.session, cancel.msg.request_id) == ("s1", "req-1")
         # Tokens that were already in flight are dropped quietly.
         await fake.token(opened, 1, 11)
         assert await client.status() == fake.status_body
@@ -261,9 +275,9 @@ def test_a_silent_broker_fails_streams_with_broker_unreachable() -> None:
         async with generate(client, session="s1") as stream:
             await fake.expect(MsgType.OPEN)  # arrives, but nothing ever answers
             # The bound: liveness x interval plus generous slack, never a hang.
-            with pytest.raises(BrokerError) as info:
+            with pytest.raises(SessionError) as info:
                 await asyncio.wait_for(collect(stream), TIMEOUT)
-        assert info.value.code == "broker_unreachable"
+        assert info.value.code is ErrorCode.BROKER_UNREACHABLE
         assert "stopped answering" in info.value.message
         assert not client.connected
 
@@ -274,7 +288,7 @@ def test_the_client_recovers_when_the_broker_answers_again() -> None:
     async def body(client: BrokerClient, fake: FakeBroker) -> None:
         async with generate(client, session="s1") as stream:
             await fake.expect(MsgType.OPEN)
-            with pytest.raises(BrokerError):
+            with pytest.raises(SessionError):
                 await asyncio.wait_for(collect(stream), TIMEOUT)
         # The broker is back: the client (on a fresh socket) hears it and serves again.
         fake.silent = False
@@ -296,15 +310,15 @@ def test_a_restarted_broker_fails_open_streams() -> None:
             opened = await fake.expect(MsgType.OPEN)
             await fake.token(opened, 0, 10)
             # Boot ids in this order on one socket: the client learns "a", then sees "b".
-            await fake.send(opened.identity, Header(MsgType.HEARTBEAT, fields={"boot": "boot-a"}))
+            await fake.send(opened.identity, Heartbeat(boot="boot-a"))
             fake.boot = "boot-b"
-            await fake.send(opened.identity, Header(MsgType.HEARTBEAT, fields={"boot": "boot-b"}))
+            await fake.send(opened.identity, Heartbeat(boot="boot-b"))
             events: list[TokenEvent] = []
-            with pytest.raises(BrokerError) as info:
+            with pytest.raises(SessionError) as info:
                 async for ev in stream:
                     events.append(ev)
         assert events == [TokenEvent(10, 0, None)]
-        assert info.value.code == "broker_unreachable"
+        assert info.value.code is ErrorCode.BROKER_UNREACHABLE
         assert "restarted" in info.value.message
 
     run(body)
@@ -327,9 +341,9 @@ def test_closing_the_client_fails_open_streams() -> None:
         await stream.__aenter__()
         await fake.expect(MsgType.OPEN)
         await client.close()
-        with pytest.raises(BrokerError) as info:
+        with pytest.raises(SessionError) as info:
             await collect(stream)
-        assert info.value.code == "broker_unreachable"
+        assert info.value.code is ErrorCode.BROKER_UNREACHABLE
 
     run(body)
 
@@ -341,7 +355,7 @@ def test_status_returns_the_broker_dict() -> None:
     async def body(client: BrokerClient, fake: FakeBroker) -> None:
         fake.status_body = {"queue": 2, "workers": [{"id": "w0"}], "complete_route": True}
         assert await client.status() == fake.status_body
-        assert (await fake.expect(MsgType.STATUS)).header.request_id  # a key to match on
+        assert (await fake.expect(MsgType.STATUS)).msg.request_id  # a key to match on
 
     run(body)
 
@@ -349,9 +363,9 @@ def test_status_returns_the_broker_dict() -> None:
 def test_status_times_out_with_broker_error() -> None:
     async def body(client: BrokerClient, fake: FakeBroker) -> None:
         fake.answer_status = False
-        with pytest.raises(BrokerError) as info:
+        with pytest.raises(SessionError) as info:
             await client.status(timeout=0.3)
-        assert info.value.code == "broker_unreachable"
+        assert info.value.code is ErrorCode.BROKER_UNREACHABLE
         await fake.expect(MsgType.STATUS)
 
     run(body)
@@ -362,12 +376,10 @@ def test_a_stale_status_reply_is_ignored() -> None:
         fake.answer_status = False
         task = asyncio.create_task(client.status(timeout=TIMEOUT))
         asked = await fake.expect(MsgType.STATUS)
-        stale = Header(MsgType.STATUS_REPLY, request_id="old", fields={"status": {"stale": 1}})
+        stale = StatusReply.of({"stale": 1}, request_id="old")
         await fake.send(asked.identity, stale)
         fresh = {"fresh": 1}
-        reply = Header(
-            MsgType.STATUS_REPLY, request_id=asked.header.request_id, fields={"status": fresh}
-        )
+        reply = StatusReply.of(fresh, request_id=asked.msg.request_id)
         await fake.send(asked.identity, reply)
         assert await task == fresh
 
@@ -382,15 +394,15 @@ def test_a_stream_opened_on_the_new_broker_survives_the_restart_notice() -> None
         async with generate(client, session="old") as old:
             o = await fake.expect(MsgType.OPEN)
             await fake.token(o, 0, 1, boot="boot-a")
-            await fake.send(o.identity, Header(MsgType.HEARTBEAT, fields={"boot": "boot-a"}))
+            await fake.send(o.identity, Heartbeat(boot="boot-a"))
             async with generate(client, session="new") as new:
                 n = await fake.expect(MsgType.OPEN)
                 await fake.token(n, 0, 5, boot="boot-b")
                 fake.boot = "boot-b"
-                await fake.send(n.identity, Header(MsgType.HEARTBEAT, fields={"boot": "boot-b"}))
+                await fake.send(n.identity, Heartbeat(boot="boot-b"))
                 await fake.token(n, 1, 6, finish="length")
                 assert [e.token for e in await collect(new)] == [5, 6]
-            with pytest.raises(BrokerError, match="restarted"):
+            with pytest.raises(SessionError, match="restarted"):
                 await collect(old)
 
     run(body)
