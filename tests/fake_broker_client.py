@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from zmqllm.messages import ErrorCode, SessionError
 from zmqllm.sampling_params import SamplingParams
 
 
@@ -23,13 +24,9 @@ class FakeTokenEvent:
     finish: str | None
 
 
-class FakeBrokerError(Exception):
-    """Shaped like zmqllm.client.BrokerError: a code and a message."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
+# The real client's one error class: the gateway matches on it. The old name stays for the
+# tests that build one by it.
+FakeBrokerError = SessionError
 
 
 @dataclass
@@ -39,11 +36,11 @@ class Script:
     tokens: list[int]
     delay: float = 0.0
     # Raised instead of the first token (e.g. no_capacity).
-    fail_before_first: FakeBrokerError | None = None
+    fail_before_first: SessionError | None = None
     # Raised after this many tokens were sent (e.g. worker_lost mid-stream).
     fail_after: int | None = None
-    fail_with: FakeBrokerError = field(
-        default_factory=lambda: FakeBrokerError("worker_lost", "worker w1 stopped answering")
+    fail_with: SessionError = field(
+        default_factory=lambda: SessionError(ErrorCode.WORKER_LOST, "worker w1 stopped answering")
     )
 
 
@@ -168,7 +165,7 @@ class FakeBrokerClient:
     async def status(self, timeout: float = 2.0) -> dict[str, Any]:
         self.status_calls += 1
         if self.unreachable:
-            raise FakeBrokerError("broker_unreachable", "no answer from the broker")
+            raise SessionError(ErrorCode.BROKER_UNREACHABLE, "no answer from the broker")
         return {
             "complete_route": self.complete_route,
             "workers": [],
