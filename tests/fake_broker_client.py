@@ -42,6 +42,9 @@ class Script:
     fail_with: SessionError = field(
         default_factory=lambda: SessionError(ErrorCode.WORKER_LOST, "worker w1 stopped answering")
     )
+    # After this many tokens, wait ``stall`` seconds before the next (a stuck worker).
+    stall_after: int | None = None
+    stall: float = 0.0
 
 
 @dataclass
@@ -67,6 +70,7 @@ class FakeTokenStream:
 
     async def __aenter__(self) -> FakeTokenStream:
         self.client.open_streams.add(self.session)
+        self.client.most_open = max(self.client.most_open, len(self.client.open_streams))
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -90,6 +94,8 @@ class FakeTokenStream:
                 raise script.fail_with
             if script.delay:
                 await asyncio.sleep(script.delay)
+            if script.stall_after is not None and step == script.stall_after:
+                await asyncio.sleep(script.stall)
             self.route = ["w0", "w1"]
             finish = None
             if token in stop_ids:
@@ -123,9 +129,11 @@ class FakeBrokerClient:
         self.streams: list[FakeTokenStream] = []
         self.cancels: list[str] = []
         self.open_streams: set[str] = set()
+        self.most_open = 0  # the most sessions open at one time
         self.complete_route = True
         self.unreachable = False
         self.status_calls = 0
+        self.status_delay = 0.0  # seconds each status call takes
         self.started = False
         self.closed = False
 
@@ -164,6 +172,8 @@ class FakeBrokerClient:
 
     async def status(self, timeout: float = 2.0) -> dict[str, Any]:
         self.status_calls += 1
+        if self.status_delay:
+            await asyncio.sleep(self.status_delay)
         if self.unreachable:
             raise SessionError(ErrorCode.BROKER_UNREACHABLE, "no answer from the broker")
         return {

@@ -380,20 +380,6 @@ async def test_non_streamed_failure_mid_answer_is_503(
     assert response.json()["error"]["code"] == "worker_lost"
 
 
-async def test_concurrency_limit_is_429(fake: FakeBrokerClient, tok: Tokenizer) -> None:
-    fake.default_script = answer_script(tok, delay=0.02)
-    app = make_app(fake, tok, max_concurrent=1)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
-        first = asyncio.ensure_future(c.post("/chat", content=b"Hi"))
-        while not fake.calls:
-            await asyncio.sleep(0.005)
-        second = await c.post("/chat", content=b"Hi")
-        assert second.status_code == 429
-        assert second.headers["retry-after"] == "1"
-        assert (await first).text == ANSWER
-        assert (await c.post("/chat", content=b"Hi")).status_code == 200
-
-
 # --- disconnects ----------------------------------------------------------------------------
 
 

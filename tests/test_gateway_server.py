@@ -96,6 +96,9 @@ def test_serve_wires_client_app_and_uvicorn(
             "port": c.port,
             "log_config": c.log_config,
             "access_log": c.access_log,
+            "limit_concurrency": c.limit_concurrency,
+            "timeout_keep_alive": c.timeout_keep_alive,
+            "header_timeout": c.http.header_timeout,
         }
 
     monkeypatch.setattr(zmqllm.client, "BrokerClient", fake_client)
@@ -111,6 +114,10 @@ def test_serve_wires_client_app_and_uvicorn(
     assert made["heartbeat_interval"] == 0.25 and made["liveness"] == cfg.broker.heartbeat_liveness
     assert made["run"]["host"] == "127.0.0.1" and made["run"]["port"] == 0
     assert made["run"]["log_config"] is None and made["run"]["access_log"] is False
+    # The HTTP edge's limits come from [gateway].
+    assert made["run"]["limit_concurrency"] == cfg.gateway.limit_concurrency == 2048
+    assert made["run"]["timeout_keep_alive"] == cfg.gateway.keep_alive_timeout == 5
+    assert made["run"]["header_timeout"] == cfg.gateway.header_timeout == 10.0
     gateway = made["app"].state.gateway
     assert gateway.context_length == CONFIG["max_position_embeddings"]
     assert gateway.model_name == "tiny-model"

@@ -25,6 +25,7 @@ from fastapi import FastAPI
 from tests.fake_broker_client import FakeBrokerClient, Script
 from zmqllm.config import GatewaySettings
 from zmqllm.gateway.app import create_app
+from zmqllm.gateway.http_server import uvicorn_config
 from zmqllm.tiny_tokenizer import EOS_TOKEN, write_tiny_tokenizer
 from zmqllm.tokenizer import Tokenizer
 
@@ -92,14 +93,15 @@ def wait_for(predicate: Any, timeout: float = 5.0) -> None:
 
 
 @contextlib.contextmanager
-def running_server(app: FastAPI) -> Iterator[str]:
-    """Serve ``app`` with uvicorn on a free port in a thread; yield its base URL."""
+def serving(app: FastAPI) -> Iterator[tuple[str, uvicorn.Server]]:
+    """Serve ``app`` on a free port in a thread, configured as ``zmqllm gateway`` runs it
+    (the app's GatewaySettings); yield its base URL and the server."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(
-        app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=2
-    )
+    config = uvicorn_config(app, app.state.gateway.settings)
+    config.lifespan = "on"
+    config.timeout_graceful_shutdown = 2
     server = uvicorn.Server(config)
     errors: list[BaseException] = []
 
@@ -115,8 +117,15 @@ def running_server(app: FastAPI) -> Iterator[str]:
         wait_for(lambda: server.started or errors or not thread.is_alive())
         if errors:
             raise errors[0]
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", server
     finally:
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
+
+
+@contextlib.contextmanager
+def running_server(app: FastAPI) -> Iterator[str]:
+    """Serve ``app`` with uvicorn on a free port in a thread; yield its base URL."""
+    with serving(app) as (url, _server):
+        yield url

@@ -7,6 +7,7 @@ import argparse
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import textwrap
@@ -26,9 +27,11 @@ from zmqllm.launcher import (
     cpu_lock_path,
     layer_flags,
     log_path,
+    open_private_log,
     plan,
     port_errors,
     port_problem,
+    private_log_dir,
     stage_slug,
     up_config,
 )
@@ -370,6 +373,38 @@ def test_a_previous_log_is_kept_once(tmp_path: Path) -> None:
     assert (tmp_path / "broker.log").read_text() == "new run\n"
     assert [c.name for c, code in cluster.newly_exited()] == ["broker"]
     assert cluster.newly_exited() == []  # each exit is told once
+
+
+def test_logs_are_private_whatever_the_umask(tmp_path: Path) -> None:
+    shared = tmp_path / "logs"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)  # a folder left world-readable (and writable) by an older run
+    (shared / "broker.log").write_text("old run\n")
+    (shared / "broker.log").chmod(0o644)
+    old_umask = os.umask(0)
+    try:
+        fresh = tmp_path / "new" / "logs"
+        for directory in (shared, fresh):
+            cluster = Cluster([Child("broker", "broker", py("print('new run')"))], directory)
+            cluster.start()
+            cluster.procs["broker"].wait(timeout=10)
+            assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+            assert stat.S_IMODE((directory / "broker.log").stat().st_mode) == 0o600
+            assert (directory / "broker.log").read_text() == "new run\n"
+        assert stat.S_IMODE((shared / "broker.log.1").stat().st_mode) == 0o600
+    finally:
+        os.umask(old_umask)
+
+
+def test_a_shared_sticky_folder_is_left_as_it_is(tmp_path: Path) -> None:
+    sticky = tmp_path / "tmp"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    private_log_dir(sticky)
+    assert stat.S_IMODE(sticky.stat().st_mode) == 0o1777
+    with open_private_log(sticky / "gateway.log") as out:
+        out.write(b"x")
+    assert stat.S_IMODE((sticky / "gateway.log").stat().st_mode) == 0o600
 
 
 def stand_in_config(tmp_path: Path) -> tuple[Path, int]:

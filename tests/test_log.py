@@ -259,3 +259,29 @@ def test_bad_arguments() -> None:
         configure_logging("x", level="loud")
     with pytest.raises(ValueError, match="format"):
         configure_logging("x", fmt="xml")
+
+
+def _fail_holding_a_secret() -> None:
+    prompt = "the user's secret prompt text"  # a local a traceback with locals would show
+    raise RuntimeError(f"failed after {len(prompt)} characters")
+
+
+@pytest.mark.parametrize("fmt", ["json", "console"])
+def test_tracebacks_carry_no_locals(fmt: str) -> None:
+    stream = io.StringIO()
+    configure_logging("gateway", fmt=fmt, stream=stream)
+    try:
+        _fail_holding_a_secret()
+    except RuntimeError:
+        get_logger().exception("request failed")
+        logging.getLogger("some.lib").exception("lib failed")
+    text = stream.getvalue()
+    # The traceback is there (the failing function, its message) ...
+    assert text.count("_fail_holding_a_secret") >= 2
+    assert "failed after 29 characters" in text
+    # ... but not the values of its variables.
+    assert "secret prompt" not in text
+    if fmt == "json":
+        for record in lines_of(stream):
+            for exc in record["exception"]:
+                assert all("locals" not in frame for frame in exc["frames"])

@@ -149,8 +149,29 @@ class GatewaySettings:
     broker: str = "tcp://127.0.0.1:5555"
     max_body_bytes: int = 1_000_000
     default_max_tokens: int = 256
+    # Generations running at once (as many as one route's worker takes by default,
+    # max_sessions); more wait in the gateway's queue, oldest first.
     max_concurrent: int = 64
-    request_timeout: float = 600.0  # seconds
+    # Requests waiting for a slot; past this many, 429 with Retry-After.
+    max_queued: int = 1024
+    # Seconds a request may wait in that queue before it is answered 503.
+    queue_timeout: float = 300.0
+    # Seconds from leaving the queue to the first token (the broker's queue, the
+    # prefill): past it the session is cancelled and the client gets 504.
+    first_token_timeout: float = 120.0
+    # Seconds without a token once streaming: the session is cancelled and the stream
+    # ends with an error.
+    inter_token_timeout: float = 60.0
+    request_timeout: float = 600.0  # seconds for a whole generation once out of the queue
+    # HTTP connections plus requests in progress past which uvicorn answers 503; above
+    # max_concurrent + max_queued so the queue, not this, is what a burst meets.
+    limit_concurrency: int = 2048
+    keep_alive_timeout: int = 5  # seconds an idle keep-alive connection stays open
+    # Seconds for a request's line and headers to arrive (slowloris): then the
+    # connection is closed.
+    header_timeout: float = 10.0
+    # Seconds to read a request's whole body: then 408.
+    body_timeout: float = 30.0
 
 
 @dataclass
@@ -429,8 +450,30 @@ def _check_gateway(s: GatewaySettings, where: str) -> GatewaySettings:
     if not 0 <= s.port <= 65535:
         raise _fail("port", where, "between 1 and 65535 (0 = pick a free port)", s.port)
     _check_endpoint("broker", s.broker, where)
-    _check_positive(s, ("max_body_bytes", "default_max_tokens", "max_concurrent"), where)
-    _check_positive(s, ("request_timeout",), where)
+    _check_positive(
+        s,
+        (
+            "max_body_bytes",
+            "default_max_tokens",
+            "max_concurrent",
+            "limit_concurrency",
+            "keep_alive_timeout",
+        ),
+        where,
+    )
+    _check_positive(s, ("max_queued",), where, minimum=0)
+    _check_positive(
+        s,
+        (
+            "queue_timeout",
+            "first_token_timeout",
+            "inter_token_timeout",
+            "request_timeout",
+            "header_timeout",
+            "body_timeout",
+        ),
+        where,
+    )
     return s
 
 

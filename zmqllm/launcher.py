@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import BinaryIO
 
 import zmqllm
 from zmqllm.config import (
@@ -42,6 +44,8 @@ DEFAULT_STAGES = (StageSpec("1/2"), StageSpec("2/2"))
 POLL_S = 0.5  # how often readiness and children are checked
 STOP_GRACE_S = 10.0  # after this, children still running get SIGKILL
 TAIL_LINES = 20
+LOG_DIR_MODE = 0o700  # owner only: see private_log_dir
+LOG_FILE_MODE = 0o600
 _TCP_RE = re.compile(r"tcp://(?P<host>\[[^\]]*\]|[^:/]+):(?P<port>[0-9]+)")
 _ANY_HOST = ("*", "0.0.0.0", "::", "[::]", "")
 
@@ -199,6 +203,26 @@ def log_path(directory: Path, child: Child) -> Path:
     return directory / f"{child.name}.log"
 
 
+def private_log_dir(directory: Path) -> None:
+    """Make the log folder, readable by its owner only.
+
+    Logs name requests, routes and errors (at debug level, more): other users of the
+    machine have no business reading them. A shared folder (sticky, like /tmp) is left as
+    it is; the files in it are private anyway.
+    """
+    directory.mkdir(parents=True, exist_ok=True, mode=LOG_DIR_MODE)
+    mode = directory.stat().st_mode
+    if not mode & stat.S_ISVTX and stat.S_IMODE(mode) & (stat.S_IRWXG | stat.S_IRWXO):
+        directory.chmod(LOG_DIR_MODE)
+
+
+def open_private_log(path: Path) -> BinaryIO:
+    """A fresh log file for writing, created 0600 whatever the umask."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, LOG_FILE_MODE)
+    os.fchmod(fd, LOG_FILE_MODE)  # the file may have existed with a wider mode
+    return os.fdopen(fd, "wb")
+
+
 def tail(path: Path, lines: int = TAIL_LINES) -> str:
     try:
         text = path.read_text(errors="replace")
@@ -248,14 +272,16 @@ class Cluster:
         self.reported: set[str] = set()
 
     def start(self) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
+        private_log_dir(self.dir)
         env = dict(os.environ, PYTHONUNBUFFERED="1")  # lines reach the log as they happen
         linux = sys.platform.startswith("linux")
         for child in self.children:
             path = log_path(self.dir, child)
             if path.exists():  # keep one previous run for a look after a restart
-                path.replace(path.with_name(path.name + ".1"))
-            with path.open("wb") as out:
+                older = path.with_name(path.name + ".1")
+                path.replace(older)
+                older.chmod(LOG_FILE_MODE)  # a log from before logs were private
+            with open_private_log(path) as out:
                 self.procs[child.name] = subprocess.Popen(
                     child.argv,
                     stdin=subprocess.DEVNULL,

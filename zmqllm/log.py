@@ -18,6 +18,7 @@ import uuid
 from typing import Any, TextIO
 
 import structlog
+from structlog.tracebacks import ExceptionDictTransformer
 from structlog.typing import EventDict, FilteringBoundLogger, Processor, WrappedLogger
 
 __all__ = [
@@ -126,10 +127,18 @@ def configure_logging(
     if console:
         isatty = getattr(out, "isatty", None)
         # ConsoleRenderer formats exc_info itself, so no traceback processor goes before it.
-        render = [structlog.dev.ConsoleRenderer(colors=bool(isatty and isatty()))]
+        # Its default formatter is rich's when rich is installed, which prints every
+        # frame's locals: pinned to the plain one.
+        render = [
+            structlog.dev.ConsoleRenderer(
+                colors=bool(isatty and isatty()),
+                exception_formatter=structlog.dev.plain_traceback,
+            )
+        ]
     else:
         render = [
-            structlog.processors.dict_tracebacks,
+            # Frames' locals hold prompts, answers and keys: never in a log line.
+            structlog.processors.ExceptionRenderer(ExceptionDictTransformer(show_locals=False)),
             _leading_keys_first,
             structlog.processors.JSONRenderer(),
         ]

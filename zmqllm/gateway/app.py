@@ -19,7 +19,7 @@ from zmqllm.gateway import openai_routes, plain_routes
 from zmqllm.gateway.backend import BrokerClientLike
 from zmqllm.gateway.errors import RETRY_AFTER_S, install_error_handlers
 from zmqllm.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from zmqllm.gateway.metrics import GatewayMetrics
+from zmqllm.gateway.metrics import GatewayMetrics, StatusCache
 from zmqllm.gateway.readiness import Readiness
 from zmqllm.gateway.request_context import RequestContextMiddleware
 from zmqllm.gateway.service import GatewayService
@@ -96,16 +96,14 @@ def create_app(
     app.include_router(openai_routes.router)
 
     app.state.metrics = GatewayMetrics()
+    app.state.broker_status = StatusCache(lambda: client.status(timeout=METRICS_STATUS_TIMEOUT))
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         """Prometheus text: the gateway's figures and, through the broker, the cluster's."""
-        try:
-            status = await client.status(timeout=METRICS_STATUS_TIMEOUT)
-        except Exception:  # the broker down is itself a figure (zmqllm_broker_up 0)
-            status = None
+        status = await request.app.state.broker_status.get()
         service: GatewayService = request.app.state.gateway
-        body = request.app.state.metrics.render(status, service.in_flight)
+        body = request.app.state.metrics.render(status, service.in_flight, service.queued)
         return Response(body, media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/health")

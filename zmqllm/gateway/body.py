@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import anyio
 from starlette.requests import Request
 
 from zmqllm.gateway.errors import APIError
@@ -26,12 +27,14 @@ def _too_large(size: str, limit: int) -> APIError:
     )
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body; 413 once it is known to exceed ``limit`` bytes.
+async def read_body(request: Request, limit: int, timeout: float | None = None) -> bytes:
+    """The raw body; 413 once it is known to exceed ``limit`` bytes, 408 if it has not all
+    arrived within ``timeout`` seconds.
 
     Content-Length is checked first so a huge upload is refused before it is read, and the
     bytes are counted anyway because a chunked body has no Content-Length (and a client may
-    lie about it).
+    lie about it). The deadline keeps a client that trickles its body from holding a
+    request (and a connection) for ever.
     """
     declared = request.headers.get("content-length")
     if declared is not None:
@@ -42,10 +45,20 @@ async def read_body(request: Request, limit: int) -> bytes:
         if size > limit:
             raise _too_large(str(size), limit)
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise _too_large(f"more than {limit}", limit)
+    with anyio.move_on_after(timeout) as deadline:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise _too_large(f"more than {limit}", limit)
+    if deadline.cancelled_caught:
+        raise APIError(
+            408,
+            f"the request body did not arrive within {timeout:g} s",
+            code="request_timeout",
+            # The rest of the body may still come: this connection cannot carry another
+            # request.
+            headers={"Connection": "close"},
+        )
     return bytes(body)
 
 
@@ -60,12 +73,14 @@ def _decode_utf8(body: bytes) -> str:
         ) from None
 
 
-async def read_text(request: Request, limit: int) -> str:
-    return _decode_utf8(await read_body(request, limit))
+async def read_text(request: Request, limit: int, timeout: float | None = None) -> str:
+    return _decode_utf8(await read_body(request, limit, timeout))
 
 
-async def read_json_object(request: Request, limit: int) -> dict[str, Any]:
-    text = _decode_utf8(await read_body(request, limit))
+async def read_json_object(
+    request: Request, limit: int, timeout: float | None = None
+) -> dict[str, Any]:
+    text = _decode_utf8(await read_body(request, limit, timeout))
     if not text.strip():
         raise APIError(
             400, "the request body is empty; expected a JSON object", code="invalid_json"

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from zmqllm.messages import ErrorCode
 
 __all__ = [
+    "CLIENT_CLOSED",
     "RETRY_AFTER_S",
     "APIError",
     "broker_failure",
@@ -31,6 +32,9 @@ __all__ = [
 # Seconds a client should wait before retrying a 429/503. Capacity comes back when a
 # worker (re)registers, which takes about a heartbeat interval.
 RETRY_AFTER_S = 1
+
+# nginx's convention for "client closed the request": only ever seen in our own log line.
+CLIENT_CLOSED = 499
 
 # The HTTP answer to a failed generation that sent nothing yet, by its code. 503 and 429
 # carry Retry-After: the cluster lacks capacity for now (no route, a worker lost, the

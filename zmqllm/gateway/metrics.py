@@ -9,7 +9,10 @@ scrape target sees the whole cluster.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import math
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -25,6 +28,9 @@ GENERATION_PATHS = ("/chat", "/v1/chat/completions", "/v1/completions")
 # Seconds; decode steps are tens of ms on a CPU, first tokens up to seconds.
 ITL_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# Seconds a broker status is reused: scrapers (several Prometheus replicas, a dashboard,
+# an attacker on an open port) cannot make the gateway ask the broker more often than this.
+STATUS_MAX_AGE = 1.0
 
 # Per-worker figures the workers report in their heartbeats: (stats key, metric, help).
 _WORKER_GAUGES = (
@@ -96,6 +102,43 @@ class ClusterCollector(Collector):
         yield draining
 
 
+class StatusCache:
+    """The broker's status, fetched at most once per ``max_age`` seconds.
+
+    Scrapes that arrive while a fetch is under way wait for that one; a failed fetch is
+    remembered as None (broker down) for as long as a good one would be.
+    """
+
+    def __init__(
+        self,
+        fetch: Callable[[], Awaitable[dict[str, Any]]],
+        max_age: float = STATUS_MAX_AGE,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._fetch = fetch
+        self.max_age = max_age
+        self.clock = clock
+        self._value: dict[str, Any] | None = None
+        self._fetched_at = -math.inf
+        self._pending: asyncio.Future[dict[str, Any] | None] | None = None
+
+    async def get(self) -> dict[str, Any] | None:
+        if self.clock() - self._fetched_at < self.max_age:
+            return self._value
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(self._refresh())
+        # Shielded: a scraper that hangs up must not cancel the fetch the others await.
+        return await asyncio.shield(self._pending)
+
+    async def _refresh(self) -> dict[str, Any] | None:
+        try:
+            value: dict[str, Any] | None = await self._fetch()
+        except Exception:  # the broker down is itself a figure (zmqllm_broker_up 0)
+            value = None
+        self._value, self._fetched_at, self._pending = value, self.clock(), None
+        return value
+
+
 class GatewayMetrics:
     """One per app (no module-level registry), so tests can build many apps."""
 
@@ -121,6 +164,9 @@ class GatewayMetrics:
         self.in_flight = Gauge(
             "zmqllm_requests_in_flight", "Generation requests being answered", registry=r
         )
+        self.queued = Gauge(
+            "zmqllm_requests_queued", "Generation requests waiting for a slot", registry=r
+        )
         self.cluster = ClusterCollector()
         r.register(self.cluster)
 
@@ -138,7 +184,8 @@ class GatewayMetrics:
         for gap in gen.token_gaps:
             self.itl.observe(gap)
 
-    def render(self, status: dict[str, Any] | None, in_flight: int) -> bytes:
+    def render(self, status: dict[str, Any] | None, in_flight: int, queued: int = 0) -> bytes:
         self.cluster.status = status
         self.in_flight.set(in_flight)
+        self.queued.set(queued)
         return generate_latest(self.registry)

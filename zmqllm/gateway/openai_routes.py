@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from zmqllm.gateway.body import read_json_object
-from zmqllm.gateway.errors import broker_failure, error_payload, validation_failure
+from zmqllm.gateway.errors import CLIENT_CLOSED, broker_failure, error_payload, validation_failure
 from zmqllm.gateway.request_context import RequestRecord, record_of
 from zmqllm.gateway.responses import GenerationResponse, collect_unless_disconnected
 from zmqllm.gateway.schemas import (
@@ -48,8 +48,6 @@ router = APIRouter(prefix="/v1")
 log = get_logger("zmqllm.gateway")
 
 _DONE = "data: [DONE]\n\n"
-# nginx's convention for "client closed the request": only ever seen in our own log line.
-_CLIENT_CLOSED = 499
 
 
 def _sse(model: BaseModel | dict[str, Any]) -> str:
@@ -59,7 +57,8 @@ def _sse(model: BaseModel | dict[str, Any]) -> str:
 
 
 async def _parse(request: Request, schema: type[BaseModel]) -> Any:
-    data = await read_json_object(request, service_of(request).settings.max_body_bytes)
+    settings = service_of(request).settings
+    data = await read_json_object(request, settings.max_body_bytes, settings.body_timeout)
     try:
         return schema.model_validate(data)
     except ValidationError as exc:
@@ -150,7 +149,7 @@ async def _answer(
     include_usage: bool,
 ) -> Response:
     service, record = service_of(request), record_of(request)
-    generation = await service.open(plan, record)
+    generation = await service.open(plan, record, request)
     if stream:
         events = _events(generation, plan, shapes, record, include_usage)
         return GenerationResponse(events, generation, record, media_type="text/event-stream")
@@ -161,7 +160,7 @@ async def _answer(
         record.error = exc.code
         raise broker_failure(exc.code, exc.message) from None
     if text is None:
-        return Response(status_code=_CLIENT_CLOSED)
+        return Response(status_code=CLIENT_CLOSED)
     body = shapes.whole(text, generation.finish_reason, _usage(plan, generation))
     return JSONResponse(body.model_dump(mode="json"))
 

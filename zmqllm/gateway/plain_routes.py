@@ -38,7 +38,8 @@ async def chat(
 ) -> Response:
     service = service_of(request)
     record = record_of(request)
-    prompt = await read_text(request, service.settings.max_body_bytes)
+    settings = service.settings
+    prompt = await read_text(request, settings.max_body_bytes, settings.body_timeout)
     if not prompt.strip():
         raise APIError(400, "the prompt (request body) is empty", code="empty_prompt")
     if service.tokenizer.has_chat_template:
@@ -55,7 +56,7 @@ async def chat(
         seed=seed,
         prompt_param=None,
     )
-    generation = await service.open(plan, record)
+    generation = await service.open(plan, record, request)
     return GenerationResponse(
         _text_chunks(generation, record),
         generation,

@@ -15,18 +15,16 @@ from pathlib import Path
 import uvicorn
 
 from zmqllm.config import Config, ConfigError, ModelSettings, resolve_model_path, served_model_name
-from zmqllm.model_args import ModelArgs
 from zmqllm.gateway.app import create_app
+from zmqllm.gateway.http_server import uvicorn_config
 from zmqllm.log import configure_logging, get_logger
+from zmqllm.model_args import ModelArgs
 from zmqllm.tokenizer import MODEL_FILES, Tokenizer
 
 __all__ = ["META_FILES", "model_files_dir", "serve"]
 
 # The files the gateway reads: no weights.
 META_FILES = MODEL_FILES
-# Seconds uvicorn waits for open streams on SIGINT/SIGTERM before cancelling them (which
-# cancels their sessions); long enough for a short answer to finish.
-GRACEFUL_SHUTDOWN_S = 5
 
 log = get_logger("zmqllm.gateway")
 # SIGINT and SIGTERM: the signals a clean stop arrives by.
@@ -76,15 +74,7 @@ def serve(cfg: Config) -> None:
         model=name,
         context_length=context_length,
     )
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_config=None,  # keep configure_logging's JSON lines
-        access_log=False,  # the gateway logs one richer line per request itself
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-    )
-    _QuietServer(config).run()
+    _QuietServer(uvicorn_config(app, settings)).run()
 
 
 class _QuietServer(uvicorn.Server):

@@ -15,14 +15,15 @@ from typing import Any
 from starlette.requests import Request
 
 from zmqllm.config import GatewaySettings
-from zmqllm.sampling_params import SamplingParams
+from zmqllm.gateway.admission import Admission, ClientGone, QueueFull, QueueTimeout
 from zmqllm.gateway.backend import BrokerClientLike, broker_error_fields
-from zmqllm.gateway.errors import RETRY_AFTER_S, APIError, broker_failure
+from zmqllm.gateway.errors import CLIENT_CLOSED, RETRY_AFTER_S, APIError, broker_failure
 from zmqllm.gateway.request_context import RequestRecord
 from zmqllm.gateway.streaming import GenerationError, TextStream
+from zmqllm.sampling_params import SamplingParams
 from zmqllm.tokenizer import ChatTemplateError, Tokenizer
 
-__all__ = ["GatewayService", "GenerationPlan", "service_of"]
+__all__ = ["GatewayService", "GenerationPlan", "client_disconnected", "service_of"]
 
 # Sampling when a request names no temperature: greedy, so the same prompt gives the same
 # answer (what the e2e tests compare with HF generate). OpenAI's own default is 1.0.
@@ -47,7 +48,21 @@ class GatewayService:
     model_name: str
     context_length: int
     created: int = field(default_factory=lambda: int(time.time()))
-    in_flight: int = 0
+    admission: Admission = field(init=False)
+
+    def __post_init__(self) -> None:
+        s = self.settings
+        self.admission = Admission(s.max_concurrent, s.max_queued, s.queue_timeout)
+
+    @property
+    def in_flight(self) -> int:
+        """Generations holding a slot (streaming, or waiting for their first token)."""
+        return self.admission.running
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot."""
+        return self.admission.queued
 
     # --- checks ---------------------------------------------------------------------
 
@@ -141,20 +156,15 @@ class GatewayService:
 
     # --- generation -----------------------------------------------------------------
 
-    async def open(self, plan: GenerationPlan, record: RequestRecord) -> TextStream:
-        """Start the session and wait for its first token; errors become APIError.
+    async def open(
+        self, plan: GenerationPlan, record: RequestRecord, request: Request | None = None
+    ) -> TextStream:
+        """Wait for a slot, start the session and wait for its first token; errors
+        become APIError.
 
+        ``request`` is watched for a disconnect while the request waits in the queue.
         The caller owns the returned stream and must ``close`` it.
         """
-        if self.in_flight >= self.settings.max_concurrent:
-            raise APIError(
-                429,
-                f"the gateway is at its limit of {self.settings.max_concurrent} concurrent "
-                "requests; retry shortly",
-                code="too_many_requests",
-                type="rate_limit_error",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            )
         record.prompt_tokens = len(plan.prompt_ids)
         if not self.client.connected:
             # Fail fast: an OPEN sent into a dead link would only time out much later.
@@ -164,14 +174,14 @@ class GatewayService:
                 f"the gateway has no connection to the broker at {self.settings.broker}; "
                 "retry shortly",
             )
-        self.in_flight += 1
+        await self._admit(record, request)
         released = False
 
         async def release() -> None:
             nonlocal released
             if not released:
                 released = True
-                self.in_flight -= 1
+                self.admission.release()
 
         eos = frozenset() if plan.ignore_eos else self.tokenizer.eos_token_ids
         try:
@@ -189,6 +199,8 @@ class GatewayService:
                 stop_ids=eos,
                 stops=plan.stops,
                 timeout=self.settings.request_timeout,
+                first_token_timeout=self.settings.first_token_timeout,
+                inter_token_timeout=self.settings.inter_token_timeout,
                 on_close=release,
             )
             record.generation = text_stream
@@ -206,6 +218,45 @@ class GatewayService:
             record.error = fields[0]
             raise broker_failure(*fields) from None
         return text_stream
+
+    async def _admit(self, record: RequestRecord, request: Request | None) -> None:
+        """Take a generation slot, waiting in the queue if all are taken."""
+        s = self.settings
+        disconnected = None if request is None else (lambda: client_disconnected(request))
+        try:
+            await self.admission.acquire(disconnected)
+        except QueueFull:
+            record.error = "too_many_requests"
+            raise APIError(
+                429,
+                f"the gateway is at its limit of {s.max_concurrent} running and "
+                f"{s.max_queued} queued requests; retry shortly",
+                code="too_many_requests",
+                type="rate_limit_error",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from None
+        except QueueTimeout:
+            record.error = "queue_timeout"
+            raise APIError(
+                503,
+                f"no generation slot became free within the queue timeout of "
+                f"{s.queue_timeout:g} s; retry shortly",
+                code="queue_timeout",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from None
+        except ClientGone:
+            record.error = record.finish_reason = "cancelled"
+            raise APIError(
+                CLIENT_CLOSED, "the client closed the request while it was queued"
+            ) from None
+
+
+async def client_disconnected(request: Request) -> None:
+    """Return once the client has hung up (call only after the body was read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 def service_of(request: Request) -> GatewayService:

@@ -96,6 +96,8 @@ class TextStream:
         stop_ids: Iterable[int] = (),
         stops: Sequence[str] = (),
         timeout: float | None = None,
+        first_token_timeout: float | None = None,
+        inter_token_timeout: float | None = None,
         on_close: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._stream = stream
@@ -103,7 +105,9 @@ class TextStream:
         self._matcher = StopMatcher(stops)
         self._stop_ids = frozenset(stop_ids)
         self._max_tokens = max_tokens
-        self._timeout = timeout
+        self._timeout = timeout  # the whole generation, from open()
+        self._first_token_timeout = first_token_timeout
+        self._inter_token_timeout = inter_token_timeout
         self._on_close = on_close
         self._exit_stack = AsyncExitStack()
         self._events: AsyncIterator[TokenEventLike] | None = None
@@ -138,14 +142,9 @@ class TextStream:
         try:
             await self._exit_stack.enter_async_context(self._stream)
             self._events = aiter(self._stream)
-            with anyio.fail_after(self._timeout):
-                self._first = await self._next_event()
-        except BaseException as exc:
+            self._first = await self._next_event_in_time(first=True)
+        except BaseException:
             await self.close()
-            if isinstance(exc, TimeoutError):
-                raise GenerationError(
-                    "timeout", f"no token within the request timeout of {self._timeout:g} s"
-                ) from None
             raise
 
     async def chunks(self) -> AsyncIterator[str]:
@@ -155,7 +154,6 @@ class TextStream:
         matched (the session is then cancelled by ``close``). Raises GenerationError if the
         broker reports a failure mid-stream.
         """
-        deadline = None if self._timeout is None else self.opened_at + self._timeout
         event = self._first
         self._first = None
         while event is not None:
@@ -164,11 +162,7 @@ class TextStream:
                 yield text
             if done:
                 return
-            if deadline is not None and time.perf_counter() > deadline:
-                raise GenerationError(
-                    "timeout", f"the request timeout of {self._timeout:g} s was reached"
-                )
-            event = await self._next_event()
+            event = await self._next_event_in_time(first=False)
 
     async def text(self) -> str:
         """The whole answer (for non-streaming requests)."""
@@ -196,6 +190,32 @@ class TextStream:
             finally:
                 if self._on_close is not None:
                     await self._on_close()
+
+    async def _next_event_in_time(self, *, first: bool) -> TokenEventLike | None:
+        """The next event, or GenerationError("timeout") once a deadline passes.
+
+        The deadline is the first-token or inter-token timeout, or what is left of the
+        whole request's, whichever comes first. On a timeout the session is cancelled
+        at once (its workers stop), before the caller reports the error.
+        """
+        limit = self._first_token_timeout if first else self._inter_token_timeout
+        left = (
+            None if self._timeout is None else self.opened_at + self._timeout - time.perf_counter()
+        )
+        budget = min((t for t in (limit, left) if t is not None), default=None)
+        if budget is None:
+            return await self._next_event()
+        with anyio.move_on_after(max(budget, 0.0)):
+            return await self._next_event()
+        with anyio.CancelScope(shield=True):
+            await self._stream.cancel()
+        if left is not None and (limit is None or left <= limit):
+            message = f"the request timeout of {self._timeout:g} s was reached"
+        elif first:
+            message = f"no first token within the first-token timeout of {limit:g} s"
+        else:
+            message = f"no token for {limit:g} s (the inter-token timeout)"
+        raise GenerationError("timeout", message)
 
     async def _next_event(self) -> TokenEventLike | None:
         assert self._events is not None
