@@ -217,6 +217,7 @@ class BrokerClient:
             ErrorCode.BROKER_UNREACHABLE,
             f"no status from the broker at {self.address} in {timeout}s",
         )
+
         # A timer instead of wait_for: the deadline cannot swallow a cancellation.
         def expire() -> None:
             if not fut.done():
@@ -242,10 +243,21 @@ class BrokerClient:
         (asyncio.wait_for before 3.12 can swallow the caller's own cancellation); sends
         leave in the order they were made, each message whole, so no lock is needed.
         """
-        if self._sock is None:
+        sock = self._sock
+        if sock is None:
             raise SessionError(ErrorCode.BROKER_UNREACHABLE, "the client is not started")
         try:
-            await self._sock.send_multipart(frames)
+            await sock.send_multipart(frames)
+        except asyncio.CancelledError:
+            # Closing a socket (a reconnect, close()) cancels the sends pending on it: that
+            # is a failed send, not the caller being cancelled, unless both happened.
+            task = asyncio.current_task()
+            cancelling = getattr(task, "cancelling", None)  # Python 3.11+
+            if sock is self._sock or (cancelling is not None and cancelling()):
+                raise
+            raise SessionError(
+                ErrorCode.BROKER_UNREACHABLE, "the connection to the broker was reset"
+            ) from None
         except zmq.Again:
             raise SessionError(
                 ErrorCode.BROKER_UNREACHABLE,
