@@ -134,6 +134,7 @@ class FakeBrokerClient:
         self.unreachable = False
         self.status_calls = 0
         self.status_delay = 0.0  # seconds each status call takes
+        self.status_extra: dict[str, Any] = {}  # more keys in each status answer
         self.started = False
         self.closed = False
 
@@ -182,4 +183,5 @@ class FakeBrokerClient:
             "pools": [],
             "queue": 0,
             "sessions": len(self.open_streams),
+            **self.status_extra,
         }
