@@ -7,9 +7,8 @@ stream ever waits forever on a broker that forgot it.
 
 What the broker sends is input like any other: a message that does not decode, names no
 stream of ours or comes out of order is dropped and counted (``drops``), an exception
-while handling one costs at most the stream it names, and neither loop ever ends on one.
-Every send has a deadline: a broker that does not take a message fails that stream with
-``broker_unreachable`` instead of freezing the caller.
+while handling one costs at most the stream it names, and neither loop ends on one. Every
+send has a deadline: a message the broker does not take fails with broker_unreachable.
 """
 
 from __future__ import annotations
@@ -21,12 +20,11 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import zmq
 import zmq.asyncio
 
 from zmqllm.bus import Drops
-from zmqllm.client_stream import TokenEvent, TokenStream
+from zmqllm.client_streams import StreamTable, TokenEvent, TokenStream, open_frames
 from zmqllm.log import get_logger
 from zmqllm.messages import MAX_STATUS_BYTES
 from zmqllm.protocol import (
@@ -36,8 +34,6 @@ from zmqllm.protocol import (
     ErrorCode,
     Heartbeat,
     Message,
-    Open,
-    Payload,
     ProtocolError,
     SessionError,
     Status,
@@ -45,7 +41,6 @@ from zmqllm.protocol import (
     Token,
     decode,
     encode,
-    is_valid_id,
 )
 from zmqllm.sampling_params import SamplingParams
 
@@ -77,12 +72,11 @@ class BrokerClient:
         self.heartbeat_interval = heartbeat_interval
         self.liveness = liveness
         self.send_timeout = send_timeout
-        self.max_streams = max_streams
         self.send_hwm = send_hwm
         self.drops = Drops("zmqllm.client")
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
-        self._streams: dict[str, TokenStream] = {}
+        self._streams = StreamTable(max_streams)
         self._status_waiters: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._cancels: set[asyncio.Task[None]] = set()
@@ -121,7 +115,9 @@ class BrokerClient:
             # The loops also end by themselves once closing is set.
             await asyncio.wait(tasks, timeout=max(1.0, 2 * self.send_timeout))
         self._tasks = []
-        self._fail_all(SessionError(ErrorCode.BROKER_UNREACHABLE, "the client is shutting down"))
+        self._streams.fail_all(
+            SessionError(ErrorCode.BROKER_UNREACHABLE, "the client is shutting down")
+        )
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -144,32 +140,17 @@ class BrokerClient:
     ) -> TokenStream:
         """A stream of the tokens for ``prompt`` (nothing is sent until it is opened).
 
-        Raises SessionError(bad_request) for a request the broker would drop as malformed:
-        ids outside 1-64 of [A-Za-z0-9_-], an empty prompt, ids or limits out of range.
+        Raises SessionError(bad_request) for a request the broker would drop as malformed.
         """
         session = session or uuid.uuid4().hex
-        for what, value in (("session", session), ("request", request_id)):
-            if not is_valid_id(value):
-                raise SessionError(
-                    ErrorCode.BAD_REQUEST, f"{what} id must be 1 to 64 of [A-Za-z0-9_-]"
-                )
-        try:
-            tokens = np.asarray(prompt, dtype=np.int32)
-            msg = Open(
-                session=session,
-                request_id=request_id,
-                max_tokens=int(max_tokens),
-                prompt_len=len(tokens),
-                sampling=sampling,
-                stop_ids=tuple(int(t) for t in stop_ids),
-                tokens=Payload(tokens, "int32"),
-            )
-            frames = encode(msg)
-            # Checked as the broker will check it: a message it would drop must fail now,
-            # not after the first-token deadline.
-            decode(frames)
-        except (ProtocolError, ValueError, TypeError, OverflowError) as exc:
-            raise SessionError(ErrorCode.BAD_REQUEST, f"request not sendable: {exc}") from None
+        frames = open_frames(
+            session=session,
+            request_id=request_id,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            sampling=sampling,
+            stop_ids=stop_ids,
+        )
         return TokenStream(self, session, request_id, max_tokens=int(max_tokens), frames=frames)
 
     async def open_stream(self, stream: TokenStream) -> None:
@@ -178,21 +159,15 @@ class BrokerClient:
             return
         stream.opened = True
         try:
-            if len(self._streams) >= self.max_streams:
-                raise SessionError(
-                    ErrorCode.BUSY, f"the client holds {self.max_streams} streams already"
-                )
-            if stream.session in self._streams:
-                raise SessionError(ErrorCode.BAD_REQUEST, "session id already in use")
             if not self.connected and self._last_seen > 0:
                 raise SessionError(
                     ErrorCode.BROKER_UNREACHABLE, f"no answer from the broker at {self.address}"
                 )
-            self._streams[stream.session] = stream
+            self._streams.add(stream)
             await self._send_frames(stream.take_open_frames())
         except BaseException:
             stream.finished = True
-            self.forget(stream)
+            self._streams.forget(stream)
             raise
 
     async def cancel(self, stream: TokenStream) -> None:
@@ -204,8 +179,7 @@ class BrokerClient:
                 await self._send(msg)
 
     def forget(self, stream: TokenStream) -> None:
-        if self._streams.get(stream.session) is stream:
-            del self._streams[stream.session]
+        self._streams.forget(stream)
 
     async def status(self, timeout: float = 2.0) -> dict[str, Any]:
         """The broker's status map; SessionError when it does not answer in ``timeout`` or
@@ -213,15 +187,12 @@ class BrokerClient:
         key = uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[dict[str, Any]] = loop.create_future()
-        late = SessionError(
-            ErrorCode.BROKER_UNREACHABLE,
-            f"no status from the broker at {self.address} in {timeout}s",
-        )
+        late = f"no status from the broker at {self.address} in {timeout}s"
 
         # A timer instead of wait_for: the deadline cannot swallow a cancellation.
         def expire() -> None:
             if not fut.done():
-                fut.set_exception(late)
+                fut.set_exception(SessionError(ErrorCode.BROKER_UNREACHABLE, late))
 
         timer = loop.call_later(timeout, expire)
         self._status_waiters[key] = fut
@@ -237,12 +208,8 @@ class BrokerClient:
         await self._send_frames(encode(msg))
 
     async def _send_frames(self, frames: list[Any]) -> None:
-        """Send within ``send_timeout`` or raise SessionError(broker_unreachable).
-
-        The deadline is the socket's SNDTIMEO, which pyzmq applies to each queued send
-        (asyncio.wait_for before 3.12 can swallow the caller's own cancellation); sends
-        leave in the order they were made, each message whole, so no lock is needed.
-        """
+        """Send within ``send_timeout`` (SNDTIMEO, which pyzmq applies to each queued send,
+        in order, each message whole) or raise SessionError(broker_unreachable)."""
         sock = self._sock
         if sock is None:
             raise SessionError(ErrorCode.BROKER_UNREACHABLE, "the client is not started")
@@ -298,20 +265,27 @@ class BrokerClient:
                 if self._closing or sock is self._sock:
                     raise
                 continue
-            self._last_seen = time.monotonic()
-            if frames is None:
-                self.drops.drop("too many frames")
-                continue
             try:
-                msg = decode(frames, max_payload_bytes=MAX_INBOUND_FRAME)
-            except ProtocolError as exc:
-                self.drops.drop("malformed", error=exc)
-                continue
-            try:
-                self._dispatch(msg)
-            except Exception as exc:  # a bug of ours: it costs this message's stream only
-                self.drops.error(msg.TYPE.value, exc)
-                self._fail_named(msg)
+                self._handle(frames)
+            except Exception as exc:  # nothing a message holds may end this loop
+                self.drops.error("receive", exc)
+
+    def _handle(self, frames: list[zmq.Frame] | None) -> None:
+        """Decode one message and act on it; an exception costs the stream it names."""
+        self._last_seen = time.monotonic()
+        if frames is None:
+            self.drops.drop("too many frames")
+            return
+        try:
+            msg = decode(frames, max_payload_bytes=MAX_INBOUND_FRAME)
+        except ProtocolError as exc:
+            self.drops.drop("malformed", error=exc)
+            return
+        try:
+            self._dispatch(msg)
+        except Exception as exc:  # a bug of ours
+            self.drops.error(msg.TYPE.value, exc)
+            self._fail_named(msg)
 
     def _dispatch(self, msg: Message) -> None:
         if isinstance(msg, Token):
@@ -347,7 +321,7 @@ class BrokerClient:
         finish = msg.finish.value if msg.finish is not None else None
         stream.push_event(TokenEvent(msg.token, msg.step, finish))
         if finish is not None:
-            self.forget(stream)
+            self._streams.forget(stream)
 
     def _on_error(self, msg: Error) -> None:
         if not msg.session:
@@ -361,13 +335,13 @@ class BrokerClient:
         if stream is None:  # e.g. the broker confirming a cancel we sent
             self._drop_debug("error of no stream", msg)
             return
-        self.forget(stream)
-        stream.push_error(SessionError(msg.code, msg.message))
+        self._streams.fail(stream, SessionError(msg.code, msg.message))
 
     def _on_heartbeat(self, msg: Heartbeat) -> None:
         if msg.boot is not None:
             if self._boot is not None and msg.boot != self._boot:
-                self._on_broker_restart(msg.boot)
+                horizon = self.heartbeat_interval * self.liveness
+                self._streams.broker_restarted(msg.boot, time.monotonic() + horizon)
             self._boot = msg.boot
 
     def _on_status_reply(self, msg: StatusReply) -> None:
@@ -387,38 +361,11 @@ class BrokerClient:
         stream = self._streams.get(session) if isinstance(session, str) else None
         if stream is None:
             return
-        self.forget(stream)
         with contextlib.suppress(Exception):
-            stream.push_error(SessionError(ErrorCode.INTERNAL, "the client failed this stream"))
+            self._streams.fail(stream, SessionError(ErrorCode.INTERNAL, "the client failed"))
         task = asyncio.create_task(self.cancel(stream))
         self._cancels.add(task)
         task.add_done_callback(self._cancels.discard)
-
-    def _on_broker_restart(self, boot: str) -> None:
-        """A new broker answers: streams of the old one are lost. A stream that has no
-        token yet may have opened on either, so it gets liveness intervals to show it."""
-        lost = SessionError(ErrorCode.BROKER_UNREACHABLE, "the broker restarted; sessions lost")
-        deadline = time.monotonic() + self.heartbeat_interval * self.liveness
-        for s in list(self._streams.values()):
-            if s.boot is None:
-                s.orphan_deadline = deadline
-            elif s.boot != boot:
-                self.forget(s)
-                s.push_error(lost)
-
-    def _fail_orphans(self) -> None:
-        now = time.monotonic()
-        for s in list(self._streams.values()):
-            if s.orphan_deadline is not None and now > s.orphan_deadline:
-                self.forget(s)
-                s.push_error(
-                    SessionError(ErrorCode.BROKER_UNREACHABLE, "the broker restarted; lost")
-                )
-
-    def _fail_all(self, error: SessionError) -> None:
-        streams, self._streams = self._streams, {}
-        for s in streams.values():
-            s.push_error(error)
 
     async def _heartbeat_loop(self) -> None:
         started = time.monotonic()
@@ -429,17 +376,17 @@ class BrokerClient:
             try:
                 started = self._check_liveness(started)
             except Exception as exc:  # a bug of ours: log it, keep the heartbeat going
-                self.drops.error("heartbeat", exc)
+                self.drops.error("heartbeat loop", exc)
 
     def _check_liveness(self, started: float) -> float:
         """Fail orphans and, after a silent horizon, everything; returns when the current
         socket's silence began counting."""
-        self._fail_orphans()
+        self._streams.fail_orphans(time.monotonic())
         silent_since = self._last_seen or started
         if time.monotonic() - silent_since <= self.heartbeat_interval * self.liveness:
             return started
         if self._streams:
-            self._fail_all(
+            self._streams.fail_all(
                 SessionError(
                     ErrorCode.BROKER_UNREACHABLE,
                     f"the broker at {self.address} stopped answering",
