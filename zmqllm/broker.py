@@ -168,6 +168,15 @@ class Broker:
                 self.send(
                     self.table.fail(s, time.monotonic(), ErrorCode.INTERNAL, "internal error")
                 )
+            elif side == "frontend":
+                # Not open: an OPEN that failed half way may have left it queued, to be
+                # routed later behind its client's back. Dequeued; its client is told.
+                key = (identity, session)
+                self.table.queue = deque(p for p in self.table.queue if p.key != key)
+                err = Error.of(
+                    ErrorCode.INTERNAL, "internal error", session, request_id=msg.request_id
+                )
+                self.send([Out(False, identity, err)])
         except Exception as exc:
             self.drops.error("fail-session", exc)
 
