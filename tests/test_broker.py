@@ -1043,6 +1043,36 @@ def test_an_exception_in_a_handler_costs_only_its_session(
     assert h.thread.is_alive()
 
 
+def test_an_exception_opening_a_session_tells_its_client(
+    cluster: Callable[..., Harness], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The request never reached the session table: its client is told all the same,
+    # instead of waiting out its own deadline, and nothing of it stays queued.
+    h = cluster()
+    client = h.client()
+    w = h.register("w0", 0, 4)
+    real = SessionTable.dispatch
+    raised: list[str] = []
+
+    def dispatch_once(self: SessionTable, *args: Any) -> Any:
+        if not raised:
+            raised.append("once")
+            raise RuntimeError("a bug in a handler")
+        return real(self, *args)
+
+    monkeypatch.setattr(SessionTable, "dispatch", dispatch_once)
+    client.send(open_msg("doomed"))
+    err = h.expect(client, Error)
+    assert (err.session, err.code) == ("doomed", ErrorCode.INTERNAL)
+    st = h.status(via=client)
+    assert idle(st)
+    assert st["dropped"]["error:frontend:open"] == 1
+    # The next request is served.
+    wire = open_on(h, client, [w], "fine")
+    w.send(wire.token(0, 3, Finish.STOP))
+    assert h.expect(client, Token).session == "fine"
+
+
 def test_a_route_gone_silent_fails_the_session_and_frees_every_stage(
     cluster: Callable[..., Harness],
 ) -> None:
