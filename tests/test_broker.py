@@ -18,6 +18,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from zmqllm import PROTOCOL_VERSION, __version__
 from zmqllm.broker import Broker
@@ -942,6 +943,36 @@ def test_a_message_of_too_many_frames_is_dropped_and_the_next_one_handled(
         stream_token(h, client, w1, w0, wire, 0)
         st = h.status()
     assert st["dropped"][f"{side}:frames"] == 2
+    assert h.thread.is_alive()
+
+
+def test_message_size_limits_are_per_socket(cluster: Callable[..., Harness]) -> None:
+    # ZeroMQ drops the connection of a peer sending more than its socket takes, before
+    # the broker reads any of it; the frontend takes far less than activations need.
+    h = cluster(frontend_max_message_bytes=4096, max_message_bytes=8 << 20)
+    client, w0, w1 = pipeline(h)
+    wire = open_on(h, client, [w1, w0], "s1")
+    big = h.client("big")
+    monitor = big.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    try:
+        big.send(open_msg("huge", prompt=[1] * (64 << 10), max_tokens=1))  # 256 KiB
+        assert monitor.poll(int(TIMEOUT * 1000)), "the oversized peer was not disconnected"
+        assert recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+    finally:
+        big.sock.disable_monitor()
+        monitor.close(linger=0)
+    # A 1 MiB activation is well within what the backend takes.
+    act = Activation(
+        session=wire.session,
+        attempt=wire.attempt,
+        step=0,
+        hidden=payload(np.ones((4096, HIDDEN), np.float32)),
+    )
+    w0.send(act)
+    got = h.expect(w1, Activation)
+    assert got.hidden.array.shape == (4096, HIDDEN)
+    st = h.status(via=client)
+    assert st["sessions"] == 1
     assert h.thread.is_alive()
 
 
