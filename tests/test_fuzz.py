@@ -9,18 +9,15 @@ from __future__ import annotations
 import itertools
 import re
 from collections import Counter, defaultdict
-from collections.abc import Iterator
 from typing import Any
 
 import msgpack
 import numpy as np
 import pytest
-import zmq
 
 from zmqllm.fuzz import (
     CATEGORIES,
     EXPECTED,
-    blast,
     check_expected,
     hostile_messages,
     labelled_messages,
@@ -205,85 +202,3 @@ def test_versions_and_types(
             errors.add(str(err.value).split(",")[0])
     assert all(kind in e for e in errors), errors
     assert len(errors) > 5  # many different wrong values
-
-
-# ---------------------------------------------------------------- sending
-
-
-@pytest.fixture
-def routers() -> Iterator[tuple[zmq.Socket[bytes], zmq.Socket[bytes]]]:
-    """Two ROUTER sockets standing in for a broker's frontend and backend."""
-    ctx = zmq.Context()
-    socks = []
-    for _ in range(2):
-        sock = ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        sock.bind("tcp://127.0.0.1:*")
-        socks.append(sock)
-    try:
-        yield socks[0], socks[1]
-    finally:
-        for sock in socks:
-            sock.close(linger=0)
-        ctx.term()
-
-
-def _endpoint(sock: zmq.Socket[bytes]) -> str:
-    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
-
-
-def _drain(sock: zmq.Socket[bytes], most: int) -> list[list[bytes]]:
-    got: list[list[bytes]] = []
-    while len(got) < most and sock.poll(1000):
-        got.append(sock.recv_multipart())
-    return got
-
-
-def test_blast_reaches_both_sockets_from_many_peers(
-    routers: tuple[zmq.Socket[bytes], zmq.Socket[bytes]],
-) -> None:
-    front, back = routers
-    ctx = zmq.Context()
-    try:
-        stats = blast(
-            ctx, _endpoint(front), _endpoint(back), messages=600, sessions=SESSIONS, seed=1
-        )
-    finally:
-        ctx.term()
-    received = {}
-    for side, sock in (("frontend", front), ("backend", back)):
-        s = stats[side]
-        assert s.sent + s.dropped == 600
-        assert s.new_peers == 600 // 256
-        got = _drain(sock, s.sent)
-        # Each arrives whole, behind the routing id of the peer that sent it.
-        assert all(len(frames) >= 2 for frames in got)
-        received[side] = (len(got), len({frames[0] for frames in got}))
-    # Frontend peers have ids of their own: everything arrives, from the first peers
-    # and the ones that replaced them.
-    assert received["frontend"] == (stats["frontend"].sent, 8 + stats["frontend"].new_peers)
-    # Backend peers share ids: a peer connecting with a live peer's id takes its place
-    # (ROUTER_HANDOVER), and what the old connection still carried is lost.
-    assert 0 < received["backend"][0] <= stats["backend"].sent
-    assert received["backend"][1] < 8 + stats["backend"].new_peers
-
-
-def test_blast_never_waits_for_a_peer_that_does_not_read() -> None:
-    ctx = zmq.Context()
-    sink = ctx.socket(zmq.ROUTER)
-    sink.setsockopt(zmq.LINGER, 0)
-    sink.setsockopt(zmq.RCVHWM, 1)
-    sink.bind("tcp://127.0.0.1:*")
-    try:
-        # Nothing reads `sink`; nobody listens on the second address, where a blocking
-        # send would wait forever once the high-water mark is reached.
-        stats = blast(ctx, _endpoint(sink), "tcp://127.0.0.1:1", messages=3000, sessions=[], seed=2)
-    finally:
-        sink.close(linger=0)
-        ctx.term()
-    assert stats["frontend"].sent + stats["frontend"].dropped == 3000
-    backend = stats["backend"]
-    assert backend.sent + backend.dropped == 3000
-    assert backend.sent <= (8 + backend.new_peers) * 64  # each peer's queue, then drops
-    assert backend.dropped > 0

@@ -10,12 +10,8 @@ and valid messages of every type, many of them naming the given sessions (foreig
 and CLOSEs, STEPs and TOKENs for sessions their sender has nothing to do with).
 
 ``EXPECTED`` says what ``protocol.decode`` makes of each category: always a message,
-always a ProtocolError, or either. The generator needs numpy and msgpack only (no torch).
-
-``blast`` sends them to a broker's two ROUTER sockets from DEALER peers with random
-routing ids, churning peers (on the backend some reuse an earlier id), reading the
-replies on half of the peers and never on the others (slow readers), and never
-blocking: each send is non-blocking under a small high-water mark and dropped on EAGAIN.
+always a ProtocolError, or either. numpy and msgpack only: no torch, no sockets (those
+are in ``fuzz_peers``).
 """
 
 from __future__ import annotations
@@ -23,14 +19,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import string
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 import numpy as np
-import zmq
 
 from zmqllm import PROTOCOL_VERSION, __version__
 from zmqllm.messages import (
@@ -70,16 +63,7 @@ from zmqllm.protocol import (
 from zmqllm.sampling_params import SamplingParams
 from zmqllm.wire_types import WIRE_DTYPES, Payload, ProtocolError
 
-__all__ = [
-    "CATEGORIES",
-    "EXPECTED",
-    "BlastStats",
-    "HostilePeers",
-    "blast",
-    "check_expected",
-    "hostile_messages",
-    "labelled_messages",
-]
+__all__ = ["CATEGORIES", "EXPECTED", "check_expected", "hostile_messages", "labelled_messages"]
 
 Rng = np.random.Generator
 Frames = list[bytes]
@@ -639,126 +623,3 @@ def check_expected(category: str, frames: Frames) -> None:
         return
     if EXPECTED[category] is False:
         raise AssertionError(f"{category}: a hostile message decoded")
-
-
-# ---------------------------------------------------------------- sending
-
-
-# close() never waits: ZeroMQ's I/O thread flushes what a closed peer still holds for
-# this long, and only Context.term() waits for it. Counted as sent, a message should go.
-LINGER_MS = 1000
-
-
-@dataclass
-class BlastStats:
-    """What one socket's peers did."""
-
-    sent: int = 0
-    dropped: int = 0  # EAGAIN at the send high-water mark: dropped, never waited for
-    replies: int = 0  # messages the broker sent back, read and thrown away
-    new_peers: int = 0  # peers closed and replaced (with a new or a reused routing id)
-    seconds: float = 0.0
-
-
-class HostilePeers:
-    """DEALER peers of one ROUTER address sending hostile messages without blocking."""
-
-    def __init__(
-        self,
-        ctx: zmq.Context[Any],
-        address: str,
-        rng: Rng,
-        *,
-        peers: int = 8,
-        reuse_ids: float = 0.0,
-        hwm: int = 64,
-        churn_every: int = 256,
-    ) -> None:
-        self.ctx, self.address, self.rng = ctx, address, rng
-        self.reuse_ids, self.hwm, self.churn_every = reuse_ids, hwm, churn_every
-        self.stats = BlastStats()
-        self._used_ids: list[bytes] = []
-        self._peers = [self._peer() for _ in range(peers)]
-
-    def _peer(self) -> zmq.Socket[Any]:
-        if self._used_ids and _chance(self.rng, self.reuse_ids):
-            identity = _pick(self.rng, self._used_ids)  # ROUTER_HANDOVER hands it over
-        else:
-            # A routing id starting with a zero byte is reserved by ZeroMQ.
-            identity = bytes([int(self.rng.integers(1, 256))]) + self.rng.bytes(
-                int(self.rng.integers(0, 32))
-            )
-            self._used_ids.append(identity)
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, self.hwm)
-        sock.setsockopt(zmq.RCVHWM, self.hwm)
-        sock.setsockopt(zmq.IDENTITY, identity)
-        sock.connect(self.address)
-        return sock
-
-    def send(self, frames: Frames) -> None:
-        i = int(self.rng.integers(len(self._peers)))
-        try:
-            self._peers[i].send_multipart(frames, flags=zmq.NOBLOCK)
-            self.stats.sent += 1
-        except zmq.Again:
-            self.stats.dropped += 1
-        n = self.stats.sent + self.stats.dropped
-        if n % self.churn_every == 0:
-            self._peers[i].close(linger=LINGER_MS)
-            self._peers[i] = self._peer()
-            self.stats.new_peers += 1
-        if n % 64 == 0:
-            self._read_replies()
-
-    def _read_replies(self) -> None:
-        # The first half reads what the broker sends; the others never do.
-        for sock in self._peers[: len(self._peers) // 2]:
-            for _ in range(256):
-                try:
-                    sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                self.stats.replies += 1
-
-    def close(self) -> None:
-        for sock in self._peers:
-            sock.close(linger=LINGER_MS)
-        self._peers = []
-
-
-def blast(
-    ctx: zmq.Context[Any],
-    frontend: str,
-    backend: str,
-    *,
-    messages: int,
-    sessions: list[str],
-    seed: int = 0,
-    peers: int = 8,
-) -> dict[str, BlastStats]:
-    """Send ``messages`` hostile messages (sent or dropped) to each of a broker's
-    sockets, alternating. ``sessions`` may grow meanwhile: new ids are named from then
-    on. Frontend peers get fresh random ids; backend peers often reuse earlier ones."""
-    seeds = np.random.SeedSequence(seed).spawn(4)
-    sides = {
-        "frontend": (
-            HostilePeers(ctx, frontend, np.random.default_rng(seeds[0]), peers=peers),
-            hostile_messages(np.random.default_rng(seeds[1]), sessions=sessions),
-        ),
-        "backend": (
-            HostilePeers(ctx, backend, np.random.default_rng(seeds[2]), peers=peers, reuse_ids=0.5),
-            hostile_messages(np.random.default_rng(seeds[3]), sessions=sessions),
-        ),
-    }
-    started = time.monotonic()
-    try:
-        for _ in range(messages):
-            for sender, gen in sides.values():
-                sender.send(next(gen))
-    finally:
-        for sender, _ in sides.values():
-            sender.stats.seconds = time.monotonic() - started
-            sender.close()
-    return {side: sender.stats for side, (sender, _) in sides.items()}
