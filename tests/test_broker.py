@@ -1023,6 +1023,22 @@ def test_worker_messages_for_unknown_or_foreign_sessions_are_ignored(
     assert h.expect(w1, Activation).step == 1
 
 
+def test_a_peer_with_a_live_clients_routing_id_cannot_take_over_its_pipe(
+    cluster: Callable[..., Harness],
+) -> None:
+    h = cluster()
+    owner, w0, w1 = pipeline(h)  # owner's routing id is "client"
+    wire = open_on(h, owner, [w1, w0], "s1")
+    impostor = h.client("client")  # the same routing id, from another connection
+    impostor.send(Cancel(session="s1"))
+    st = h.status()
+    assert st["sessions"] == 1  # no handover on the frontend: its cancel never arrived
+    assert h.pending(w0) == h.pending(w1) == []
+    stream_token(h, owner, w1, w0, wire, 0)  # and the owner still gets its tokens
+    w1.send(wire.token(1, 5, Finish.STOP))
+    assert h.expect(owner, Token).finish is Finish.STOP
+
+
 def test_a_cancel_from_another_client_does_not_touch_the_session(
     cluster: Callable[..., Harness],
 ) -> None:

@@ -69,19 +69,23 @@ class Broker:
         )
         self.drops = Drops("zmqllm.broker")
         self.started = time.monotonic()
-        self.frontend = self._router(settings.frontend, settings.frontend_max_message_bytes)
-        self.backend = self._router(settings.backend, settings.max_message_bytes)
+        self.frontend = self._router(
+            settings.frontend, settings.frontend_max_message_bytes, handover=False
+        )
+        self.backend = self._router(settings.backend, settings.max_message_bytes, handover=True)
         self._stop = False
         self._next_beat = 0.0
 
-    def _router(self, address: str, max_bytes: int) -> zmq.Socket:
+    def _router(self, address: str, max_bytes: int, handover: bool) -> zmq.Socket:
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         # Unknown peer -> an error we handle, not a silent drop; with NOBLOCK a full
         # pipe -> EAGAIN instead of the whole broker waiting on one peer.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # A restarted peer may reuse its routing id.
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # A worker reconnecting keeps its routing id (the old pipe may not be gone yet).
+        # Clients pick a fresh id per connection: on the frontend a second peer with a
+        # live client's id would take over its pipe, so there it is refused instead.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1 if handover else 0)
         # ZeroMQ disconnects a peer that sends a larger message, before we see it.
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes + MAX_HEADER_BYTES)
         sock.setsockopt(zmq.SNDHWM, self.s.peer_queue)
@@ -233,8 +237,9 @@ class Broker:
                         out.identity, ErrorCode.SLOW_CONSUMER, "not reading its messages", now
                     )
                 )
-                # It may read again later: one ERROR per lost session is on its way if
-                # there is room; if not, its own deadlines end its streams.
+                # Its pipe is full, so no ERROR can reach it now: its own deadlines end
+                # its streams (the gateway's inter-token timeout), and later messages
+                # about them match nothing.
             else:
                 todo.extend(
                     self.table.client_lost(out.identity, ErrorCode.CANCELLED, "client gone", now)
