@@ -514,9 +514,9 @@ def test_a_step_for_a_session_still_in_prefill_is_refused(setup: Setup) -> None:
     stepped = threading.Event()
     deliver, run = worker.link._deliver, worker.stage.run
 
-    def deliver_noting_steps(msg: Any, frames: Any) -> None:
-        deliver(msg, frames)
-        if isinstance(msg, Step):
+    def deliver_noting_steps(head: dict[str, Any], frames: Any) -> None:
+        deliver(head, frames)
+        if head["type"] == "step":
             stepped.set()
 
     def run_after_the_step() -> list[Output]:

@@ -52,6 +52,7 @@ from zmqllm.protocol import (
     Step,
     Token,
     decode,
+    decode_header,
     encode,
 )
 from zmqllm.worker_faults import Faults
@@ -63,6 +64,7 @@ from zmqllm.worker_link import (
     SEND,
     BrokerLink,
     LinkSettings,
+    named_session,
     session_key,
     split_key,
 )
@@ -283,8 +285,9 @@ class Worker:
         """One message, in isolation: whatever goes wrong costs at most its session."""
         try:
             msg = decode(frames)
-        except ProtocolError as exc:  # the link checked it; a bug if it happens
-            self.faults.report("malformed", "malformed message dropped", exc)
+        except ProtocolError as exc:
+            self.faults.report("malformed", "malformed message", exc)
+            self.refuse_undecodable(frames[0], str(exc))
             return
         try:
             self.handle(msg)
@@ -293,6 +296,22 @@ class Worker:
         except Exception as exc:
             self.faults.report("internal", "error handling a message", exc, type=msg.TYPE.value)
             self.fail(msg, ErrorCode.INTERNAL, f"{type(exc).__name__} handling it", None)
+
+    def refuse_undecodable(self, header: Any, why: str) -> None:
+        """A session message that does not decode still fails the session its header
+        names (the link only delivers those whose header decodes)."""
+        try:
+            _, head = decode_header(header)
+        except ProtocolError:
+            return
+        named = named_session(head)
+        if named is None:
+            return
+        session, attempt, request_id = named
+        key = session_key(session, attempt)
+        self.stage.close(key)
+        err = Error.of(ErrorCode.BAD_REQUEST, why, session, attempt=attempt, request_id=request_id)
+        self.send(err, key)
 
     def fail(self, msg: Message, code: ErrorCode, why: str, reason: str | None) -> None:
         """Answer ERROR for the session a message names, and close it here."""

@@ -9,7 +9,7 @@ an inproc PAIR socket, frames moved without copying:
     link -> loop   [DELIVER, *frames]   a session message from the broker (OPEN, STEP, ...)
                    [RESET, reason]      the broker forgot this worker's sessions: drop them
                    [REFUSED, reason]    the broker refused this worker
-                   [FAIL, key, reason]  a session failed here: close it without a word
+                   [FAIL, key, reason]  a message about it could not be sent: close it
     loop -> link   [SEND, key, *frames] a message for the broker about session ``key``
                    [STOP, reason]       say goodbye (DISCONNECT) and end the thread
 
@@ -46,7 +46,6 @@ from zmqllm.protocol import (
     Refused,
     Register,
     Registered,
-    SessionMessage,
     Step,
     decode,
     decode_header,
@@ -55,7 +54,7 @@ from zmqllm.protocol import (
 )
 from zmqllm.worker_faults import Faults
 
-__all__ = ["BrokerLink", "LinkSettings", "session_key", "split_key"]
+__all__ = ["BrokerLink", "LinkSettings", "named_session", "session_key", "split_key"]
 
 log = get_logger("zmqllm.worker")
 
@@ -81,6 +80,18 @@ def session_key(session: str, attempt: int) -> str:
 def split_key(key: str) -> tuple[str, int]:
     session, _, attempt = key.rpartition("/")
     return session, int(attempt)
+
+
+def named_session(head: dict[str, Any]) -> tuple[str, int, str] | None:
+    """(session, attempt, request id) a header names, if they are valid ids, even when
+    the rest of its message is not: such a message fails that session instead of
+    leaving it to wait for what never comes."""
+    session, attempt, rid = head.get("session"), head.get("attempt", 0), head.get("request_id")
+    if not isinstance(session, str) or not is_valid_id(session):
+        return None
+    if type(attempt) is not int or not 0 <= attempt <= MAX_ATTEMPTS:
+        return None
+    return session, attempt, rid if isinstance(rid, str) and is_valid_id(rid) else ""
 
 
 @dataclass(frozen=True)
@@ -305,14 +316,17 @@ class BrokerLink:
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         try:
+            cls, head = decode_header(frames[0])
+            if issubclass(cls, SESSION_TYPES):
+                # The compute loop decodes it in full (and fails the session it names
+                # if that fails): one decode per message, on the thread that uses it.
+                self._deliver(head, frames)
+                return
             msg = decode(frames)
         except ProtocolError as exc:
             self.faults.report("malformed", "malformed message from the broker dropped", exc)
-            self._refuse_named(frames[0], str(exc))
             return
-        if isinstance(msg, SESSION_TYPES):
-            self._deliver(msg, frames)
-        elif isinstance(msg, Heartbeat):
+        if isinstance(msg, Heartbeat):
             boot = msg.boot
             if self._registered and self._boot and boot is not None and boot != self._boot:
                 self._register_again("the broker restarted (new boot id)")
@@ -334,41 +348,21 @@ class BrokerLink:
         else:
             self.faults.report("unexpected", "unexpected message dropped", type=msg.TYPE.value)
 
-    def _deliver(self, msg: SessionMessage, frames: list[zmq.Frame]) -> None:
+    def _deliver(self, head: dict[str, Any], frames: list[zmq.Frame]) -> None:
         if self._tell_loop([DELIVER, *frames]):
             return
-        self.faults.report("overloaded", "compute loop inbox full; session failed")
-        self._send(
-            Error.of(
+        self.faults.report("overloaded", "compute loop inbox full; message refused")
+        named = named_session(head)
+        if named is not None:
+            session, attempt, request_id = named
+            err = Error.of(
                 ErrorCode.INTERNAL,
                 "worker overloaded",
-                msg.session,
-                attempt=msg.attempt,
-                request_id=msg.request_id,
+                session,
+                attempt=attempt,
+                request_id=request_id,
             )
-        )
-
-    def _refuse_named(self, header: zmq.Frame, why: str) -> None:
-        """An undecodable message that still names a session fails that session here and
-        at the broker, instead of leaving it to wait for what never comes."""
-        try:
-            cls, head = decode_header(header)
-        except ProtocolError:
-            return
-        session, attempt, rid = head.get("session"), head.get("attempt", 0), head.get("request_id")
-        if not issubclass(cls, SessionMessage) or not isinstance(session, str):
-            return
-        if not is_valid_id(session):
-            return
-        if type(attempt) is not int or not 0 <= attempt <= MAX_ATTEMPTS:
-            return
-        key = session_key(session, attempt)
-        msg = f"undecodable {cls.TYPE.value}: {why}"
-        request_id = rid if is_valid_id(rid) else ""
-        self._send(
-            Error.of(ErrorCode.BAD_REQUEST, msg, session, attempt=attempt, request_id=request_id)
-        )
-        self._tell_loop([FAIL, key.encode(), msg.encode()])
+            self._send(err)
 
     def _send(self, msg: Message, key: str = "") -> None:
         try:
