@@ -13,32 +13,24 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import signal
 import socket
 import time
 import uuid
 import zlib
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import zmq
 
-from zmqllm import __version__
-from zmqllm.config import Config, parse_layers, resolve_model_path
+from zmqllm.config import Config
 from zmqllm.cpu_turns import CpuTurns
-from zmqllm.engine import native
 from zmqllm.engine.cache import CacheFullError
 from zmqllm.engine.frames import payload_to_tensor, tensor_to_payload
-from zmqllm.engine.generator import load_shard
-from zmqllm.engine.stage import BadWork, BatchFailed, Output, Stage, rss_bytes
-from zmqllm.engine.weights import model_fingerprint, resolve_checkpoint
+from zmqllm.engine.stage import BadWork, BatchFailed, Output
 from zmqllm.log import bind_request, get_logger
-from zmqllm.model_args import ModelArgs
 from zmqllm.protocol import (
-    MAX_HEADER_BYTES,
     Activation,
     Cancel,
     Close,
@@ -47,7 +39,6 @@ from zmqllm.protocol import (
     Message,
     Open,
     ProtocolError,
-    Register,
     SessionMessage,
     Step,
     Token,
@@ -55,6 +46,7 @@ from zmqllm.protocol import (
     decode_header,
     encode,
 )
+from zmqllm.shard_loader import Loaded, load_stage, max_frame_bytes, register_message
 from zmqllm.worker_faults import Faults
 from zmqllm.worker_link import (
     DELIVER,
@@ -69,6 +61,8 @@ from zmqllm.worker_link import (
     split_key,
 )
 
+__all__ = ["Loaded", "Worker", "WorkerRefused", "load_stage", "serve"]
+
 log = get_logger("zmqllm.worker")
 
 MAX_MESSAGES_PER_TURN = 1024
@@ -77,63 +71,6 @@ IDLE_POLL_S = 0.1  # an idle loop still looks at signals and publishes its load 
 
 class WorkerRefused(RuntimeError):
     """The broker refused this worker (different model or version)."""
-
-
-@dataclass
-class Loaded:
-    stage: Stage
-    fingerprint: dict[str, Any]
-    start: int
-    end: int
-    num_layers: int
-    context: int
-
-
-def load_stage(cfg: Config) -> Loaded:
-    """Resolve the checkpoint, read only this shard's tensors, warm it up."""
-    w = cfg.worker
-    if w.threads:
-        torch.set_num_threads(w.threads)
-    spec = resolve_model_path(cfg.model.path)
-
-    def layer_range(args: ModelArgs) -> tuple[int, int]:
-        return parse_layers(w.layers, args.num_layers)
-
-    # From the Hub: config first, then only the files holding this range's tensors.
-    directory = resolve_checkpoint(spec, layer_range, cfg.model.revision)
-    args = ModelArgs.from_dir(directory)
-    start, end = layer_range(args)
-
-    t0 = time.perf_counter()
-    shard = load_shard(directory, start, end, cfg.model.dtype, cfg.model.device, args)
-    kernel = shard.use_kernel(native.load()) if w.native_attention else False
-    # Resident growth, not the packed tensors' sizes: MKL's buffers are allocated
-    # larger than they are filled.
-    rss = rss_bytes()
-    packed = shard.pack(w.packed_rows)
-    packed_mib = (rss_bytes() - rss) >> 20 if packed else 0
-    stage = Stage(shard, w.max_sessions, w.max_kv_tokens, w.prefill_chunk, w.max_memory_mb)
-    stage.warmup()
-    log.info(
-        "shard loaded",
-        layers=f"{start}:{end}",
-        parameters=shard.num_parameters(),
-        seconds=round(time.perf_counter() - t0, 2),
-        dtype=cfg.model.dtype,
-        device=cfg.model.device,
-        batched_decode_attention="compiled kernel" if kernel else "pytorch",
-        packed_weights_mib=packed_mib,
-    )
-    fp = model_fingerprint(directory, args, cfg.model.dtype)
-    return Loaded(stage, fp, start, end, args.num_layers, args.max_position_embeddings)
-
-
-def max_frame_bytes(stage: Stage, context: int) -> int:
-    """The largest frame this worker can be sent: a prefill chunk's activation or a
-    whole prompt's token ids, plus room for a header."""
-    itemsize = torch.empty((), dtype=stage.shard.dtype).element_size()
-    activation = stage.prefill_chunk * stage.shard.args.hidden_size * itemsize
-    return max(activation, context * 4) + MAX_HEADER_BYTES
 
 
 class Worker:
@@ -164,30 +101,9 @@ class Worker:
                 cfg.broker.max_message_bytes, max_frame_bytes(self.stage, loaded.context)
             ),
         )
-        self.link = BrokerLink(self.ctx, settings, self.register_message(), self.faults)
+        self.link = BrokerLink(self.ctx, settings, register_message(cfg, loaded), self.faults)
         self.pipe: zmq.Socket[Any] | None = None
         self._published = 0.0
-
-    def register_message(self) -> Register:
-        ld = self.loaded
-        # The summary's scalars (a model without a sliding window has None there).
-        model = {k: v for k, v in ld.fingerprint.items() if isinstance(v, int | float | str | bool)}
-        host = socket.gethostname()
-        return Register(
-            start=ld.start,
-            end=ld.end,
-            num_layers=ld.num_layers,
-            capacity=self.stage.pool.max_sessions,
-            max_kv_tokens=self.stage.pool.max_tokens,
-            context=ld.context,
-            version=__version__,
-            fingerprint=str(ld.fingerprint["digest"]),
-            model=model,
-            host=host if re.fullmatch(r"[\x21-\x7e]{1,255}", host) else "unknown",
-            pid=os.getpid(),
-            dtype=self.cfg.model.dtype,
-            device=self.cfg.model.device,
-        )
 
     # -- signals ---------------------------------------------------------------
     def on_sigterm(self, *_: object) -> None:

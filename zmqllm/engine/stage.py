@@ -14,7 +14,6 @@ raises anyway raises :class:`BatchFailed` naming the sessions that were in it.
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -22,7 +21,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from zmqllm.engine.cache import CacheFullError, CachePool, KVCache
+from zmqllm.engine.cache import (
+    CacheFullError,
+    CachePool,
+    KVCache,
+    cuda_memory,
+    memory_in_use,
+    rss_bytes,
+)
 from zmqllm.engine.model import MistralShard, Segment
 from zmqllm.engine.sampling import SamplingParams, sample
 from zmqllm.messages import Finish
@@ -151,7 +157,7 @@ class Stage:
             need = max_len * self.shard.args.kv_bytes_per_token(
                 self.shard.num_local_layers, itemsize
             )
-            used = self._memory_in_use()
+            used = memory_in_use(self.shard.device)
             if used + need > self.max_memory:
                 raise CacheFullError(
                     f"stage memory: {used >> 20} MiB in use + {need >> 20} MiB for this "
@@ -382,31 +388,5 @@ class Stage:
             "last_forward_ms": round(st.last_forward_ms, 3),
             "busy_s": round(st.forward_s, 4),  # total time in forwards: utilisation
             "rss_bytes": rss_bytes(),
-            **self._cuda_memory(),
+            **cuda_memory(self.shard.device),
         }
-
-    def _memory_in_use(self) -> int:
-        if self.shard.device.type == "cuda":
-            return int(torch.cuda.memory_allocated(self.shard.device))
-        return rss_bytes()
-
-    def _cuda_memory(self) -> dict[str, int]:
-        """On cuda, what the caching allocator holds: an out-of-memory shard shows here first."""
-        dev = self.shard.device
-        if dev.type != "cuda":
-            return {}
-        return {
-            "cuda_allocated_bytes": int(torch.cuda.memory_allocated(dev)),
-            "cuda_reserved_bytes": int(torch.cuda.memory_reserved(dev)),
-        }
-
-
-def rss_bytes() -> int:
-    """Resident memory of this process now (Linux /proc; the peak elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        import resource
-
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
