@@ -233,14 +233,12 @@ class BrokerClient:
         except zmq.ZMQError as exc:
             raise SessionError(ErrorCode.BROKER_UNREACHABLE, f"send failed: {exc}") from None
 
-    async def _recv_bounded(self, sock: zmq.asyncio.Socket) -> list[zmq.Frame] | None:
-        """One message, frame by frame; None (the rest read and discarded) past MAX_FRAMES."""
-        first = await sock.recv(copy=False)
-        frames: list[zmq.Frame] | None = [first]
-        more = first.more
-        while more:
-            frame = await sock.recv(copy=False)  # the rest of a message is already here
-            more = frame.more
+    async def _recv_bounded(self, sock: zmq.asyncio.Socket) -> list[bytes] | None:
+        """One message, frame by frame; None (the rest read and discarded) past MAX_FRAMES.
+        Copied: a broker sends a client small headers, where a copy beats zero-copy."""
+        frames: list[bytes] | None = [await sock.recv()]
+        while sock.get(zmq.RCVMORE):
+            frame = await sock.recv()  # the rest of a message is already here
             if frames is not None and len(frames) < MAX_FRAMES:
                 frames.append(frame)
             else:
@@ -270,7 +268,7 @@ class BrokerClient:
             except Exception as exc:  # nothing a message holds may end this loop
                 self.drops.error("receive", exc)
 
-    def _handle(self, frames: list[zmq.Frame] | None) -> None:
+    def _handle(self, frames: list[bytes] | None) -> None:
         """Decode one message and act on it; an exception costs the stream it names."""
         self._last_seen = time.monotonic()
         if frames is None:
