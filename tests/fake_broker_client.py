@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,6 +133,7 @@ class FakeBrokerClient:
         self.most_open = 0  # the most sessions open at one time
         self.complete_route = True
         self.unreachable = False
+        self.drops: Counter[str] = Counter()  # what the real client counts as dropped
         self.status_calls = 0
         self.status_delay = 0.0  # seconds each status call takes
         self.status_extra: dict[str, Any] = {}  # more keys in each status answer
@@ -147,6 +149,10 @@ class FakeBrokerClient:
     @property
     def connected(self) -> bool:
         return not self.unreachable
+
+    @property
+    def dropped(self) -> Mapping[str, int]:
+        return self.drops
 
     def generate(
         self,

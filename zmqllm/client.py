@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import zmq
@@ -48,11 +48,9 @@ __all__ = ["DEFAULT_MAX_STREAMS", "BrokerClient", "TokenEvent", "TokenStream"]
 
 log = get_logger("zmqllm.client")
 
-# Streams one client holds at once. The gateway's own concurrency limit is far lower; past
-# this a new stream is refused (busy) rather than growing the table without bound.
+# Streams held at once (above the gateway's own limit); past it a new one is refused: busy.
 DEFAULT_MAX_STREAMS = 4096
-# The largest frame a broker sends us is a status body; a peer sending more is cut off by
-# ZeroMQ before the frame is ever built up.
+# The largest frame a broker sends us is a status body; ZeroMQ cuts off a peer sending more.
 MAX_INBOUND_FRAME = MAX_STATUS_BYTES
 
 
@@ -126,6 +124,10 @@ class BrokerClient:
     def connected(self) -> bool:
         horizon = self.heartbeat_interval * self.liveness
         return self._last_seen > 0 and time.monotonic() - self._last_seen < horizon
+
+    @property
+    def dropped(self) -> Mapping[str, int]:
+        return self.drops.counts
 
     # -- requests ------------------------------------------------------------
     def generate(

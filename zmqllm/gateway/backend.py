@@ -8,7 +8,7 @@ sockets. ``zmqllm.client.BrokerClient`` satisfies them; failures are
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -66,6 +66,11 @@ class BrokerClientLike(Protocol):
 
     @property
     def connected(self) -> bool: ...
+
+    @property
+    def dropped(self) -> Mapping[str, int]:
+        """Messages from the broker the client dropped or failed on, by reason (/metrics)."""
+        ...
 
     def generate(
         self,
