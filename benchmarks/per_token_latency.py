@@ -151,7 +151,7 @@ def bench_cluster(
     model_dir: Path, stages: int, n: int, requests: int, threads: int
 ) -> dict[str, Any]:
     from zmqllm.config import split_layers
-    from zmqllm.engine.args import ModelArgs
+    from zmqllm.model_args import ModelArgs
 
     layers = split_layers(ModelArgs.from_dir(model_dir).num_layers, stages)
     with tempfile.TemporaryDirectory() as tmp:

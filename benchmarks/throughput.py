@@ -31,7 +31,7 @@ import torch
 from report import write_json, write_plot
 
 from zmqllm.config import default_model_dir, split_layers
-from zmqllm.engine.args import ModelArgs
+from zmqllm.model_args import ModelArgs
 from zmqllm.local_cluster import Cluster
 from zmqllm.models import prepare_default_model
 from zmqllm.status import fetch_status

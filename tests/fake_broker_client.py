@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from zmqllm.engine.sampling import SamplingParams
+from zmqllm.messages import ErrorCode, SessionError
+from zmqllm.sampling_params import SamplingParams
 
 
 @dataclass
@@ -23,13 +25,9 @@ class FakeTokenEvent:
     finish: str | None
 
 
-class FakeBrokerError(Exception):
-    """Shaped like zmqllm.client.BrokerError: a code and a message."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
+# The real client's one error class: the gateway matches on it. The old name stays for the
+# tests that build one by it.
+FakeBrokerError = SessionError
 
 
 @dataclass
@@ -39,11 +37,11 @@ class Script:
     tokens: list[int]
     delay: float = 0.0
     # Raised instead of the first token (e.g. no_capacity).
-    fail_before_first: FakeBrokerError | None = None
+    fail_before_first: SessionError | None = None
     # Raised after this many tokens were sent (e.g. worker_lost mid-stream).
     fail_after: int | None = None
-    fail_with: FakeBrokerError = field(
-        default_factory=lambda: FakeBrokerError("worker_lost", "worker w1 stopped answering")
+    fail_with: SessionError = field(
+        default_factory=lambda: SessionError(ErrorCode.WORKER_LOST, "worker w1 stopped answering")
     )
     # After this many tokens, wait ``stall`` seconds before the next (a stuck worker).
     stall_after: int | None = None
@@ -135,8 +133,10 @@ class FakeBrokerClient:
         self.most_open = 0  # the most sessions open at one time
         self.complete_route = True
         self.unreachable = False
+        self.drops: Counter[str] = Counter()  # what the real client counts as dropped
         self.status_calls = 0
         self.status_delay = 0.0  # seconds each status call takes
+        self.status_extra: dict[str, Any] = {}  # more keys in each status answer
         self.started = False
         self.closed = False
 
@@ -149,6 +149,10 @@ class FakeBrokerClient:
     @property
     def connected(self) -> bool:
         return not self.unreachable
+
+    @property
+    def dropped(self) -> Mapping[str, int]:
+        return self.drops
 
     def generate(
         self,
@@ -178,11 +182,12 @@ class FakeBrokerClient:
         if self.status_delay:
             await asyncio.sleep(self.status_delay)
         if self.unreachable:
-            raise FakeBrokerError("broker_unreachable", "no answer from the broker")
+            raise SessionError(ErrorCode.BROKER_UNREACHABLE, "no answer from the broker")
         return {
             "complete_route": self.complete_route,
             "workers": [],
             "pools": [],
             "queue": 0,
             "sessions": len(self.open_streams),
+            **self.status_extra,
         }

@@ -1,4 +1,5 @@
-"""Broker bookkeeping without sockets: registry, routes, room, refusals, pools.
+"""The broker's session lifecycle without sockets: each SessionTable call returns the
+messages to send, and these tests read them.
 
 No torch here: the broker runs without the ML stack.
 """
@@ -8,328 +9,250 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 
-from zmqllm.broker_state import Registry, WorkerEntry, fingerprint_differences
+from zmqllm import __version__
+from zmqllm.broker_state import MAX_ATTEMPTS, Out, SessionTable
+from zmqllm.messages import (
+    Activation,
+    Close,
+    Error,
+    ErrorCode,
+    Finish,
+    Open,
+    Register,
+    Step,
+    Token,
+)
+from zmqllm.registry import Registry, WorkerEntry
+from zmqllm.wire_types import Payload
 
-VERSION = "1.2.3"
-SUMMARY: dict[str, Any] = {"num_layers": 4, "hidden_size": 64, "sliding_window": 8, "digest": "d1"}
-
-
-def add(
-    reg: Registry,
-    wid: str,
-    start: int,
-    end: int,
-    *,
-    num_layers: int = 4,
-    capacity: int = 4,
-    max_kv_tokens: int = 1000,
-    digest: str = "d1",
-    summary: dict[str, Any] | None = None,
-) -> WorkerEntry:
-    fields = {
-        "start": start,
-        "end": end,
-        "num_layers": num_layers,
-        "capacity": capacity,
-        "fingerprint": digest,
-    }
-    info = {
-        "fingerprint": summary if summary is not None else SUMMARY,
-        "max_kv_tokens": max_kv_tokens,
-        "context": 512,
-    }
-    return reg.add(wid.encode(), fields, info)
+A, B = b"client-a", b"client-b"
 
 
-def ids(route: list[WorkerEntry] | None) -> list[str] | None:
-    return None if route is None else [w.worker_id for w in route]
-
-
-def entry(**overrides: Any) -> WorkerEntry:
+def register(reg: Registry, wid: str, start: int, end: int, **kw: Any) -> WorkerEntry:
     values: dict[str, Any] = dict(
-        identity=b"w", worker_id="w", start=0, end=4, capacity=2, max_kv_tokens=100, info={}
+        start=start,
+        end=end,
+        num_layers=4,
+        capacity=4,
+        max_kv_tokens=1000,
+        context=512,
+        version=__version__,
+        fingerprint="d1",
     )
-    values.update(overrides)
-    return WorkerEntry(**values)
+    values.update(kw)
+    return reg.add(wid.encode(), Register(**values))
 
 
-# -- routes ------------------------------------------------------------------------------
-
-
-def test_first_worker_defines_the_model() -> None:
+def table(*ranges: tuple[str, int, int], **kw: Any) -> SessionTable:
     reg = Registry()
-    assert reg.find_route(10) is None  # no model yet: nothing to route to
-    add(reg, "a", 0, 4)
-    assert reg.num_layers == 4
-    assert reg.context == 512
-    assert reg.fingerprint == "d1"
-    assert ids(reg.find_route(10)) == ["a"]
+    for wid, start, end in ranges:
+        register(reg, wid, start, end)
+    return SessionTable(reg, "boot1", **kw)
 
 
-def test_equal_pools_pick_the_least_loaded_replica() -> None:
-    reg = Registry()
-    for wid, start, end in [("a0", 0, 2), ("a1", 0, 2), ("b0", 2, 4), ("b1", 2, 4)]:
-        add(reg, wid, start, end)
-
-    first = reg.find_route(10)
-    assert first is not None
-    # Equal load: ties go to the lowest id, so the choice is deterministic.
-    assert ids(first) == ["a0", "b0"]
-    reg.reserve(first, "s1", 10)
-    assert [len(w.sessions) for w in first] == [1, 1]
-    assert [w.reserved_tokens for w in first] == [10, 10]
-
-    # The busy replicas now lose to the idle ones.
-    second = reg.find_route(10)
-    assert ids(second) == ["a1", "b1"]
-    assert second is not None
-    reg.reserve(second, "s2", 10)
-
-    # Releasing s1 makes a0/b0 the least loaded again.
-    reg.release(["a0", "b0"], "s1", 10)
-    assert reg.workers["a0"].sessions == set()
-    assert reg.workers["a0"].reserved_tokens == 0
-    assert ids(reg.find_route(10)) == ["a0", "b0"]
+def open_msg(session: str = "s1", prompt_len: int = 3, max_tokens: int = 5) -> Open:
+    tokens = Payload(np.arange(prompt_len, dtype=np.int32), "int32")
+    return Open(
+        session=session,
+        request_id="r1",
+        max_tokens=max_tokens,
+        prompt_len=prompt_len,
+        tokens=tokens,
+    )
 
 
-def test_release_is_idempotent_and_ignores_unknown_workers() -> None:
-    reg = Registry()
-    a = add(reg, "a", 0, 4)
-    reg.reserve([a], "s", 30)
-    reg.release(["a", "gone"], "s", 30)
-    # A second release (e.g. CLOSE after the session already ended) must not
-    # drive the reservation negative.
-    reg.release(["a"], "s", 30)
-    assert a.reserved_tokens == 0
-    assert a.sessions == set()
+def to(outs: list[Out], identity: bytes) -> list[Any]:
+    return [o.msg if o.msg is not None else o.frames for o in outs if o.identity == identity]
 
 
-def test_mixed_ranges_prefer_fewer_hops_then_load() -> None:
-    reg = Registry()
-    whole = add(reg, "whole", 0, 4, capacity=1)
-    add(reg, "p0", 0, 2, capacity=1)
-    add(reg, "p1", 2, 4, capacity=1)
-
-    # Both are complete routes; at equal load the single hop wins.
-    assert ids(reg.find_route(10)) == ["whole"]
-    reg.reserve([whole], "s1", 10)
-
-    # The whole-model worker is full: the pipeline serves the next session.
-    pipeline = reg.find_route(10)
-    assert ids(pipeline) == ["p0", "p1"]
-    assert pipeline is not None
-    reg.reserve(pipeline, "s2", 10)
-
-    # Everything full: no route, though one exists ignoring room (status uses that).
-    assert reg.find_route(10) is None
-    assert reg.find_route(10, ignore_room=True) is not None
-
-    # The whole-model worker frees up while the pipeline stays full.
-    reg.release(["whole"], "s1", 10)
-    assert ids(reg.find_route(10)) == ["whole"]
+def opens(outs: list[Out]) -> list[tuple[bytes, Open]]:
+    return [(o.identity, o.msg) for o in outs if isinstance(o.msg, Open)]
 
 
-def test_mixed_ranges_use_the_pipeline_when_the_whole_model_is_busier() -> None:
-    reg = Registry()
-    whole = add(reg, "whole", 0, 4, capacity=4)
-    add(reg, "p0", 0, 2, capacity=4)
-    add(reg, "p1", 2, 4, capacity=4)
-    reg.reserve([whole], "s1", 10)
-    # One hop more is worth less than a quarter of a worker's load.
-    assert ids(reg.find_route(10)) == ["p0", "p1"]
+def token(t: SessionTable, w: str, wire: str, step: int, attempt: int = 1, **kw: Any) -> list[Out]:
+    worker = t.registry.workers[w]
+    return t.on_token(worker, Token(session=wire, attempt=attempt, step=step, token=7, **kw), 0.0)
 
 
-def test_no_route_when_a_range_is_uncovered() -> None:
-    reg = Registry()
-    add(reg, "a", 0, 15, num_layers=30)
-    assert reg.find_route(10) is None
-    assert reg.find_route(10, ignore_room=True) is None
-    assert reg.uncovered() == "15:30"
-
-    add(reg, "b", 20, 30, num_layers=30)
-    assert reg.find_route(10) is None
-    assert reg.uncovered() == "15:20"
-
-    add(reg, "c", 15, 20, num_layers=30)
-    assert reg.uncovered() == ""
-    assert ids(reg.find_route(10)) == ["a", "c", "b"]
+def test_open_sends_each_stage_its_open_later_stages_first() -> None:
+    t = table(("w0", 0, 2), ("w1", 2, 4))
+    outs = t.open(A, open_msg(), 0.0)
+    sent = opens(outs)
+    assert [ident for ident, _ in sent] == [b"w1", b"w0"]
+    last, first = sent[0][1], sent[1][1]
+    assert first.session == last.session != "s1"  # the broker's wire id, not the client's
+    assert (first.attempt, first.stage, first.stages, first.next) == (1, 0, 2, "w1")
+    assert (last.stage, last.next) == (1, "w0")  # the last stage's steps go to the first
+    assert first.tokens is not None and last.tokens is None
+    assert first.max_len == 8
+    assert t.registry.workers["w0"].reserved_tokens == 8
 
 
-def test_uncovered_names_every_gap() -> None:
-    reg = Registry()
-    add(reg, "mid", 10, 20, num_layers=30)
-    assert reg.uncovered() == "0:10, 20:30"
+def test_tokens_reach_the_client_and_the_next_step_goes_to_stage_0() -> None:
+    t = table(("w0", 0, 2), ("w1", 2, 4))
+    wire = opens(t.open(A, open_msg(), 0.0))[0][1].session
+    outs = token(t, "w1", wire, 0, group=("g", 1))
+    (to_client,) = to(outs, A)
+    assert isinstance(to_client, Token)
+    assert (to_client.session, to_client.step, to_client.route) == ("s1", 0, ("w0", "w1"))
+    assert to_client.boot == "boot1"
+    (step,) = to(outs, b"w0")
+    assert isinstance(step, Step)
+    assert (step.session, step.step, step.group) == (wire, 1, ("g", 1))
+    # Later tokens carry no route; a repeated or skipped step is dropped.
+    assert to(token(t, "w1", wire, 1), A)[0].route is None
+    assert token(t, "w1", wire, 1) == []
+    assert token(t, "w1", wire, 5) == []
 
 
-def test_ranges_that_do_not_chain_give_no_route() -> None:
-    reg = Registry()
-    # Every layer is covered, but 0:3 ends where no worker starts.
-    add(reg, "a", 0, 3)
-    add(reg, "b", 2, 4)
-    assert reg.uncovered() == ""
-    assert reg.find_route(10) is None
+def test_the_last_token_ends_the_session_everywhere() -> None:
+    t = table(("w0", 0, 2), ("w1", 2, 4))
+    wire = opens(t.open(A, open_msg(), 0.0))[0][1].session
+    outs = token(t, "w1", wire, 0, finish=Finish.STOP)
+    assert isinstance(to(outs, A)[0], Token)
+    assert all(isinstance(m, Close) for m in to(outs, b"w0") + to(outs, b"w1"))
+    assert not t.sessions and t.registry.workers["w0"].reserved_tokens == 0
+    assert t.stats.finished == 1
 
 
-def test_find_route_skips_workers_without_kv_room() -> None:
-    reg = Registry()
-    # "a-small" wins ties by id, so choosing "b-large" below is about room alone.
-    add(reg, "a-small", 0, 4, max_kv_tokens=50)
-    add(reg, "b-large", 0, 4, max_kv_tokens=500)
-    assert ids(reg.find_route(40)) == ["a-small"]
-    assert ids(reg.find_route(100)) == ["b-large"]
-    assert reg.find_route(1000) is None
+def test_only_the_owner_can_cancel_and_is_told() -> None:
+    t = table(("w", 0, 4))
+    t.open(A, open_msg(), 0.0)
+    assert t.cancel(B, "s1", 0.0) == []  # another client naming the same id
+    assert len(t.sessions) == 1
+    outs = t.cancel(A, "s1", 0.0)
+    (err,) = to(outs, A)
+    assert isinstance(err, Error) and err.code is ErrorCode.CANCELLED
+    assert isinstance(to(outs, b"w")[0], Close)
+    assert not t.sessions
 
 
-# -- room and load -----------------------------------------------------------------------
+def test_two_clients_may_use_the_same_session_id() -> None:
+    t = table(("w", 0, 4))
+    t.open(A, open_msg(), 0.0)
+    outs = t.open(B, open_msg(), 0.0)
+    assert len(opens(outs)) == 1 and len(t.sessions) == 2
+    again = t.open(A, open_msg(), 0.0)
+    assert to(again, A)[0].code is ErrorCode.BAD_REQUEST
 
 
-def test_has_room_respects_capacity() -> None:
-    now = time.monotonic()
-    w = entry(capacity=2)
-    assert w.has_room(10, now)
-    w.sessions = {"s1", "s2"}
-    assert not w.has_room(10, now)
+def test_a_request_past_the_context_or_without_tokens_is_refused() -> None:
+    t = table(("w", 0, 4))
+    (err,) = to(t.open(A, open_msg(prompt_len=500, max_tokens=100), 0.0), A)
+    assert err.code is ErrorCode.BAD_REQUEST and "context" in err.message
+    bare = Open(session="s2", max_tokens=1, prompt_len=1)
+    assert to(t.open(A, bare, 0.0), A)[0].code is ErrorCode.BAD_REQUEST
+    assert not t.sessions and not t.queue
 
 
-def test_has_room_respects_max_kv_tokens() -> None:
-    now = time.monotonic()
-    w = entry(max_kv_tokens=100)
-    assert w.has_room(100, now)  # exactly the limit fits
-    assert not w.has_room(101, now)
-    w.reserved_tokens = 60
-    assert w.has_room(40, now)
-    assert not w.has_room(41, now)
+def test_a_full_queue_answers_busy() -> None:
+    t = table(queue_size=1)
+    assert t.open(A, open_msg("s1"), 0.0) == []  # queued: no worker yet
+    (err,) = to(t.open(A, open_msg("s2"), 0.0), A)
+    assert err.code is ErrorCode.BUSY
 
 
-def test_has_room_respects_draining_and_full_until() -> None:
-    now = time.monotonic()
-    w = entry(draining=True)
-    assert not w.has_room(1, now)
-    w = entry(full_until=now + 5.0)
-    assert not w.has_room(1, now)
-    assert w.has_room(1, now + 5.0)  # the back-off ends
+def test_full_before_the_first_token_retries_on_another_replica() -> None:
+    t = table(("w0", 0, 4), ("w1", 0, 4))
+    now = time.monotonic()  # the registry skips a full worker until now + full_backoff
+    (first,) = opens(t.open(A, open_msg(), now))
+    ident, msg = first
+    w = t.registry.by_identity[ident]
+    full = Error(code=ErrorCode.FULL, message="no room", session=msg.session, attempt=1)
+    outs = t.on_worker_error(w, full, now)
+    assert isinstance(to(outs, ident)[0], Close)  # attempt 1 freed there
+    (retry,) = opens(outs)
+    assert retry[0] != ident and retry[1].attempt == 2
+    assert w.reserved_tokens == 0
+    # A late message of attempt 1 matches nothing.
+    assert t.on_token(w, Token(session=msg.session, attempt=1, step=0, token=1), 0.0) == []
 
 
-def test_load_score_is_the_larger_of_sessions_and_tokens() -> None:
-    w = entry(capacity=4, max_kv_tokens=100)
-    assert w.load_score() == 0.0
-    w.sessions = {"s1"}
-    assert w.load_score() == pytest.approx(0.25)
-    w.reserved_tokens = 50
-    assert w.load_score() == pytest.approx(0.5)
+def test_a_request_bounced_too_often_fails() -> None:
+    t = table(("w", 0, 4))
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        s = next(iter(t.sessions.values()), None) if attempt > 1 else None
+        if s is None:
+            outs = t.open(A, open_msg(), 0.0)
+            s = next(iter(t.sessions.values()))
+        w = t.registry.workers["w"]
+        w.full_until = 0.0
+        err = Error(code=ErrorCode.FULL, message="", session=s.wire, attempt=s.attempt)
+        outs = t.on_worker_error(w, err, 0.0)
+    final = [m for m in to(outs, A) if isinstance(m, Error)]
+    assert final and final[0].code is ErrorCode.NO_CAPACITY
+    assert not t.sessions and not t.queue and t.registry.workers["w"].reserved_tokens == 0
 
 
-def test_describe_reports_what_status_prints() -> None:
-    w = entry(worker_id="w-1", start=2, end=4, capacity=4, max_kv_tokens=100)
-    w.sessions = {"s1"}
-    w.reserved_tokens = 10
-    d = w.describe(w.last_seen + 1.5)
-    assert d["id"] == "w-1"
-    assert d["layers"] == [2, 4]
-    assert d["sessions"] == 1
-    assert d["capacity"] == 4
-    assert d["kv_tokens_reserved"] == 10
-    assert d["load"] == 0.25
-    assert d["last_heartbeat_s"] == 1.5
-    assert d["draining"] is False
+def test_worker_lost_requeues_before_the_first_token_and_fails_after() -> None:
+    t = table(("w0", 0, 4), ("w1", 0, 4))
+    t.open(A, open_msg("s1"), 0.0)
+    s1 = t.sessions[(A, "s1")]
+    lost = s1.route[0]
+    t.registry.remove(t.registry.workers[lost])
+    outs = t.worker_lost(lost, "gone", 0.0)
+    (retry,) = opens(outs)
+    assert retry[1].attempt == 2 and retry[0] != lost.encode()
+    assert to(outs, A) == []  # the client saw nothing
+
+    s1 = t.sessions[(A, "s1")]
+    token(t, s1.route[-1], s1.wire, 0, attempt=2)
+    survivor = s1.route[0]
+    t.registry.remove(t.registry.workers[survivor])
+    (err,) = to(t.worker_lost(survivor, "gone too", 0.0), A)
+    assert err.code is ErrorCode.WORKER_LOST and err.message == "gone too"
+    assert not t.sessions
 
 
-# -- refusals ----------------------------------------------------------------------------
+def test_activations_go_to_the_next_stage_only_from_the_route() -> None:
+    t = table(("w0", 0, 2), ("w1", 2, 4), ("x", 0, 2))
+    t.registry.workers["x"].full_until = 1e18  # keep it off the route
+    wire = opens(t.open(A, open_msg(), 0.0))[0][1].session
+    hidden = Payload(np.zeros((3, 8), np.float32), "float32")
+    act = Activation(session=wire, attempt=1, hidden=hidden)
+    outs = t.on_activation(t.registry.workers["w0"], act, ["frames"], 0.0)
+    assert outs == [Out(True, b"w1", frames=["frames"])]
+    assert t.on_activation(t.registry.workers["x"], act, ["f"], 0.0) == []  # off the route
+    assert t.on_activation(t.registry.workers["w1"], act, ["f"], 0.0) == []  # the last stage
 
 
-def test_refusal_names_a_version_mismatch() -> None:
-    reason = Registry().refusal("0.9", VERSION, "d1", SUMMARY, 0, 4, 4)
-    assert reason is not None
-    assert "0.9" in reason and VERSION in reason
+def test_tick_fails_old_queued_requests_and_idle_sessions() -> None:
+    t = table(("w", 0, 2), queue_timeout=5.0, session_timeout=10.0)
+    t.open(A, open_msg("q"), 0.0)  # no complete route: waits
+    (err,) = to(t.tick(6.0, "no capacity: test"), A)
+    assert err.code is ErrorCode.NO_CAPACITY and err.message == "no capacity: test"
+
+    register(t.registry, "v", 2, 4)
+    t.open(A, open_msg("s"), 100.0)
+    assert t.tick(105.0, "") == []
+    outs = t.tick(111.0, "")
+    (err,) = to(outs, A)
+    assert err.code is ErrorCode.TIMEOUT
+    assert isinstance(to(outs, b"w")[0], Close) and isinstance(to(outs, b"v")[0], Close)
+    assert t.registry.workers["w"].reserved_tokens == 0 and not t.sessions
 
 
-@pytest.mark.parametrize(("start", "end"), [(0, 5), (-1, 2), (3, 3), (3, 2)])
-def test_refusal_names_a_range_outside_the_model(start: int, end: int) -> None:
-    reason = Registry().refusal(VERSION, VERSION, "d1", SUMMARY, start, end, 4)
-    assert reason is not None
-    assert f"{start}:{end}" in reason
+def test_a_lost_client_frees_its_sessions_and_queue_place() -> None:
+    t = table(("w", 0, 4), ("h", 0, 2))
+    t.registry.workers["w"].capacity = 1
+    t.open(A, open_msg("s1"), 0.0)
+    t.open(A, open_msg("s2"), 0.0)  # queued behind s1 (no room)
+    t.open(B, open_msg("s3"), 0.0)
+    outs = t.client_lost(A, ErrorCode.SLOW_CONSUMER, "not reading", 0.0)
+    assert to(outs, A) == []  # nothing more is sent to a client that does not read
+    assert [k[0] for k in t.sessions] == [B]
+    assert all(p.client != A for p in t.queue)
 
 
-def test_refusal_names_the_fingerprint_difference() -> None:
-    reg = Registry()
-    add(reg, "a", 0, 2)
-    other = dict(SUMMARY, sliding_window=4, digest="d2")
-    reason = reg.refusal(VERSION, VERSION, "d2", other, 2, 4, 4)
-    assert reason is not None
-    assert "sliding_window: 8 != 4" in reason
-    # The digest itself differs by construction; naming it would be noise.
-    assert "digest" not in reason
-    # The same model is welcome.
-    assert reg.refusal(VERSION, VERSION, "d1", SUMMARY, 2, 4, 4) is None
-
-
-def test_refusal_falls_back_to_the_digest_without_a_summary() -> None:
-    reg = Registry()
-    add(reg, "a", 0, 2, summary={})
-    reason = reg.refusal(VERSION, VERSION, "d2", {}, 2, 4, 4)
-    assert reason is not None
-    assert "d2" in reason and "d1" in reason
-
-
-def test_fingerprint_differences_lists_each_key() -> None:
-    a = {"x": 1, "y": "same", "digest": "1"}
-    b = {"x": 2, "y": "same", "z": True, "digest": "2"}
-    assert fingerprint_differences(a, b) == ["x: 1 != 2", "z: None != True"]
-
-
-def test_an_empty_registry_accepts_another_model() -> None:
-    reg = Registry()
-    a = add(reg, "a", 0, 2)
-    b = add(reg, "b", 2, 4)
-    other = dict(SUMMARY, num_layers=8, digest="d2")
-    assert reg.refusal(VERSION, VERSION, "d2", other, 0, 8, 8) is not None
-
-    reg.remove(a)
-    assert reg.refusal(VERSION, VERSION, "d2", other, 0, 8, 8) is not None  # b still there
-    reg.remove(b)
-    assert reg.workers == {} and reg.by_identity == {}
-    assert reg.num_layers == 0
-    assert reg.refusal(VERSION, VERSION, "d2", other, 0, 8, 8) is None
-
-    add(reg, "c", 0, 8, num_layers=8, digest="d2", summary=other)
-    assert reg.num_layers == 8
-    assert reg.fingerprint == "d2"
-    assert ids(reg.find_route(10)) == ["c"]
-
-
-def test_remove_forgets_the_identity() -> None:
-    reg = Registry()
-    a = add(reg, "a", 0, 4)
-    add(reg, "b", 0, 4)
-    reg.remove(a)
-    assert b"a" not in reg.by_identity
-    assert "a" not in reg.workers
-    assert reg.num_layers == 4  # b keeps the model defined
-    reg.remove(a)  # twice is harmless
-
-
-def test_pools_group_workers_by_range() -> None:
-    reg = Registry()
-    for wid, start, end in [("b1", 2, 4), ("a1", 0, 2), ("whole", 0, 4), ("a0", 0, 2)]:
-        add(reg, wid, start, end)
-    assert reg.pools() == [
-        {"layers": [0, 2], "workers": ["a0", "a1"]},
-        {"layers": [0, 4], "workers": ["whole"]},
-        {"layers": [2, 4], "workers": ["b1"]},
-    ]
-    assert Registry().pools() == []
-
-
-def test_route_shapes_list_every_chain_of_pools() -> None:
-    reg = Registry()
-    for ident, (a, b) in {"p0": (0, 15), "p1": (15, 30), "whole": (0, 30), "p0b": (0, 15)}.items():
-        reg.add(
-            ident.encode(),
-            {"start": a, "end": b, "capacity": 4, "num_layers": 30, "fingerprint": "x"},
-            {},
-        )
-    assert sorted(reg.route_shapes()) == [["0:15", "15:30"], ["0:30"]]
-    reg.remove(reg.workers["p1"])
-    assert reg.route_shapes() == [["0:30"]]
+@pytest.mark.parametrize("code", [ErrorCode.INTERNAL, ErrorCode.BAD_REQUEST])
+def test_a_worker_error_fails_the_session_with_its_code(code: ErrorCode) -> None:
+    t = table(("w", 0, 4))
+    wire = opens(t.open(A, open_msg(), 0.0))[0][1].session
+    err = Error(code=code, message="bad step", session=wire, attempt=1)
+    outs = t.on_worker_error(t.registry.workers["w"], err, 0.0)
+    (to_client,) = to(outs, A)
+    assert to_client.code is code and to_client.session == "s1"
+    assert t.stats.failed == 1

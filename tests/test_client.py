@@ -1,142 +1,21 @@
 """BrokerClient against a fake broker: a ROUTER the test scripts, on zmq.asyncio.
 
-No torch here: the gateway uses this client without the ML stack. There is no
-pytest-asyncio in the environments, so each test body is a coroutine run by asyncio.run
-under an overall bound.
+No torch here: the gateway uses this client without the ML stack.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import pytest
-import zmq
-import zmq.asyncio
 
-from zmqllm.client import BrokerClient, BrokerError, TokenEvent, TokenStream
-from zmqllm.engine.sampling import SamplingParams
-from zmqllm.protocol import Header, MsgType, decode, encode, error_header
-
-TIMEOUT = 10.0  # bound on any single wait; a correct client is far quicker
-INTERVAL = 0.1  # client heartbeat interval
-
-
-@dataclass
-class Received:
-    identity: bytes
-    header: Header
-    frames: list[bytes]
-
-
-class FakeBroker:
-    """Records what the client sends; answers heartbeats (unless silent) and, unless told
-    otherwise, STATUS. Everything else the test answers by hand."""
-
-    def __init__(self, ctx: zmq.asyncio.Context) -> None:
-        self.sock = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind("tcp://127.0.0.1:0")
-        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.boot = "boot-a"
-        self.silent = False
-        self.answer_status = True
-        self.status_body: dict[str, Any] = {"queue": 0, "workers": []}
-        self.heartbeats = 0
-        self.inbox: asyncio.Queue[Received] = asyncio.Queue()
-        self._task = asyncio.create_task(self._serve())
-
-    async def _serve(self) -> None:
-        while True:
-            frames = await self.sock.recv_multipart()
-            identity, body = frames[0], frames[1:]
-            header, _ = decode(body)
-            if header.type is MsgType.HEARTBEAT:
-                self.heartbeats += 1
-                if not self.silent:
-                    await self.send(identity, Header(MsgType.HEARTBEAT, fields={"boot": self.boot}))
-                continue
-            if header.type is MsgType.STATUS and self.answer_status:
-                reply = Header(
-                    MsgType.STATUS_REPLY,
-                    request_id=header.request_id,
-                    fields={"status": self.status_body},
-                )
-                await self.send(identity, reply)
-            await self.inbox.put(Received(identity, header, body))
-
-    async def send(self, identity: bytes, header: Header) -> None:
-        await self.sock.send_multipart([identity, *encode(header)])
-
-    async def send_raw(self, identity: bytes, frames: list[bytes]) -> None:
-        await self.sock.send_multipart([identity, *frames])
-
-    async def expect(self, msg_type: MsgType) -> Received:
-        got = await asyncio.wait_for(self.inbox.get(), TIMEOUT)
-        assert got.header.type is msg_type, f"expected {msg_type.value}, got {got.header}"
-        return got
-
-    async def token(
-        self,
-        to: Received,
-        step: int,
-        token: int,
-        finish: str | None = None,
-        **extra: Any,
-    ) -> None:
-        fields = {"token": token, "finish": finish, **extra}
-        h = Header(MsgType.TOKEN, to.header.session, to.header.request_id, step, fields)
-        await self.send(to.identity, h)
-
-    async def close(self) -> None:
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-        self.sock.close(linger=0)
-
-
-Body = Callable[[BrokerClient, FakeBroker], Awaitable[None]]
-
-
-def run(body: Body, *, silent: bool = False, liveness: int = 3) -> None:
-    """Run ``body(client, fake)`` with a started client, then tear everything down."""
-
-    async def main() -> None:
-        ctx = zmq.asyncio.Context()
-        fake = FakeBroker(ctx)
-        fake.silent = silent
-        client = BrokerClient(fake.address, INTERVAL, liveness, context=ctx)
-        try:
-            await client.start()
-            await asyncio.wait_for(body(client, fake), 3 * TIMEOUT)
-        finally:
-            await client.close()
-            await fake.close()
-            ctx.term()
-
-    asyncio.run(main())
-
-
-def generate(client: BrokerClient, prompt: list[int] | None = None, **kw: Any) -> TokenStream:
-    args: dict[str, Any] = dict(
-        request_id="req-1",
-        prompt=prompt or [5, 6, 7],
-        max_tokens=8,
-        sampling=SamplingParams(temperature=0.5, seed=3),
-        stop_ids=[2],
-    )
-    args.update(kw)
-    return client.generate(**args)
-
-
-async def collect(stream: TokenStream) -> list[TokenEvent]:
-    return [ev async for ev in stream]
-
+from tests.client_harness import INTERVAL, TIMEOUT, FakeBroker, collect, generate, run
+from zmqllm.client import BrokerClient, TokenEvent
+from zmqllm.messages import MsgType
+from zmqllm.protocol import Error, ErrorCode, Heartbeat, Open, SessionError, StatusReply
+from zmqllm.sampling_params import SamplingParams
 
 # -- generating --------------------------------------------------------------------------
 
@@ -145,12 +24,12 @@ def test_generate_yields_tokens_in_order_and_ends_at_finish() -> None:
     async def body(client: BrokerClient, fake: FakeBroker) -> None:
         async with generate(client, prompt=[5, 6, 7], session="s1") as stream:
             opened = await fake.expect(MsgType.OPEN)
-            h = opened.header
-            assert (h.session, h.request_id) == ("s1", "req-1")
-            assert h.fields["max_tokens"] == 8
-            assert h.fields["prompt_len"] == 3
-            assert h.fields["stop_ids"] == [2]
-            assert SamplingParams.from_dict(h.fields["sampling"]) == SamplingParams(0.5, seed=3)
+            m = opened.msg
+            assert isinstance(m, Open)
+            assert (m.session, m.request_id, m.attempt, m.step) == ("s1", "req-1", 0, 0)
+            assert (m.max_tokens, m.prompt_len, m.stop_ids) == (8, 3, (2,))
+            assert m.sampling == SamplingParams(0.5, seed=3)
+            assert m.tokens is not None and m.tokens.array.tolist() == [5, 6, 7]
             assert opened.frames[1] == np.array([5, 6, 7], np.int32).tobytes()
 
             await fake.token(opened, 0, 10, route=["w0", "w1"])
@@ -194,7 +73,7 @@ def test_concurrent_streams_get_their_own_tokens() -> None:
         async with generate(client, session="a") as a, generate(client, session="b") as b:
             first = await fake.expect(MsgType.OPEN)
             second = await fake.expect(MsgType.OPEN)
-            opens = {r.header.session: r for r in (first, second)}
+            opens = {r.msg.session: r for r in (first, second)}
             # Interleaved, b first: each stream sees only its own session's tokens.
             await fake.token(opens["b"], 0, 20)
             await fake.token(opens["a"], 0, 10)
@@ -212,14 +91,14 @@ def test_an_error_raises_broker_error_with_code_and_message() -> None:
         async with generate(client, session="s1") as stream:
             opened = await fake.expect(MsgType.OPEN)
             await fake.token(opened, 0, 10)
-            err = error_header("no_capacity", "no route after 30s", "s1", "req-1")
+            err = Error.of(ErrorCode.NO_CAPACITY, "no route after 30s", "s1", request_id="req-1")
             await fake.send(opened.identity, err)
             events: list[TokenEvent] = []
-            with pytest.raises(BrokerError) as info:
+            with pytest.raises(SessionError) as info:
                 async for ev in stream:
                     events.append(ev)
         assert events == [TokenEvent(10, 0, None)]
-        assert info.value.code == "no_capacity"
+        assert info.value.code is ErrorCode.NO_CAPACITY
         assert info.value.message == "no route after 30s"
         assert "no_capacity" in str(info.value)
 
@@ -234,7 +113,7 @@ def test_leaving_the_block_early_sends_cancel() -> None:
             async for _ in stream:
                 break  # the caller loses interest after one token
         cancel = await fake.expect(MsgType.CANCEL)
-        assert (cancel.header.session, cancel.header.request_id) == ("s1", "req-1")
+        assert (cancel.msg.session, cancel.msg.request_id) == ("s1", "req-1")
         # Tokens that were already in flight are dropped quietly.
         await fake.token(opened, 1, 11)
         assert await client.status() == fake.status_body
@@ -261,9 +140,9 @@ def test_a_silent_broker_fails_streams_with_broker_unreachable() -> None:
         async with generate(client, session="s1") as stream:
             await fake.expect(MsgType.OPEN)  # arrives, but nothing ever answers
             # The bound: liveness x interval plus generous slack, never a hang.
-            with pytest.raises(BrokerError) as info:
+            with pytest.raises(SessionError) as info:
                 await asyncio.wait_for(collect(stream), TIMEOUT)
-        assert info.value.code == "broker_unreachable"
+        assert info.value.code is ErrorCode.BROKER_UNREACHABLE
         assert "stopped answering" in info.value.message
         assert not client.connected
 
@@ -274,7 +153,7 @@ def test_the_client_recovers_when_the_broker_answers_again() -> None:
     async def body(client: BrokerClient, fake: FakeBroker) -> None:
         async with generate(client, session="s1") as stream:
             await fake.expect(MsgType.OPEN)
-            with pytest.raises(BrokerError):
+            with pytest.raises(SessionError):
                 await asyncio.wait_for(collect(stream), TIMEOUT)
         # The broker is back: the client (on a fresh socket) hears it and serves again.
         fake.silent = False
@@ -296,15 +175,15 @@ def test_a_restarted_broker_fails_open_streams() -> None:
             opened = await fake.expect(MsgType.OPEN)
             await fake.token(opened, 0, 10)
             # Boot ids in this order on one socket: the client learns "a", then sees "b".
-            await fake.send(opened.identity, Header(MsgType.HEARTBEAT, fields={"boot": "boot-a"}))
+            await fake.send(opened.identity, Heartbeat(boot="boot-a"))
             fake.boot = "boot-b"
-            await fake.send(opened.identity, Header(MsgType.HEARTBEAT, fields={"boot": "boot-b"}))
+            await fake.send(opened.identity, Heartbeat(boot="boot-b"))
             events: list[TokenEvent] = []
-            with pytest.raises(BrokerError) as info:
+            with pytest.raises(SessionError) as info:
                 async for ev in stream:
                     events.append(ev)
         assert events == [TokenEvent(10, 0, None)]
-        assert info.value.code == "broker_unreachable"
+        assert info.value.code is ErrorCode.BROKER_UNREACHABLE
         assert "restarted" in info.value.message
 
     run(body)
@@ -327,9 +206,9 @@ def test_closing_the_client_fails_open_streams() -> None:
         await stream.__aenter__()
         await fake.expect(MsgType.OPEN)
         await client.close()
-        with pytest.raises(BrokerError) as info:
+        with pytest.raises(SessionError) as info:
             await collect(stream)
-        assert info.value.code == "broker_unreachable"
+        assert info.value.code is ErrorCode.BROKER_UNREACHABLE
 
     run(body)
 
@@ -341,7 +220,7 @@ def test_status_returns_the_broker_dict() -> None:
     async def body(client: BrokerClient, fake: FakeBroker) -> None:
         fake.status_body = {"queue": 2, "workers": [{"id": "w0"}], "complete_route": True}
         assert await client.status() == fake.status_body
-        assert (await fake.expect(MsgType.STATUS)).header.request_id  # a key to match on
+        assert (await fake.expect(MsgType.STATUS)).msg.request_id  # a key to match on
 
     run(body)
 
@@ -349,9 +228,9 @@ def test_status_returns_the_broker_dict() -> None:
 def test_status_times_out_with_broker_error() -> None:
     async def body(client: BrokerClient, fake: FakeBroker) -> None:
         fake.answer_status = False
-        with pytest.raises(BrokerError) as info:
+        with pytest.raises(SessionError) as info:
             await client.status(timeout=0.3)
-        assert info.value.code == "broker_unreachable"
+        assert info.value.code is ErrorCode.BROKER_UNREACHABLE
         await fake.expect(MsgType.STATUS)
 
     run(body)
@@ -362,12 +241,10 @@ def test_a_stale_status_reply_is_ignored() -> None:
         fake.answer_status = False
         task = asyncio.create_task(client.status(timeout=TIMEOUT))
         asked = await fake.expect(MsgType.STATUS)
-        stale = Header(MsgType.STATUS_REPLY, request_id="old", fields={"status": {"stale": 1}})
+        stale = StatusReply.of({"stale": 1}, request_id="old")
         await fake.send(asked.identity, stale)
         fresh = {"fresh": 1}
-        reply = Header(
-            MsgType.STATUS_REPLY, request_id=asked.header.request_id, fields={"status": fresh}
-        )
+        reply = StatusReply.of(fresh, request_id=asked.msg.request_id)
         await fake.send(asked.identity, reply)
         assert await task == fresh
 
@@ -382,15 +259,15 @@ def test_a_stream_opened_on_the_new_broker_survives_the_restart_notice() -> None
         async with generate(client, session="old") as old:
             o = await fake.expect(MsgType.OPEN)
             await fake.token(o, 0, 1, boot="boot-a")
-            await fake.send(o.identity, Header(MsgType.HEARTBEAT, fields={"boot": "boot-a"}))
+            await fake.send(o.identity, Heartbeat(boot="boot-a"))
             async with generate(client, session="new") as new:
                 n = await fake.expect(MsgType.OPEN)
                 await fake.token(n, 0, 5, boot="boot-b")
                 fake.boot = "boot-b"
-                await fake.send(n.identity, Header(MsgType.HEARTBEAT, fields={"boot": "boot-b"}))
+                await fake.send(n.identity, Heartbeat(boot="boot-b"))
                 await fake.token(n, 1, 6, finish="length")
                 assert [e.token for e in await collect(new)] == [5, 6]
-            with pytest.raises(BrokerError, match="restarted"):
+            with pytest.raises(SessionError, match="restarted"):
                 await collect(old)
 
     run(body)

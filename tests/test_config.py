@@ -47,7 +47,7 @@ def test_defaults_load() -> None:
     assert cfg.broker.frontend == "tcp://127.0.0.1:5555"
     assert cfg.broker.backend == "tcp://127.0.0.1:5556"
     assert cfg.broker.heartbeat_liveness == 3
-    assert cfg.broker.max_message_bytes == 1 << 30
+    assert cfg.broker.max_message_bytes == 256 << 20
     assert cfg.worker.broker == cfg.broker.backend
     assert cfg.gateway.broker == cfg.broker.frontend
     assert cfg.gateway.port == 8080

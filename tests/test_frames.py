@@ -1,4 +1,5 @@
-"""torch <-> Payload round trips through the real wire format, zero-copy on the CPU path."""
+"""torch <-> Payload round trips, through the real wire format where a message carries the
+dtype (activations: float32/float16/bfloat16; prompts: int32), zero-copy on the CPU path."""
 
 from __future__ import annotations
 
@@ -12,11 +13,19 @@ import zmq
 torch = pytest.importorskip("torch")
 
 from zmqllm.engine.frames import payload_to_tensor, tensor_to_payload  # noqa: E402
-from zmqllm.protocol import Header, MsgType, Payload, ProtocolError, decode, encode  # noqa: E402
+from zmqllm.protocol import (  # noqa: E402
+    Activation,
+    Open,
+    Payload,
+    ProtocolError,
+    decode,
+    encode,
+)
 
 pytestmark = pytest.mark.torch
 
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.bool]
+_WIRE = [torch.float32, torch.float16, torch.bfloat16]  # what an ACTIVATION may carry
+_DTYPES = [*_WIRE, torch.int32, torch.int64, torch.bool]
 
 
 def _sample(dtype: Any, shape: tuple[int, ...] = (4, 8)) -> Any:
@@ -33,53 +42,69 @@ def _address(buf: Any) -> int:
     return addr
 
 
-@pytest.mark.parametrize("dtype", _DTYPES, ids=str)
+def _activation(p: Payload) -> Activation:
+    return Activation(session="s", step=2, hidden=p)
+
+
+def _hidden(frames: Any) -> Payload:
+    msg = decode(frames)
+    assert isinstance(msg, Activation)
+    return msg.hidden
+
+
+@pytest.mark.parametrize("dtype", _WIRE, ids=str)
 def test_round_trip_over_zmq_is_exact_and_zero_copy(
     pair: tuple[zmq.Socket[bytes], zmq.Socket[bytes]], dtype: Any
 ) -> None:
     sender, receiver = pair
     src = _sample(dtype, (16, 512))
-    header = Header(MsgType.ACTIVATION, session="s", step=2)
-    sender.send_multipart(encode(header, [tensor_to_payload(src)]), copy=False)
+    sender.send_multipart(encode(_activation(tensor_to_payload(src))), copy=False)
     frames = receiver.recv_multipart(copy=False)
-    _, (p,) = decode(frames)
-    out = payload_to_tensor(p)
+    out = payload_to_tensor(_hidden(frames))
     assert out.dtype == src.dtype
     assert out.shape == src.shape
     assert torch.equal(out, src)
     assert out.data_ptr() == _address(frames[1].buffer)
 
 
-@pytest.mark.parametrize("dtype", _DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", _WIRE, ids=str)
 def test_round_trip_bytes_frames(dtype: Any) -> None:
     src = _sample(dtype)
-    frames = [bytes(f) for f in encode(Header(MsgType.ACTIVATION), [tensor_to_payload(src)])]
-    _, (p,) = decode(frames)
-    out = payload_to_tensor(p)
+    frames = [bytes(f) for f in encode(_activation(tensor_to_payload(src)))]
+    out = payload_to_tensor(_hidden(frames))
     assert torch.equal(out, src)
     assert out.data_ptr() == _address(frames[1])
+
+
+@pytest.mark.parametrize("dtype", _DTYPES, ids=str)
+def test_round_trip_through_a_frame_buffer(dtype: Any) -> None:
+    # Every dtype the conversion knows, read back from a frame's bytes as decode does.
+    src = _sample(dtype)
+    p = tensor_to_payload(src)
+    buf = bytes(memoryview(p.array.reshape(-1).view(np.uint8)))
+    q = Payload(np.frombuffer(buf, p.array.dtype).reshape(p.array.shape), p.dtype)
+    out = payload_to_tensor(q)
+    assert out.dtype == src.dtype
+    assert torch.equal(out, src)
+    assert out.data_ptr() == _address(buf)
 
 
 def test_int32_token_ids() -> None:
     ids = torch.tensor([1, 415, 32000, 7], dtype=torch.int32)
     p = tensor_to_payload(ids)
     assert p.dtype == "int32"
-    _, (q,) = decode(encode(Header(MsgType.OPEN, fields=_open_fields()), [p]))
-    assert torch.equal(payload_to_tensor(q), ids)
-
-
-def _open_fields() -> dict[str, Any]:
-    return {"max_tokens": 8, "prompt_len": 4, "sampling": {}, "stop_ids": [2]}
+    msg = decode(encode(Open(session="s", max_tokens=8, prompt_len=4, stop_ids=(2,), tokens=p)))
+    assert isinstance(msg, Open) and msg.tokens is not None
+    assert torch.equal(payload_to_tensor(msg.tokens), ids)
 
 
 def test_bfloat16_bits_exact() -> None:
-    words = torch.tensor([0x3F80, -0x4000, 0x7F80, 0x7FC1, 0x0001], dtype=torch.int16)
+    words = torch.tensor([[0x3F80, -0x4000, 0x7F80, 0x7FC1, 0x0001]], dtype=torch.int16)
     src = words.view(torch.bfloat16)
     p = tensor_to_payload(src)
     assert p.dtype == "bfloat16"
     assert p.array.dtype == np.uint16
-    _, (q,) = decode(encode(Header(MsgType.ACTIVATION), [p]))
-    out = payload_to_tensor(q)
+    out = payload_to_tensor(_hidden(encode(_activation(p))))
     assert out.dtype == torch.bfloat16
     assert torch.equal(out.view(torch.int16), words)  # NaN included: compare the bits
 
@@ -94,8 +119,7 @@ def test_non_contiguous_tensor_is_copied_contiguous() -> None:
     src = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()
     p = tensor_to_payload(src)
     assert p.array.flags.c_contiguous
-    _, (q,) = decode(encode(Header(MsgType.ACTIVATION), [p]))
-    assert torch.equal(payload_to_tensor(q), src)
+    assert torch.equal(payload_to_tensor(_hidden(encode(_activation(p)))), src)
 
 
 def test_requires_grad_tensor() -> None:
@@ -105,17 +129,14 @@ def test_requires_grad_tensor() -> None:
 
 def test_zero_size_and_scalar() -> None:
     for src in (torch.empty(0, 4096, dtype=torch.bfloat16), torch.tensor(3.5)):
-        _, (q,) = decode(encode(Header(MsgType.ACTIVATION), [tensor_to_payload(src)]))
-        out = payload_to_tensor(q)
+        out = payload_to_tensor(tensor_to_payload(src))
         assert out.shape == src.shape
         assert torch.equal(out, src)
 
 
 def test_read_only_payload_does_not_warn() -> None:
-    frames = [
-        bytes(f) for f in encode(Header(MsgType.ACTIVATION), [tensor_to_payload(torch.ones(4))])
-    ]
-    _, (q,) = decode(frames)
+    frames = [bytes(f) for f in encode(_activation(tensor_to_payload(torch.ones(1, 4))))]
+    q = _hidden(frames)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         payload_to_tensor(q)
@@ -131,7 +152,6 @@ def test_unsupported_dtype() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_round_trip() -> None:
     src = _sample(torch.bfloat16).cuda()
-    _, (q,) = decode(encode(Header(MsgType.ACTIVATION), [tensor_to_payload(src)]))
-    out = payload_to_tensor(q, device="cuda")
+    out = payload_to_tensor(_hidden(encode(_activation(tensor_to_payload(src)))), device="cuda")
     assert out.device.type == "cuda"
     assert torch.equal(out, src)

@@ -8,8 +8,11 @@ from typing import Any
 
 import pytest
 
-from tests.fake_broker_client import FakeBrokerClient
+from tests.fake_broker_client import FakeBrokerClient, Script
 from tests.test_gateway_support import ANSWER, answer_script, make_app, tiny_tokenizer
+from zmqllm.gateway.backend import broker_error_fields
+from zmqllm.gateway.errors import broker_failure
+from zmqllm.messages import ErrorCode, SessionError
 from zmqllm.tokenizer import Tokenizer
 
 httpx = pytest.importorskip("httpx")
@@ -232,3 +235,72 @@ async def test_unknown_fields_are_ignored(client: Any) -> None:
     response = await client.post(CHAT, content=json.dumps(payload).encode())
     assert response.status_code == 200
     assert response.json()["choices"][0]["message"]["content"] == ANSWER
+
+
+# --- failures the broker client reports -----------------------------------------------------
+
+# Each code's answer before any token went out: (status, Retry-After sent, error type).
+BROKER_ANSWERS = {
+    ErrorCode.BAD_REQUEST: (400, False, "invalid_request_error"),
+    ErrorCode.BUSY: (429, True, "rate_limit_error"),
+    ErrorCode.INTERNAL: (500, False, "server_error"),
+    ErrorCode.TIMEOUT: (504, False, "server_error"),
+    ErrorCode.SLOW_CONSUMER: (503, True, "server_error"),
+    ErrorCode.CANCELLED: (503, True, "server_error"),
+    ErrorCode.NO_CAPACITY: (503, True, "server_error"),
+    ErrorCode.FULL: (503, True, "server_error"),
+    ErrorCode.WORKER_LOST: (503, True, "server_error"),
+    ErrorCode.BROKER_UNREACHABLE: (503, True, "server_error"),
+}
+
+
+def test_every_error_code_has_an_answer() -> None:
+    assert set(BROKER_ANSWERS) == set(ErrorCode)
+
+
+@pytest.mark.parametrize("code", list(ErrorCode))
+@pytest.mark.parametrize("path", ["/chat", CHAT, COMPLETIONS])
+async def test_a_broker_failure_before_the_first_token(
+    client: Any, fake: FakeBrokerClient, tok: Tokenizer, code: ErrorCode, path: str
+) -> None:
+    fake.default_script = Script(
+        answer_script(tok).tokens, fail_before_first=SessionError(code, f"{code.value} here")
+    )
+    payload = {"messages": HI, "prompt": "Hi"}
+    kwargs: dict[str, Any] = {"content": b"Hi"} if path == "/chat" else {"json": payload}
+    response = await client.post(path, **kwargs)
+    status, retry, kind = BROKER_ANSWERS[code]
+    assert response.status_code == status, response.text
+    assert (response.headers.get("retry-after") == "1") is retry
+    assert response.json()["error"] == {
+        "message": f"{code.value} here",
+        "type": kind,
+        "param": None,
+        "code": code.value,
+    }
+    fake.default_script = answer_script(tok)
+    assert (await client.post("/chat", content=b"Hi")).text == ANSWER
+
+
+def test_broker_failure_takes_the_code_or_its_word() -> None:
+    by_enum = broker_failure(ErrorCode.TIMEOUT, "slow")
+    by_word = broker_failure("timeout", "slow")
+    assert (by_enum.status, by_enum.code) == (by_word.status, by_word.code) == (504, "timeout")
+    # A code from a newer broker: a temporary lack of service, retried shortly.
+    unknown = broker_failure("rebalancing", "moving sessions")
+    assert (unknown.status, unknown.code, unknown.headers) == (
+        503,
+        "rebalancing",
+        {"Retry-After": "1"},
+    )
+
+
+def test_only_a_session_error_is_a_broker_failure() -> None:
+    assert broker_error_fields(SessionError(ErrorCode.BUSY, "queue full")) == ("busy", "queue full")
+
+    class LookAlike(Exception):
+        code = "busy"
+        message = "not from the client"
+
+    assert broker_error_fields(LookAlike()) is None
+    assert broker_error_fields(ValueError("x")) is None

@@ -86,3 +86,14 @@ async def test_a_broker_down_is_reported_and_not_asked_in_a_loop(tok: Tokenizer)
         clock.now += 1.0
         assert gauge((await c.get("/metrics")).text, "zmqllm_broker_up") == 1.0
         assert fake.status_calls == 2
+
+
+async def test_broker_drops_are_exported_by_reason(tok: Tokenizer) -> None:
+    fake = FakeBrokerClient(answer_script(tok))
+    app, _clock = await scrape_app(fake, tok)
+    fake.status_extra = {"dropped": {"frontend:malformed": 3, "backend:unknown_peer": 2}}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+        text = (await c.get("/metrics")).text
+    name = "zmqllm_broker_dropped_messages_by_reason_total"
+    assert f'{name}{{reason="frontend:malformed"}} 3.0' in text
+    assert f'{name}{{reason="backend:unknown_peer"}} 2.0' in text

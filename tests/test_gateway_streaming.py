@@ -7,8 +7,8 @@ import time
 import pytest
 
 from tests.fake_broker_client import FakeBrokerClient, FakeBrokerError, Script
-from zmqllm.engine.sampling import SamplingParams
 from zmqllm.gateway.streaming import GenerationError, StopMatcher, TextStream
+from zmqllm.sampling_params import SamplingParams
 from zmqllm.tiny_tokenizer import EOS_TOKEN, write_tiny_tokenizer
 from zmqllm.tokenizer import Tokenizer
 

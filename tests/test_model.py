@@ -10,10 +10,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from tests.float_tolerance import reduction_length, reorder_tolerance  # noqa: E402
-from zmqllm.engine.args import ModelArgs  # noqa: E402
 from zmqllm.engine.cache import KVCache  # noqa: E402
 from zmqllm.engine.generator import Generator, load_shard  # noqa: E402
 from zmqllm.engine.model import MistralShard, Segment  # noqa: E402
+from zmqllm.model_args import ModelArgs  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

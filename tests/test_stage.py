@@ -19,8 +19,8 @@ torch = pytest.importorskip("torch")
 from zmqllm.engine.cache import CacheFullError  # noqa: E402
 from zmqllm.engine.generator import Generator, load_shard  # noqa: E402
 from zmqllm.engine.model import MistralShard  # noqa: E402
-from zmqllm.engine.sampling import SamplingParams  # noqa: E402
-from zmqllm.engine.stage import COALESCE_MAX_S, Stage  # noqa: E402
+from zmqllm.engine.stage import COALESCE_MAX_S, BadWork, BatchFailed, Stage  # noqa: E402
+from zmqllm.sampling_params import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -290,8 +290,8 @@ def test_close_drops_pending_work(shards: dict[tuple[int, int], MistralShard]) -
     later.open("a", "", 10, 5, GREEDY, frozenset())
     later.open("b", "", 10, 5, GREEDY, frozenset())
     hidden = torch.zeros(3, shards[(2, 4)].args.hidden_size)
-    assert later.activation("a", 0, hidden, True)
-    assert later.activation("b", 0, hidden, True)
+    later.activation("a", 0, hidden, True)
+    later.activation("b", 0, hidden, True)
     assert later.close("a")
     # Only b's work is left.
     assert [o.session for o in later.run()] == ["b"]
@@ -299,21 +299,26 @@ def test_close_drops_pending_work(shards: dict[tuple[int, int], MistralShard]) -
     assert len(later.pool) == 1
 
 
-def test_unknown_sessions_are_refused_quietly(shards: dict[tuple[int, int], MistralShard]) -> None:
+def test_unknown_sessions_are_refused(shards: dict[tuple[int, int], MistralShard]) -> None:
     stage = Stage(shards[(0, 4)])
+    later = Stage(shards[(2, 4)])
     assert not stage.close("nope")
-    assert not stage.step("nope", 1, 5)
-    assert not stage.activation("nope", 0, torch.zeros(1, 64), True)
-    assert not stage.has_work()
+    with pytest.raises(BadWork, match="no such session"):
+        stage.step("nope", 1, 5)
+    with pytest.raises(BadWork, match="no such session"):
+        later.activation("nope", 0, torch.zeros(1, 64), True)
+    assert not stage.has_work() and not later.has_work()
 
 
-def test_a_step_after_close_is_dropped(shards: dict[tuple[int, int], MistralShard]) -> None:
+def test_a_step_after_close_is_refused(shards: dict[tuple[int, int], MistralShard]) -> None:
     stage = Stage(shards[(0, 4)])
     stage.open("a", "", 10, 5, GREEDY, frozenset(), np.asarray([5, 6, 7], np.int32))
     (out,) = stage.run()
-    assert stage.step("a", 1, out.token or 0)
+    stage.step("a", 1, out.token or 0)
     stage.close("a")
     assert stage.run() == []
+    with pytest.raises(BadWork):
+        stage.step("a", 2, 5)
 
 
 def test_warmup_leaves_no_session(shards: dict[tuple[int, int], MistralShard]) -> None:
@@ -385,8 +390,8 @@ def test_seeded_sampling_replays_the_same_tokens(
 def test_memory_limit_refuses_new_sessions(tiny_model_dir: Path) -> None:
     from zmqllm.engine.cache import CacheFullError
     from zmqllm.engine.generator import load_shard
-    from zmqllm.engine.sampling import SamplingParams
     from zmqllm.engine.stage import Stage
+    from zmqllm.sampling_params import SamplingParams
 
     # A limit below what the process already uses: every new session is refused.
     stage = Stage(load_shard(tiny_model_dir, 0, 4), max_memory_mb=1)
@@ -420,3 +425,142 @@ def test_coalesce_wait_only_while_some_sessions_are_elsewhere(
     assert not stage.others_pending()
     assert stage.coalesce_wait(time.monotonic()) == 0.0  # everyone is ready: go
     assert len(stage.run()) == 2
+
+
+# -- validation before computing -----------------------------------------------------------
+
+
+def prefilled(shard: MistralShard, sessions: Sequence[str]) -> Stage:
+    """A stage-0 stage whose sessions have run their prompts (each expects step 1)."""
+    stage = Stage(shard, prefill_chunk=8)
+    for sid in sessions:
+        stage.open(sid, "", 20, 8, GREEDY, frozenset(), np.asarray([5, 6], np.int32))
+    assert len(stage.run()) == len(sessions) or not shard.is_last
+    return stage
+
+
+@pytest.mark.parametrize(
+    ("token", "step", "problem"),
+    [
+        (0, 1, "not in"),  # 0 stands for vocab_size: the first id past the vocabulary
+        (10**9, 1, "not in"),
+        (-1, 1, "not in"),
+        (5, 2, "expected 1"),
+        (5, 0, "expected 1"),
+        (5, 8, "expected 1"),
+    ],
+)
+def test_a_bad_step_is_refused_before_any_tensor_op(
+    shards: dict[tuple[int, int], MistralShard], token: int, step: int, problem: str
+) -> None:
+    stage = prefilled(shards[(0, 4)], ["a", "b"])
+    with pytest.raises(BadWork, match=problem):
+        stage.step("a", step, token or stage.shard.args.vocab_size)
+    # Nothing was queued for a; b's step runs alone and a is still open for the worker
+    # to close and answer.
+    stage.step("b", 1, 7)
+    assert [o.session for o in stage.run()] == ["b"]
+    assert "a" in stage.sessions
+
+
+def test_a_step_during_prefill_or_past_max_tokens_is_refused(
+    shards: dict[tuple[int, int], MistralShard],
+) -> None:
+    stage = Stage(shards[(0, 4)])
+    stage.open("a", "", 20, 2, GREEDY, frozenset(), np.asarray([5, 6], np.int32))
+    with pytest.raises(BadWork, match="prefill"):
+        stage.step("a", 1, 5)
+    stage.run()
+    stage.step("a", 1, 5)
+    stage.run()
+    with pytest.raises(BadWork, match="max_tokens"):
+        stage.step("a", 2, 5)  # max_tokens 2: steps 0 and 1 only
+
+
+def test_a_prompt_outside_the_vocabulary_is_refused(
+    shards: dict[tuple[int, int], MistralShard],
+) -> None:
+    stage = Stage(shards[(0, 2)])
+    for bad in ([5, stage.shard.args.vocab_size], [-1, 5], []):
+        with pytest.raises(ValueError, match=r"vocab_size|int32"):
+            stage.open("a", "", 20, 2, GREEDY, frozenset(), np.asarray(bad, np.int32))
+    with pytest.raises(ValueError, match="int32"):
+        stage.open("a", "", 20, 2, GREEDY, frozenset())  # stage 0 without a prompt
+    with pytest.raises(ValueError, match="only stage 0"):
+        Stage(shards[(2, 4)]).open("a", "", 20, 2, GREEDY, frozenset(), np.asarray([5]))
+    assert not stage.sessions and len(stage.pool) == 0
+
+
+@pytest.mark.parametrize(
+    ("rows", "width", "dtype", "problem"),
+    [
+        (0, 64, torch.float32, "rows"),
+        (9, 64, torch.float32, "rows"),  # past this stage's prefill_chunk of 8
+        (1, 63, torch.float32, "expected"),
+        (1, 128, torch.float32, "expected"),
+        (1, 64, torch.float16, "float16"),
+    ],
+)
+def test_a_bad_activation_is_refused_before_any_tensor_op(
+    shards: dict[tuple[int, int], MistralShard],
+    rows: int,
+    width: int,
+    dtype: torch.dtype,
+    problem: str,
+) -> None:
+    stage = Stage(shards[(2, 4)], prefill_chunk=8)
+    stage.open("a", "", 20, 5, GREEDY, frozenset())
+    stage.open("b", "", 20, 5, GREEDY, frozenset())
+    with pytest.raises(BadWork, match=problem):
+        stage.activation("a", 0, torch.zeros(rows, width, dtype=dtype), True)
+    stage.activation("b", 0, torch.zeros(3, 64), True)
+    assert [o.session for o in stage.run()] == ["b"]
+
+
+def test_activation_steps_follow_the_prompt_in_order(
+    shards: dict[tuple[int, int], MistralShard],
+) -> None:
+    stage = Stage(shards[(2, 4)], prefill_chunk=8)
+    stage.open("a", "", 20, 5, GREEDY, frozenset())
+    with pytest.raises(BadWork, match="before the prompt"):
+        stage.activation("a", 1, torch.zeros(1, 64), True)
+    stage.activation("a", 0, torch.zeros(4, 64), False)  # chunks of a prompt
+    stage.activation("a", 0, torch.zeros(2, 64), True)  # its last
+    with pytest.raises(BadWork, match="one final row"):
+        stage.activation("a", 1, torch.zeros(2, 64), True)
+    with pytest.raises(BadWork, match="expected 1"):
+        stage.activation("a", 2, torch.zeros(1, 64), True)
+    stage.activation("a", 1, torch.zeros(1, 64), True)
+    stage.open("x", "", 4, 2, GREEDY, frozenset())
+    with pytest.raises(BadWork, match="overflow"):
+        stage.activation("x", 0, torch.zeros(5, 64), True)  # 5 rows into a cache of 4
+    first = prefilled(shards[(0, 4)], ["a"])
+    with pytest.raises(BadWork, match="stage 0"):
+        first.activation("a", 0, torch.zeros(1, 64), True)
+
+
+class FailingShard:
+    """A shard whose forward raises; everything else is the real shard's."""
+
+    def __init__(self, shard: MistralShard) -> None:
+        self._shard = shard
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._shard, name)
+
+    def __call__(self, *_: object) -> torch.Tensor:
+        raise RuntimeError("device lost")
+
+
+def test_a_failed_forward_names_only_the_sessions_in_its_batch(
+    shards: dict[tuple[int, int], MistralShard],
+) -> None:
+    stage = prefilled(shards[(0, 4)], ["a", "b", "c"])
+    stage.step("a", 1, 5)
+    stage.step("b", 1, 6)  # c's step has not come back: it is not in the batch
+    stage.shard = FailingShard(stage.shard)  # type: ignore[assignment]
+    with pytest.raises(BatchFailed) as failed:
+        stage.run()
+    assert sorted(failed.value.keys) == ["a", "b"]
+    assert isinstance(failed.value.__cause__, RuntimeError)
+    assert sorted(stage.sessions) == ["a", "b", "c"]  # the worker closes what failed

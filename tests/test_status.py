@@ -6,13 +6,26 @@ No torch here: the CLI's status command runs without the ML stack.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import zmq
 
-from zmqllm.protocol import Header, MsgType, decode, encode
+from zmqllm.protocol import (
+    MAX_FRAMES,
+    Error,
+    ErrorCode,
+    Heartbeat,
+    Message,
+    Payload,
+    SessionError,
+    Status,
+    StatusReply,
+    decode,
+    encode,
+)
 from zmqllm.status import fetch_status, format_status
 
 SAMPLE: dict[str, Any] = {
@@ -124,6 +137,19 @@ def test_format_status_of_an_empty_broker() -> None:
     assert out.count("(none)") == 3  # no workers, no pools, no routes
 
 
+def test_format_status_shows_entries_of_another_shape_as_unknown() -> None:
+    odd = {
+        "workers": [SAMPLE["workers"][0], {"id": "w-new"}, "w-str"],
+        "pools": [{"layers": 3}],
+        "routes": "not a list",
+        "counters": ["not", "a", "map"],
+    }
+    out = format_status(odd)
+    assert line_with(out, "w-host-0-15 ").split()[1] == "0:15"
+    assert out.count("?  ") >= 2  # the two odd workers, cell by cell
+    assert "routes (chains of pools covering every layer)\n  (none)" in out
+
+
 @pytest.fixture
 def router() -> Iterator[zmq.Socket]:
     ctx: zmq.Context = zmq.Context.instance()
@@ -134,24 +160,28 @@ def router() -> Iterator[zmq.Socket]:
     sock.close(linger=0)
 
 
-def serve_once(sock: zmq.Socket, status: dict[str, Any]) -> threading.Thread:
-    """Answer one STATUS: first with noise the client must skip, then the real reply."""
+Reply = Callable[[str], Message]
+
+
+def serve_once(sock: zmq.Socket, reply: Reply) -> threading.Thread:
+    """Answer one STATUS with ``reply(request_id)``, after noise the client must skip."""
 
     def answer() -> None:
         if not sock.poll(10_000):
             return
         identity, *frames = sock.recv_multipart()
-        asked, _ = decode(frames)
-        assert asked.type is MsgType.STATUS
+        asked = decode(frames)
+        assert isinstance(asked, Status)
         noise: list[list[Any]] = [
             [b"\xc1"],  # not msgpack
-            encode(Header(MsgType.HEARTBEAT, fields={"boot": "x"})),
-            encode(Header(MsgType.STATUS_REPLY, request_id="stale", fields={"status": {}})),
+            [b"\x00"] * (MAX_FRAMES + 5),  # more frames than any message has
+            encode(Heartbeat(boot="x")),
+            encode(StatusReply.of({}, request_id="stale")),
+            encode(Error.of(ErrorCode.INTERNAL, "for another request", request_id="other")),
         ]
         for frames_out in noise:
             sock.send_multipart([identity, *frames_out])
-        reply = Header(MsgType.STATUS_REPLY, request_id=asked.request_id, fields={"status": status})
-        sock.send_multipart([identity, *encode(reply)])
+        sock.send_multipart([identity, *encode(reply(asked.request_id))])
 
     # The socket is used by this thread only until join: no two threads touch it at once.
     thread = threading.Thread(target=answer, daemon=True)
@@ -159,14 +189,19 @@ def serve_once(sock: zmq.Socket, status: dict[str, Any]) -> threading.Thread:
     return thread
 
 
-def test_fetch_status_returns_the_reply(router: zmq.Socket) -> None:
+def fetch_answered(router: zmq.Socket, reply: Reply) -> dict[str, Any]:
     address = router.getsockopt_string(zmq.LAST_ENDPOINT)
-    thread = serve_once(router, SAMPLE)
+    thread = serve_once(router, reply)
     try:
-        assert fetch_status(address, timeout=10.0) == SAMPLE
+        return fetch_status(address, timeout=10.0)
     finally:
         thread.join(timeout=15.0)
-    assert not thread.is_alive()
+        assert not thread.is_alive()
+
+
+def test_fetch_status_returns_the_reply(router: zmq.Socket) -> None:
+    got = fetch_answered(router, lambda key: StatusReply.of(SAMPLE, request_id=key))
+    assert got == SAMPLE
 
 
 def test_fetch_status_times_out(router: zmq.Socket) -> None:
@@ -174,3 +209,22 @@ def test_fetch_status_times_out(router: zmq.Socket) -> None:
     address = router.getsockopt_string(zmq.LAST_ENDPOINT)
     with pytest.raises(TimeoutError, match="no answer"):
         fetch_status(address, timeout=0.2)
+
+
+def test_a_status_reply_that_is_not_msgpack_is_a_clear_error(router: zmq.Socket) -> None:
+    def bad(key: str) -> Message:
+        body = np.frombuffer(b"\xc1\xc1", np.uint8)
+        return StatusReply(request_id=key, body=Payload(body, "uint8"))
+
+    with pytest.raises(SessionError, match="unreadable status") as info:
+        fetch_answered(router, bad)
+    assert info.value.code is ErrorCode.INTERNAL
+
+
+def test_an_error_answer_raises_its_code(router: zmq.Socket) -> None:
+    def refuse(key: str) -> Message:
+        return Error.of(ErrorCode.BUSY, "too many status requests", request_id=key)
+
+    with pytest.raises(SessionError, match="too many status requests") as info:
+        fetch_answered(router, refuse)
+    assert info.value.code is ErrorCode.BUSY

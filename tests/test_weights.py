@@ -12,7 +12,6 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
 from zmqllm.broker_state import fingerprint_differences  # noqa: E402
-from zmqllm.engine.args import ModelArgs  # noqa: E402
 from zmqllm.engine.generator import load_shard  # noqa: E402
 from zmqllm.engine.weights import (  # noqa: E402
     INDEX_FILE,
@@ -23,6 +22,7 @@ from zmqllm.engine.weights import (  # noqa: E402
     shard_tensor_names,
     weight_map,
 )
+from zmqllm.model_args import ModelArgs  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

@@ -1,8 +1,9 @@
-"""The worker's socket loop against a fake broker: a ROUTER the test drives by hand, with a
-real tiny-model stage behind the worker. The worker runs in a thread; the test stops it
-with on_sigint (what SIGINT does) and always joins it.
+"""The worker against a fake broker: a ROUTER the test drives by hand, with a real tiny-model
+stage behind the worker. The worker runs in a thread (its broker link in another); the test
+stops it with on_sigint (what SIGINT does) and always joins it.
 
-Waits are bounded and generous; nothing asserts how long anything took.
+Waits are bounded and generous; the only timing assertion is the heartbeat deadline a long
+forward must not miss, which is the requirement itself.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
+from typing import Any, TypeVar
 
+import msgpack
 import numpy as np
 import pytest
 import zmq
@@ -24,15 +25,30 @@ torch = pytest.importorskip("torch")
 from zmqllm import __version__  # noqa: E402
 from zmqllm.config import Config  # noqa: E402
 from zmqllm.engine.generator import Generator  # noqa: E402
+from zmqllm.engine.stage import Output  # noqa: E402
+from zmqllm.messages import Finish  # noqa: E402
 from zmqllm.protocol import (  # noqa: E402
-    Header,
-    MsgType,
+    MAX_FRAMES,
+    Activation,
+    Close,
+    Disconnect,
+    Error,
+    ErrorCode,
+    Heartbeat,
+    Message,
+    Open,
     Payload,
+    ProtocolError,
+    Refused,
+    Register,
+    Registered,
+    Step,
+    Token,
     decode,
     encode,
-    encode_header,
 )
-from zmqllm.worker import Worker, load_stage  # noqa: E402
+from zmqllm.sampling_params import SamplingParams  # noqa: E402
+from zmqllm.worker import Worker, load_stage, max_frame_bytes  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -41,21 +57,25 @@ INTERVAL = 0.1  # heartbeat interval, both ways
 PUMP = 0.05  # how often the fake broker heartbeats the worker while the test waits
 MAX_SESSIONS = 4
 MAX_KV_TOKENS = 4096
+HIDDEN = 64  # the tiny model's
+
+M = TypeVar("M", bound=Message)
 
 
 @dataclass
 class Msg:
     identity: bytes
-    header: Header
-    payloads: list[Payload]
+    msg: Message
     frames: list[bytes]  # header and payload frames as received
+    at: float  # when it came (time.monotonic)
 
 
 class FakeBroker:
     """A ROUTER standing in for the broker's backend. While the test waits it heartbeats
-    the worker (unless ``alive`` is False) and notes the load the worker reports."""
+    the worker every ``pump`` seconds (unless ``alive`` is False) and notes the load and
+    the time of each heartbeat the worker sends."""
 
-    def __init__(self, ctx: zmq.Context) -> None:
+    def __init__(self, ctx: zmq.Context[Any], pump: float = PUMP) -> None:
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         # A reconnecting worker comes back under the same routing id.
@@ -65,39 +85,38 @@ class FakeBroker:
         self.identity: bytes | None = None
         self.boot = "boot-1"
         self.alive = True
+        self.pump = pump
         self.last_load: dict[str, Any] = {}
+        self.last_draining = False
+        self.beats: list[float] = []
         self._next_pump = 0.0
 
-    def send(self, header: Header, payloads: Sequence[Payload] = ()) -> None:
-        assert self.identity is not None, "the worker has not said hello yet"
-        self.sock.send_multipart([self.identity, *encode(header, payloads)])
+    def send(self, msg: Message) -> None:
+        self.send_raw(encode(msg))
 
-    def send_raw(self, frames: Sequence[bytes]) -> None:
-        assert self.identity is not None
+    def send_raw(self, frames: Sequence[Any]) -> None:
+        assert self.identity is not None, "the worker has not said hello yet"
         self.sock.send_multipart([self.identity, *frames])
 
     def _pump(self) -> None:
         now = time.monotonic()
         if self.alive and self.identity is not None and now >= self._next_pump:
-            self._next_pump = now + PUMP
-            self.send(Header(MsgType.HEARTBEAT, fields={"boot": self.boot}))
+            self._next_pump = now + self.pump
+            self.send(Heartbeat(boot=self.boot))
 
     def expect(
-        self,
-        msg_type: MsgType,
-        timeout: float = TIMEOUT,
-        also_skip: frozenset[MsgType] = frozenset(),
-    ) -> Msg:
-        """The next message of interest; it must be of ``msg_type``. Heartbeats and repeated
-        REGISTERs (a worker repeats it until answered) are skipped unless asked for."""
-        skip = ({MsgType.HEARTBEAT, MsgType.REGISTER} | also_skip) - {msg_type}
+        self, kind: type[M], timeout: float = TIMEOUT, also_skip: tuple[type, ...] = ()
+    ) -> tuple[M, Msg]:
+        """The next message of interest; it must be a ``kind``. Heartbeats and REGISTERs
+        are skipped unless asked for."""
+        skip = tuple(t for t in (Heartbeat, Register, *also_skip) if t is not kind)
         deadline = time.monotonic() + timeout
         while True:
-            msg = self.next_message(max(0.0, deadline - time.monotonic()))
-            if msg.header.type in skip:
+            got = self.next_message(max(0.0, deadline - time.monotonic()))
+            if isinstance(got.msg, skip):
                 continue
-            assert msg.header.type is msg_type, f"expected {msg_type.value}, got {msg.header}"
-            return msg
+            assert isinstance(got.msg, kind), f"expected {kind.__name__}, got {got.msg}"
+            return got.msg, got
 
     def next_message(self, timeout: float = TIMEOUT) -> Msg:
         """The next message whatever its type (heartbeating the worker meanwhile)."""
@@ -107,32 +126,33 @@ class FakeBroker:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise AssertionError(f"no message from the worker within {timeout}s")
-            if self.sock.poll(int(min(left, PUMP) * 1000) + 1):
+            if self.sock.poll(int(min(left, self.pump) * 1000) + 1):
                 break
         identity, *frames = self.sock.recv_multipart()
         self.identity = identity
-        header, payloads = decode(frames)
-        if header.type is MsgType.HEARTBEAT and isinstance(header.fields.get("load"), dict):
-            self.last_load = header.fields["load"]
-        return Msg(identity, header, payloads, frames)
+        msg = decode(frames)
+        now = time.monotonic()
+        if isinstance(msg, Heartbeat):
+            self.beats.append(now)
+            # As sent: decoding keeps only messages.LOAD_KEYS, and the fault counters are
+            # not among them yet.
+            self.last_load = msgpack.unpackb(frames[0]).get("load") or {}
+            self.last_draining = msg.draining
+        return Msg(identity, msg, frames, now)
 
-    def register(self) -> Msg:
+    def register(self) -> Register:
         """Accept the worker's registration; returns its REGISTER."""
-        reg = self.expect(MsgType.REGISTER)
-        self.send(
-            Header(
-                MsgType.REGISTERED, fields={"worker_id": reg.identity.decode(), "boot": self.boot}
-            )
-        )
-        # A heartbeat with a load only comes once the worker knows it is registered.
-        self.expect(MsgType.HEARTBEAT)
+        reg, got = self.expect(Register)
+        self.send(Registered(worker_id=got.identity.decode(), boot=self.boot))
+        # A heartbeat only comes once the worker knows it is registered.
+        self.expect(Heartbeat)
         return reg
 
     def wait_load(self, key: str, value: Any) -> None:
         deadline = time.monotonic() + TIMEOUT
         while self.last_load.get(key) != value:
             assert time.monotonic() < deadline, f"load never showed {key}={value!r}"
-            self.expect(MsgType.HEARTBEAT)
+            self.expect(Heartbeat)
 
 
 @dataclass
@@ -162,14 +182,12 @@ class Running:
 
 @dataclass
 class Setup:
-    ctx: zmq.Context
+    ctx: zmq.Context[Any]
     model_dir: Path
     brokers: list[FakeBroker] = field(default_factory=list)
     workers: list[Running] = field(default_factory=list)
 
-    def start(self, layers: str = "0:4", liveness: int = 30) -> tuple[FakeBroker, Running]:
-        broker = FakeBroker(self.ctx)
-        self.brokers.append(broker)
+    def config(self, broker: FakeBroker, layers: str, interval: float, liveness: int) -> Config:
         cfg = Config()
         cfg.model.path = str(self.model_dir)
         cfg.worker.layers = layers
@@ -177,11 +195,28 @@ class Setup:
         cfg.worker.name = "test"
         cfg.worker.max_sessions = MAX_SESSIONS
         cfg.worker.max_kv_tokens = MAX_KV_TOKENS
-        cfg.broker.heartbeat_interval = INTERVAL
+        cfg.worker.prefill_chunk = 16
+        cfg.broker.heartbeat_interval = interval
         cfg.broker.heartbeat_liveness = liveness
-        running = Running(Worker(cfg, load_stage(cfg), context=self.ctx))
+        return cfg
+
+    def worker(
+        self, layers: str = "0:4", liveness: int = 30, interval: float = INTERVAL
+    ) -> tuple[FakeBroker, Worker]:
+        """A worker (not yet running) and the fake broker it will talk to."""
+        broker = FakeBroker(self.ctx, pump=min(PUMP, interval / 2))
+        self.brokers.append(broker)
+        cfg = self.config(broker, layers, interval, liveness)
+        return broker, Worker(cfg, load_stage(cfg), context=self.ctx)
+
+    def run(self, worker: Worker) -> Running:
+        running = Running(worker)
         self.workers.append(running)
-        return broker, running
+        return running
+
+    def start(self, layers: str = "0:4", liveness: int = 30) -> tuple[FakeBroker, Running]:
+        broker, worker = self.worker(layers, liveness)
+        return broker, self.run(worker)
 
 
 @pytest.fixture
@@ -208,179 +243,464 @@ def generator(tiny_model_dir: Path) -> Generator:
 PROMPT = [5, 17, 42, 9, 101, 33]
 
 
-def open_header(
+def open_msg(
     session: str,
     *,
     stage: int = 0,
     stages: int = 1,
     max_tokens: int = 5,
-    prompt_len: int = 6,
-    next_hop: str | None = None,
-) -> Header:
-    fields: dict[str, Any] = {
+    tokens: Sequence[int] | None = PROMPT,
+    next_hop: str = "",
+    attempt: int = 0,
+    **fields: Any,
+) -> Open:
+    prompt_len = len(tokens) if tokens else len(PROMPT)
+    values: dict[str, Any] = {
+        "session": session,
+        "attempt": attempt,
+        "request_id": f"req-{session}",
         "max_tokens": max_tokens,
         "prompt_len": prompt_len,
-        "sampling": {"temperature": 0.0},
-        "stop_ids": [],
+        "sampling": SamplingParams(temperature=0.0),
         "stage": stage,
         "stages": stages,
         "max_len": prompt_len + max_tokens,
+        "next": next_hop,
+        "tokens": None if tokens is None else Payload(np.asarray(tokens, np.int32), "int32"),
     }
-    if next_hop is not None:
-        fields["next"] = next_hop
-    return Header(MsgType.OPEN, session, f"req-{session}", 0, fields)
+    values.update(fields)
+    return Open(**values)
 
 
-def prompt_payload(tokens: Sequence[int] = PROMPT) -> list[Payload]:
-    return [Payload(np.asarray(tokens, np.int32), "int32")]
+def step(session: str, n: int, token: int, attempt: int = 0) -> Step:
+    return Step(session=session, attempt=attempt, request_id=f"req-{session}", step=n, token=token)
 
 
-def step(session: str, n: int, token: int) -> Header:
-    return Header(MsgType.STEP, session, f"req-{session}", n, {"token": token})
+def activation(session: str, n: int, hidden: np.ndarray, final: bool = True) -> Activation:
+    return Activation(
+        session=session,
+        request_id=f"req-{session}",
+        step=n,
+        final=final,
+        hidden=Payload(hidden, "float32"),
+    )
 
 
 def decode_all(broker: FakeBroker, session: str, max_tokens: int) -> list[int]:
     """Drive a whole-model worker's session from its first TOKEN to its finish."""
     tokens: list[int] = []
     for n in range(max_tokens):
-        tok = broker.expect(MsgType.TOKEN)
-        assert (tok.header.session, tok.header.step) == (session, n)
-        tokens.append(tok.header.fields["token"])
-        finish = tok.header.fields["finish"]
+        tok, _ = broker.expect(Token)
+        assert (tok.session, tok.attempt, tok.step) == (session, 0, n)
+        tokens.append(tok.token)
         if n + 1 < max_tokens:
-            assert finish is None
+            assert tok.finish is None
             broker.send(step(session, n + 1, tokens[-1]))
         else:
-            assert finish == "length"
+            assert tok.finish is Finish.LENGTH
     return tokens
 
 
-# -- registration ------------------------------------------------------------------------
+def expect_error(broker: FakeBroker, session: str, code: ErrorCode) -> Error:
+    err, _ = broker.expect(Error)
+    assert (err.session, err.code) == (session, code), err
+    assert err.request_id == f"req-{session}"
+    return err
+
+
+# -- registration and serving ------------------------------------------------------------
 
 
 def test_registers_with_fingerprint_and_capacity(setup: Setup) -> None:
     broker, running = setup.start()
     reg = broker.register()
-    f = reg.header.fields
     loaded = running.worker.loaded
-    assert (f["start"], f["end"], f["num_layers"]) == (0, 4, 4)
-    assert f["capacity"] == MAX_SESSIONS
-    assert f["version"] == __version__
-    assert f["fingerprint"] == loaded.fingerprint["digest"]
-    assert f["info"]["fingerprint"] == loaded.fingerprint
-    assert f["info"]["max_kv_tokens"] == MAX_KV_TOKENS
-    assert f["info"]["context"] == 1024
-    assert reg.identity.decode().startswith("w-test-0-4-")
-    # Registered: heartbeats carry the stage's load.
-    assert broker.last_load["sessions"] == 0
-    assert broker.last_load["draining"] is False
+    assert (reg.start, reg.end, reg.num_layers) == (0, 4, 4)
+    assert reg.capacity == MAX_SESSIONS
+    assert reg.version == __version__
+    assert reg.fingerprint == loaded.fingerprint["digest"]
+    assert reg.model["vocab_size"] == loaded.fingerprint["vocab_size"]
+    assert reg.model["sliding_window"] == 8
+    assert (reg.max_kv_tokens, reg.context) == (MAX_KV_TOKENS, 1024)
+    assert (reg.dtype, reg.device) == ("float32", "cpu")
+    assert reg.pid > 0 and reg.host
+    assert running.worker.identity.startswith("w-test-0-4-")
+    # Registered: heartbeats carry the stage's load and the fault counters.
+    broker.wait_load("sessions", 0)
+    assert broker.last_draining is False
+    assert broker.last_load["fault_malformed"] == 0
+
+
+def test_frames_are_bounded_by_the_largest_activation(setup: Setup) -> None:
+    _, worker = setup.worker()
+    stage = worker.stage
+    # prefill_chunk 16 x hidden 64 x 4 bytes is less than a whole prompt's ids (1024 x 4).
+    assert max_frame_bytes(stage, 1024) == 1024 * 4 + 64 * 1024
+    assert max_frame_bytes(stage, 16) == 16 * HIDDEN * 4 + 64 * 1024
 
 
 def test_open_and_steps_continue_the_greedy_sequence(setup: Setup, generator: Generator) -> None:
     broker, _ = setup.start()
     broker.register()
-    broker.send(open_header("s1", max_tokens=5), prompt_payload())
+    broker.send(open_msg("s1", max_tokens=5))
     tokens = decode_all(broker, "s1", 5)
     assert tokens == list(generator.generate(PROMPT, 5))
     broker.wait_load("sessions", 1)  # finished, but only CLOSE frees the cache
-    broker.send(Header(MsgType.CLOSE, "s1", "req-s1"))
+    broker.send(Close(session="s1", request_id="req-s1"))
     broker.wait_load("sessions", 0)
+
+
+def test_attempts_of_one_session_are_separate_sessions(setup: Setup, generator: Generator) -> None:
+    broker, _ = setup.start()
+    broker.register()
+    broker.send(open_msg("s1", max_tokens=2))
+    broker.send(open_msg("s1", max_tokens=2, attempt=1))
+    got = {}
+    for _ in range(2):
+        tok, _ = broker.expect(Token)
+        got[tok.attempt] = tok.token
+    (first,) = generator.generate(PROMPT, 1)
+    assert got == {0: first, 1: first}
+    broker.send(Close(session="s1", attempt=0))
+    broker.send(step("s1", 1, got[1], attempt=1))
+    tok, _ = broker.expect(Token)
+    assert (tok.attempt, tok.step, tok.finish) == (1, 1, Finish.LENGTH)
 
 
 def test_two_workers_make_a_pipeline(setup: Setup, generator: Generator) -> None:
     b0, _ = setup.start("0:2")
     b1, _ = setup.start("2:4")
-    assert b0.register().header.fields["end"] == 2
-    assert b1.register().header.fields["start"] == 2
-    b1.send(open_header("s1", stage=1, stages=2, max_tokens=4, next_hop="w-a"))
-    b0.send(open_header("s1", stage=0, stages=2, max_tokens=4, next_hop="w-b"), prompt_payload())
+    assert b0.register().end == 2
+    assert b1.register().start == 2
+    b1.send(open_msg("s1", stage=1, stages=2, max_tokens=4, tokens=None, next_hop="w-a"))
+    b0.send(open_msg("s1", stage=0, stages=2, max_tokens=4, next_hop="w-b"))
     tokens: list[int] = []
     for n in range(4):
-        act = b0.expect(MsgType.ACTIVATION)
-        assert (act.header.session, act.header.step) == ("s1", n)
-        assert act.header.fields["final"] is True
-        # Its forward's group: one result for the next worker the OPEN named.
-        gid, size = act.header.fields["group"]
-        assert gid.endswith("/w-b") and size == 1
-        (hidden,) = act.payloads
+        act, got = b0.expect(Activation)
+        assert (act.session, act.attempt, act.step, act.final) == ("s1", 0, n, True)
+        assert act.request_id == "req-s1"
+        assert act.group is not None and act.group[1] == 1  # one result for that next worker
         # Prefill carries one row per prompt token, a decode step one row.
-        assert hidden.array.shape == (len(PROMPT) if n == 0 else 1, 64)
-        b1.send_raw(act.frames)  # as the broker does: the frames go on untouched
-        tok = b1.expect(MsgType.TOKEN)
-        assert tok.header.step == n
-        tokens.append(tok.header.fields["token"])
-        if tok.header.fields["finish"] is None:
-            assert tok.header.fields["group"][0].endswith("/w-a")  # its STEP goes to stage 0
+        assert act.hidden.array.shape == (len(PROMPT) if n == 0 else 1, HIDDEN)
+        b1.send_raw(got.frames)  # as the broker does: the frames go on untouched
+        tok, _ = b1.expect(Token)
+        assert tok.step == n
+        tokens.append(tok.token)
+        if tok.finish is None:
+            assert tok.group is not None  # its STEP goes back to stage 0
             b0.send(step("s1", n + 1, tokens[-1]))
         else:
-            assert "group" not in tok.header.fields  # no STEP follows a last token
-    assert tok.header.fields["finish"] == "length"
+            assert tok.group is None  # no STEP follows a last token
+    assert tok.finish is Finish.LENGTH
     assert tokens == list(generator.generate(PROMPT, 4))
 
 
-# -- bad input ---------------------------------------------------------------------------
+def test_results_are_tagged_with_their_group_per_next_worker(setup: Setup) -> None:
+    _, worker = setup.worker()
+    for sid, hop in (("a/0", "w1"), ("b/0", "w2"), ("c/0", "w1"), ("d/0", "w1")):
+        s = worker.stage.open(sid, "", 20, 8, SamplingParams(), frozenset(), np.asarray([5]))
+        s.next_hop = hop
+    outs = [
+        Output("a/0", "", 1, True, token=5),
+        Output("b/0", "", 1, True, token=5),
+        Output("c/0", "", 1, True, token=5, finish=Finish.LENGTH),  # no STEP follows
+        Output("d/0", "", 1, True, token=5),
+        Output("gone/0", "", 1, True, token=5),  # closed meanwhile
+    ]
+    a, b, c, d, gone = worker._tag_groups(outs)
+    assert c is None
+    assert a == d and a is not None and a[1] == 2
+    assert b is not None and b[1] == 1 and b[0] != a[0]
+    assert gone is not None and gone[1] == 1 and gone[0] not in (a[0], b[0])
+    worker.stage.stats.forwards += 1
+    assert worker._tag_groups(outs)[0] != a  # the next forward is another group
 
 
-def test_a_malformed_message_is_dropped_and_the_worker_keeps_working(
+# -- bad input: one message costs at most its own session --------------------------------
+
+
+def with_header(msg: Message, **changes: Any) -> list[bytes]:
+    """``msg`` encoded, then its header map changed as a broken or hostile peer would."""
+    head, *payloads = encode(msg)
+    fields = msgpack.unpackb(head)
+    fields.update(changes)
+    return [msgpack.packb(fields), *(bytes(p) for p in payloads)]
+
+
+def test_garbage_is_dropped_and_the_worker_keeps_working(
     setup: Setup, generator: Generator
 ) -> None:
     broker, _ = setup.start()
     broker.register()
-    broker.send(open_header("s1", max_tokens=3), prompt_payload())
-    first = broker.expect(MsgType.TOKEN)
+    broker.send(open_msg("s1", max_tokens=3))
+    first, _ = broker.expect(Token)
     for frames in [
         [b"\xc1"],  # not msgpack
         [b"\x00\x01garbage"],
-        [encode_header(step("s1", 1, 5), [("float32", [2])])],  # a tensor without a frame
         [b""],
+        with_header(Heartbeat(), v=99),  # another protocol version
+        with_header(Heartbeat(), type="nonsense"),
+        [*encode(Heartbeat()), b"trailing"],  # a payload no tensor spec announced
+        [b"x"] * (MAX_FRAMES + 5),  # read frame by frame and let go unbuilt
     ]:
         broker.send_raw(frames)
-    # An activation is meaningless to stage 0: dropped, not fatal.
-    hidden = np.zeros((1, 64), np.float32)
-    broker.send(Header(MsgType.ACTIVATION, "s1", "req-s1", 1, {}), [Payload(hidden, "float32")])
-    broker.send(step("s1", 1, first.header.fields["token"]))
-    second = broker.expect(MsgType.TOKEN)
-    assert second.header.step == 1
+    broker.send(step("s1", 1, first.token))
+    second, _ = broker.expect(Token)
+    assert second.step == 1
+    assert [first.token, second.token] == list(generator.generate(PROMPT, 3))[:2]
+    broker.wait_load("fault_malformed", 7)
+
+
+def test_a_negative_token_is_refused_by_decode_and_fails_its_session(setup: Setup) -> None:
+    bad = encode(step("s1", 1, -1))
+    with pytest.raises(ProtocolError, match="token"):
+        decode(bad)
+    broker, _ = setup.start()
+    broker.register()
+    broker.send(open_msg("s1", max_tokens=3))
+    broker.send(open_msg("s2", max_tokens=3))
+    tokens = {}
+    for _ in range(2):
+        tok, _ = broker.expect(Token)
+        tokens[tok.session] = tok.token
+    broker.send_raw(bad)  # the header still names its session: it fails, not waits
+    err = expect_error(broker, "s1", ErrorCode.BAD_REQUEST)
+    assert "token" in err.message
+    broker.wait_load("sessions", 1)
+    broker.send(step("s2", 1, tokens["s2"]))
+    tok, _ = broker.expect(Token)
+    assert (tok.session, tok.step) == ("s2", 1)
+
+
+def test_a_step_token_past_the_vocabulary_fails_only_its_session(
+    setup: Setup, generator: Generator
+) -> None:
+    broker, running = setup.start()
+    broker.register()
+    vocab = running.worker.stage.shard.args.vocab_size
+    for sid in ("s1", "s2", "s3"):
+        broker.send(open_msg(sid, max_tokens=3))
+    firsts: dict[str, int] = {}
+    for _ in range(3):
+        tok, _ = broker.expect(Token)
+        firsts[tok.session] = tok.token
+    # All three steps arrive together and would share one forward.
+    broker.send(step("s1", 1, firsts["s1"]))
+    broker.send(step("s2", 1, vocab))
+    broker.send(step("s3", 1, firsts["s3"]))
     expected = list(generator.generate(PROMPT, 3))
-    assert [first.header.fields["token"], second.header.fields["token"]] == expected[:2]
+    got = {"s1": [firsts["s1"]], "s3": [firsts["s3"]]}
+    errors = []
+    while any(len(v) < 3 for v in got.values()):
+        msg = broker.next_message().msg
+        if isinstance(msg, Error):
+            errors.append(msg)
+        elif isinstance(msg, Token):
+            got[msg.session].append(msg.token)  # nothing for s2
+            assert msg.step == len(got[msg.session]) - 1
+            if msg.finish is None:
+                broker.send(step(msg.session, msg.step + 1, msg.token))
+    assert got == {"s1": expected, "s3": expected}
+    (err,) = errors
+    assert (err.session, err.code) == ("s2", ErrorCode.BAD_REQUEST)
+    assert "not in" in err.message
+    broker.wait_load("sessions", 2)  # s2 was closed here; s1 and s3 wait for CLOSE
+
+
+def test_a_step_for_a_session_still_in_prefill_is_refused(setup: Setup) -> None:
+    broker, worker = setup.worker()
+    # The prompt takes two forwards (prefill_chunk 16); the first waits until the link
+    # has handed the STEP to the compute loop, so the STEP is read between the two.
+    stepped = threading.Event()
+    deliver, run = worker.link._deliver, worker.stage.run
+
+    def deliver_noting_steps(head: dict[str, Any], frames: Any) -> None:
+        deliver(head, frames)
+        if head["type"] == "step":
+            stepped.set()
+
+    def run_after_the_step() -> list[Output]:
+        assert stepped.wait(TIMEOUT)
+        return run()
+
+    worker.link._deliver = deliver_noting_steps  # type: ignore[method-assign]
+    worker.stage.run = run_after_the_step  # type: ignore[method-assign]
+    setup.run(worker)
+    broker.register()
+    broker.send(open_msg("s1", tokens=list(range(3, 23)), max_tokens=3))
+    broker.send(step("s1", 1, 5))  # before its first token: out of order
+    err = expect_error(broker, "s1", ErrorCode.BAD_REQUEST)
+    assert "prefill" in err.message
+    broker.wait_load("sessions", 0)
 
 
 @pytest.mark.parametrize(
-    ("fields", "payloads", "problem"),
+    ("hidden", "problem"),
     [
-        ({"sampling": {"temperature": -1.0}}, None, "temperature"),
-        ({"sampling": {"nucleus": 0.5}}, None, "nucleus"),
-        ({}, [Payload(np.asarray([5, 999_999], np.int32), "int32")], "vocab"),
-        ({}, [], "int32"),
-        ({"max_len": 5000}, None, "context"),
+        (np.zeros((1, HIDDEN + 1), np.float32), "expected"),
+        (np.zeros((1, HIDDEN // 2), np.float32), "expected"),
+        (np.zeros((17, HIDDEN), np.float32), "rows"),  # past prefill_chunk 16
+    ],
+    ids=["wide", "narrow", "rows"],
+)
+def test_a_bad_activation_fails_its_session(setup: Setup, hidden: np.ndarray, problem: str) -> None:
+    broker, _ = setup.start("2:4")
+    broker.register()
+    broker.send(open_msg("s1", stage=1, stages=2, tokens=None))
+    broker.send(open_msg("s2", stage=1, stages=2, tokens=None))
+    broker.wait_load("sessions", 2)
+    broker.send(activation("s1", 0, hidden))
+    broker.send(activation("s2", 0, np.zeros((len(PROMPT), HIDDEN), np.float32)))
+    err, _ = broker.expect(Error, also_skip=(Token,))
+    assert (err.session, err.code) == ("s1", ErrorCode.BAD_REQUEST)
+    assert problem in err.message
+    tok, _ = broker.expect(Token, also_skip=(Error,))
+    assert (tok.session, tok.step) == ("s2", 0)  # the other session's work ran
+    broker.wait_load("sessions", 1)
+
+
+def test_a_zero_row_activation_is_refused_by_decode_and_fails_its_session(
+    setup: Setup,
+) -> None:
+    bad = encode(activation("s1", 0, np.zeros((0, HIDDEN), np.float32)))
+    with pytest.raises(ProtocolError, match="hidden"):
+        decode(bad)
+    broker, _ = setup.start("2:4")
+    broker.register()
+    broker.send(open_msg("s1", stage=1, stages=2, tokens=None))
+    broker.send_raw(bad)
+    expect_error(broker, "s1", ErrorCode.BAD_REQUEST)
+    broker.wait_load("sessions", 0)
+
+
+def test_work_for_an_unknown_session_or_the_wrong_stage_answers_error(setup: Setup) -> None:
+    broker, _ = setup.start("2:4")
+    broker.register()
+    broker.send(activation("ghost", 0, np.zeros((1, HIDDEN), np.float32)))
+    err = expect_error(broker, "ghost", ErrorCode.BAD_REQUEST)
+    assert "no such session" in err.message
+    broker.send(open_msg("s1", stage=1, stages=2, tokens=None))
+    broker.send(step("s1", 1, 5))  # a decode step belongs to stage 0
+    err = expect_error(broker, "s1", ErrorCode.BAD_REQUEST)
+    assert "stage 0" in err.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "problem"),
+    [
+        ({"sampling": {"temperature": -1.0}}, "temperature"),  # decode refuses these two
+        ({"sampling": {"nucleus": 0.5}}, "nucleus"),
+        ({"tokens": [5, 999_999]}, "vocab"),
+        ({"tokens": None}, "int32"),
+        ({"max_len": 5000}, "context"),
     ],
 )
-def test_a_bad_open_gets_bad_request(
-    setup: Setup, fields: dict[str, Any], payloads: list[Payload] | None, problem: str
-) -> None:
+def test_a_bad_open_gets_bad_request(setup: Setup, fields: dict[str, Any], problem: str) -> None:
     broker, _ = setup.start()
     broker.register()
-    h = open_header("s1")
-    h.fields.update(fields)
-    broker.send(h, prompt_payload() if payloads is None else payloads)
-    err = broker.expect(MsgType.ERROR)
-    assert err.header.session == "s1"
-    assert err.header.fields["code"] == "bad_request"
-    assert problem in err.header.fields["message"]
+    if "sampling" in fields:
+        broker.send_raw(with_header(open_msg("s1"), **fields))
+    else:
+        broker.send(open_msg("s1", **fields))
+    err = expect_error(broker, "s1", ErrorCode.BAD_REQUEST)
+    assert problem in err.message
     # The worker is fine: the next session works.
-    broker.send(open_header("s2", max_tokens=1), prompt_payload())
-    assert broker.expect(MsgType.TOKEN).header.session == "s2"
+    broker.send(open_msg("s2", max_tokens=1))
+    tok, _ = broker.expect(Token)
+    assert tok.session == "s2"
 
 
 def test_open_beyond_capacity_answers_full(setup: Setup) -> None:
     broker, _ = setup.start()
     broker.register()
     for i in range(MAX_SESSIONS):
-        broker.send(open_header(f"s{i}", max_tokens=2), prompt_payload())
-    broker.send(open_header("extra", max_tokens=2), prompt_payload())
+        broker.send(open_msg(f"s{i}", max_tokens=2))
+    broker.send(open_msg("extra", max_tokens=2))
     # The admitted sessions' first tokens may come before or after the refusal.
-    err = broker.expect(MsgType.ERROR, also_skip=frozenset({MsgType.TOKEN}))
-    assert (err.header.session, err.header.fields["code"]) == ("extra", "full")
+    err, _ = broker.expect(Error, also_skip=(Token,))
+    assert (err.session, err.code) == ("extra", ErrorCode.FULL)
+
+
+def test_a_forward_that_raises_fails_only_its_batch(setup: Setup) -> None:
+    broker, worker = setup.worker()
+    stage = worker.stage
+    real_run = stage.run
+    calls = {"n": 0}
+
+    def run_failing_once() -> list[Output]:
+        calls["n"] += 1
+        if calls["n"] == 2:  # s2's prefill, after s1's first forward
+            stage.shard = FailingShard(stage.shard)  # type: ignore[assignment]
+            try:
+                return real_run()
+            finally:
+                stage.shard = stage.shard._shard  # type: ignore[attr-defined]
+        return real_run()
+
+    stage.run = run_failing_once  # type: ignore[method-assign]
+    setup.run(worker)
+    broker.register()
+    broker.send(open_msg("s1", max_tokens=3))
+    first, _ = broker.expect(Token)
+    broker.send(open_msg("s2", max_tokens=3))
+    err = expect_error(broker, "s2", ErrorCode.INTERNAL)
+    assert "forward failed" in err.message
+    broker.send(step("s1", 1, first.token))  # s1 was not in that batch: it goes on
+    tok, _ = broker.expect(Token)
+    assert (tok.session, tok.step) == ("s1", 1)
+    broker.wait_load("fault_forward_failed", 1)
+
+
+class FailingShard:
+    def __init__(self, shard: Any) -> None:
+        self._shard = shard
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._shard, name)
+
+    def __call__(self, *_: Any) -> Any:
+        raise RuntimeError("injected")
+
+
+# -- liveness while computing ------------------------------------------------------------
+
+
+def test_a_long_forward_does_not_stop_the_heartbeats(setup: Setup) -> None:
+    """A 10 s forward against heartbeat_interval 1 s x liveness 3: the worker's heartbeats
+    keep coming (no gap near the broker's 3 s deadline) and it never re-registers."""
+    forward_s = 10.0
+    broker, worker = setup.worker(interval=1.0, liveness=3)
+    shard = worker.stage.shard
+    window: list[float] = []  # when the forward started and ended
+
+    class SlowShard:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(shard, name)
+
+        def __call__(self, *args: Any) -> Any:
+            window.append(time.monotonic())
+            a = torch.randn(256, 256)
+            while time.monotonic() < window[0] + forward_s:  # busy in torch ops
+                a = torch.tanh(a @ a)
+            window.append(time.monotonic())
+            return shard(*args)
+
+    worker.stage.shard = SlowShard()  # type: ignore[assignment]
+    setup.run(worker)
+    broker.register()
+    broker.send(open_msg("s1", max_tokens=1))
+    registers = 0
+    while True:
+        got = broker.next_message(timeout=forward_s + TIMEOUT)
+        registers += isinstance(got.msg, Register)
+        if isinstance(got.msg, Token):
+            break
+    assert got.msg.session == "s1"
+    start, end = window
+    beats = [t for t in broker.beats if start <= t <= end]
+    assert len(beats) >= forward_s / 2
+    assert np.diff([start, *beats, end]).max() < 3.0  # the broker's deadline
+    assert registers == 0
 
 
 # -- the broker's word -------------------------------------------------------------------
@@ -388,8 +708,8 @@ def test_open_beyond_capacity_answers_full(setup: Setup) -> None:
 
 def test_refused_makes_run_return_3(setup: Setup) -> None:
     broker, running = setup.start()
-    broker.expect(MsgType.REGISTER)
-    broker.send(Header(MsgType.REFUSED, fields={"reason": "sliding_window: 8 != 4"}))
+    broker.expect(Register)
+    broker.send(Refused(reason="sliding_window: 8 != 4"))
     assert running.join() == 3
 
 
@@ -397,13 +717,13 @@ def registers_until_registered(broker: FakeBroker) -> int:
     """Answer the first REGISTER, then count every REGISTER the worker sent before its
     first heartbeat (which proves it read the answer)."""
     count = 1
-    broker.expect(MsgType.REGISTER)
-    broker.send(Header(MsgType.REGISTERED, fields={"worker_id": "w", "boot": broker.boot}))
+    broker.expect(Register)
+    broker.send(Registered(worker_id="w", boot=broker.boot))
     while True:
-        msg = broker.next_message()
-        if msg.header.type is MsgType.HEARTBEAT:
+        got = broker.next_message()
+        if isinstance(got.msg, Heartbeat):
             return count
-        assert msg.header.type is MsgType.REGISTER, msg.header
+        assert isinstance(got.msg, Register), got.msg
         count += 1
 
 
@@ -417,9 +737,9 @@ def test_one_register_per_connection(setup: Setup) -> None:
 def test_disconnect_makes_it_register_again(setup: Setup) -> None:
     broker, _ = setup.start()
     broker.register()
-    broker.send(open_header("s1", max_tokens=3), prompt_payload())
-    broker.expect(MsgType.TOKEN)
-    broker.send(Header(MsgType.DISCONNECT, fields={"reason": "unknown worker: register again"}))
+    broker.send(open_msg("s1", max_tokens=3))
+    broker.expect(Token)
+    broker.send(Disconnect(reason="unknown worker: register again"))
     broker.register()
     # Its sessions belonged to the broker that forgot them: dropped.
     broker.wait_load("sessions", 0)
@@ -431,15 +751,15 @@ def test_repeated_disconnects_make_one_register(setup: Setup) -> None:
     # A restarted broker answers every message it does not know with DISCONNECT; two
     # heartbeats in flight give two DISCONNECTs for one worker.
     for _ in range(2):
-        broker.send(Header(MsgType.DISCONNECT, fields={"reason": "unknown worker"}))
+        broker.send(Disconnect(reason="unknown worker"))
     assert registers_until_registered(broker) == 1
 
 
 def test_a_new_broker_boot_id_makes_it_register_again(setup: Setup) -> None:
     broker, _ = setup.start()
     broker.register()
-    broker.send(open_header("s1", max_tokens=3), prompt_payload())
-    broker.expect(MsgType.TOKEN)
+    broker.send(open_msg("s1", max_tokens=3))
+    broker.expect(Token)
     broker.boot = "boot-2"  # the pumped heartbeats now say the broker restarted
     broker.register()
     broker.wait_load("sessions", 0)
@@ -448,19 +768,16 @@ def test_a_new_broker_boot_id_makes_it_register_again(setup: Setup) -> None:
 def test_a_silent_broker_makes_it_reconnect_and_register_again(setup: Setup) -> None:
     # Horizon 3 x 0.1 s; the fake keeps heartbeating until the test silences it.
     broker, running = setup.start(liveness=3)
-    first = broker.register()
-    broker.send(open_header("s1", max_tokens=3), prompt_payload())
-    broker.expect(MsgType.TOKEN)
+    broker.register()
+    first = broker.identity
+    broker.send(open_msg("s1", max_tokens=3))
+    broker.expect(Token)
     broker.alive = False
-    again = broker.expect(MsgType.REGISTER)
-    assert again.identity == first.identity  # the same worker, on a fresh socket
+    _, again = broker.expect(Register)
+    assert again.identity == first  # the same worker, on a fresh socket
     broker.alive = True
     # The same broker (same boot id): it was only unreachable for a while.
-    broker.send(
-        Header(
-            MsgType.REGISTERED, fields={"worker_id": again.identity.decode(), "boot": broker.boot}
-        )
-    )
+    broker.send(Registered(worker_id=again.identity.decode(), boot=broker.boot))
     broker.wait_load("sessions", 0)  # the lost broker's sessions were dropped
     assert running.thread.is_alive()
 
@@ -471,39 +788,40 @@ def test_a_silent_broker_makes_it_reconnect_and_register_again(setup: Setup) -> 
 def test_sigterm_drains_then_leaves(setup: Setup, generator: Generator) -> None:
     broker, running = setup.start()
     broker.register()
-    broker.send(open_header("s1", max_tokens=4), prompt_payload())
-    first = broker.expect(MsgType.TOKEN)
+    broker.send(open_msg("s1", max_tokens=4))
+    first, _ = broker.expect(Token)
     running.worker.on_sigterm()
 
     # No new sessions while draining...
-    broker.send(open_header("s2", max_tokens=2), prompt_payload())
-    err = broker.expect(MsgType.ERROR)
-    assert (err.header.session, err.header.fields["code"]) == ("s2", "full")
-    broker.wait_load("draining", True)
+    broker.send(open_msg("s2", max_tokens=2))
+    err, _ = broker.expect(Error)
+    assert (err.session, err.code) == ("s2", ErrorCode.FULL)
+    while not broker.last_draining:
+        broker.expect(Heartbeat)
 
     # ... but the running one finishes.
-    tokens = [first.header.fields["token"]]
+    tokens = [first.token]
     for n in range(1, 4):
         broker.send(step("s1", n, tokens[-1]))
-        tok = broker.expect(MsgType.TOKEN)
-        tokens.append(tok.header.fields["token"])
-    assert tok.header.fields["finish"] == "length"
+        tok, _ = broker.expect(Token)
+        tokens.append(tok.token)
+    assert tok.finish is Finish.LENGTH
     assert tokens == list(generator.generate(PROMPT, 4))
 
-    broker.send(Header(MsgType.CLOSE, "s1", "req-s1"))
-    bye = broker.expect(MsgType.DISCONNECT)
-    assert "shutting down" in bye.header.fields["reason"]
+    broker.send(Close(session="s1", request_id="req-s1"))
+    bye, _ = broker.expect(Disconnect)
+    assert "shutting down" in bye.reason
     assert running.join() == 0
 
 
 def test_a_second_sigterm_leaves_at_once(setup: Setup) -> None:
     broker, running = setup.start()
     broker.register()
-    broker.send(open_header("s1", max_tokens=50), prompt_payload())
-    broker.expect(MsgType.TOKEN)
+    broker.send(open_msg("s1", max_tokens=50))
+    broker.expect(Token)
     running.worker.on_sigterm()
     running.worker.on_sigterm()
-    broker.expect(MsgType.DISCONNECT)
+    broker.expect(Disconnect)
     assert running.join() == 0
 
 
@@ -511,179 +829,5 @@ def test_sigint_leaves_with_disconnect(setup: Setup) -> None:
     broker, running = setup.start()
     broker.register()
     running.worker.on_sigint()
-    broker.expect(MsgType.DISCONNECT)
+    broker.expect(Disconnect)
     assert running.join() == 0
-
-
-# -- taking turns on shared cores (cpu_lock) ---------------------------------------------
-
-
-def locked_stage_worker(tiny_model_dir: Path, tmp_path: Path, sessions: Sequence[str]) -> Worker:
-    """A stage-0 worker with cpu_lock whose sessions' prompts have run: all of them
-    are "on the next stage" until a STEP comes back."""
-    from zmqllm.engine.sampling import SamplingParams
-
-    cfg = Config()
-    cfg.model.path = str(tiny_model_dir)
-    cfg.worker.layers = "0:2"
-    cfg.worker.cpu_lock = str(tmp_path / "cpu.lock")
-    worker = Worker(cfg, load_stage(cfg), context=zmq.Context.instance())
-    for sid in sessions:
-        worker.stage.open(
-            sid, "", 20, 8, SamplingParams(), frozenset(), np.asarray([5, 6], np.int32)
-        )
-    worker.stage.run()
-    return worker
-
-
-@pytest.fixture
-def slow_waits(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
-    """The wait constants scaled far above scheduling noise: no assertion below
-    depends on two statements running within a few milliseconds."""
-    import zmqllm.engine.stage as stage_module
-    import zmqllm.worker as worker_module
-
-    t = SimpleNamespace(hop=1.0, group=5.0, bound=30.0, lock_max=300.0)
-    monkeypatch.setattr(worker_module, "HOP_GRACE_S", t.hop)
-    monkeypatch.setattr(worker_module, "GROUP_WAIT_S", t.group)
-    monkeypatch.setattr(worker_module, "LOCK_WAIT_MAX_S", t.lock_max)
-    monkeypatch.setattr(stage_module, "COALESCE_MAX_S", t.bound)
-    return t
-
-
-def lock_is_free(path: str) -> bool:
-    """Whether another process could take the lock now (and leave it as it was)."""
-    import fcntl
-    import os
-
-    fd = os.open(path, os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)  # closing the descriptor drops a lock taken through it
-    return True
-
-
-def test_cpu_lock_waits_for_sessions_while_another_stage_computes(
-    tiny_model_dir: Path, tmp_path: Path, slow_waits: SimpleNamespace
-) -> None:
-    """Ready work waits while another stage holds the lock and, once it lets go, until
-    the other sessions' messages stop coming; then it runs. Without cpu_lock: never."""
-    import fcntl
-    import os
-
-    from zmqllm.worker import LOCK_POLL_S
-
-    t = slow_waits
-    worker = locked_stage_worker(tiny_model_dir, tmp_path, ("a", "b"))
-    cfg, stage = worker.cfg, worker.stage
-    stage.step("a", 1, 9)
-    other = os.open(cfg.worker.cpu_lock, os.O_RDWR)  # another stage's lock handle
-    try:
-        fcntl.flock(other, fcntl.LOCK_EX)
-        assert worker._coalesce_wait() == LOCK_POLL_S  # it computes: b is coming
-        fcntl.flock(other, fcntl.LOCK_UN)
-        assert 0.0 < worker._coalesce_wait() <= t.hop  # just let go: b is on its way
-        assert lock_is_free(cfg.worker.cpu_lock)  # within our bound: others may go first
-        worker._lock_busy_at -= 2 * t.hop
-        assert worker._coalesce_wait() == 0.0  # quiet for longer than the grace: run
-        worker._last_work_at = time.monotonic()  # a message just came: more may follow
-        assert 0.0 < worker._coalesce_wait() <= t.hop
-        worker._last_work_at -= 2 * t.hop
-
-        # Time spent while another stage computes does not count against the bound...
-        for w in stage._ready:
-            w.ready_at -= 2 * t.bound
-        fcntl.flock(other, fcntl.LOCK_EX)
-        assert worker._coalesce_wait() == LOCK_POLL_S
-        fcntl.flock(other, fcntl.LOCK_UN)
-        # ... and past the bound, the stage keeps the turn it sees while b comes in
-        # (a third worker sharing the cores could otherwise take every turn).
-        assert 0.0 < worker._coalesce_wait() <= t.hop
-        assert not lock_is_free(cfg.worker.cpu_lock)
-        worker._lock_busy_at -= 2 * t.hop
-        assert worker._coalesce_wait() == 0.0
-        sent: list[Header] = []
-        worker.send = lambda h, payloads=None: sent.append(h)  # type: ignore[method-assign]
-        worker.run_batch()  # its forward lets go of the lock
-        assert lock_is_free(cfg.worker.cpu_lock)
-        assert [(h.type, h.session) for h in sent] == [(MsgType.ACTIVATION, "a")]
-        stage.step("a", 2, 9)
-
-        # A stage that never lets go for long is queued on, not polled, forever.
-        fcntl.flock(other, fcntl.LOCK_EX)
-        for w in stage._ready:
-            w.ready_at -= t.lock_max
-        assert worker._coalesce_wait() == 0.0
-        fcntl.flock(other, fcntl.LOCK_UN)
-        cfg.worker.cpu_lock = ""
-        plain = Worker(cfg, worker.loaded, context=zmq.Context.instance())
-        assert plain._coalesce_wait() == 0.0  # stages computing at once never wait
-        stage.step("b", 2, 9)
-        assert worker._coalesce_wait() == 0.0  # everyone is ready
-    finally:
-        os.close(other)
-
-
-def test_a_stage_waits_for_the_rest_of_a_group_it_has_seen_part_of(
-    tiny_model_dir: Path, tmp_path: Path, slow_waits: SimpleNamespace
-) -> None:
-    """Tagged results say how many of their forward come here: the stage waits for
-    the rest (a few ms late is no reason to split the batch) and runs once they are
-    all in; a malformed tag counts as none (the quiet-time rule)."""
-    from zmqllm.worker import MAX_GROUPS
-
-    t = slow_waits
-    worker = locked_stage_worker(tiny_model_dir, tmp_path, ("a", "b", "c", "d"))
-    worker.stage.step("a", 1, 9)  # b, c, d are elsewhere
-    assert worker._coalesce_wait() == 0.0  # nothing says they are coming
-    worker._note_arrival(["w-1/7/w0", 3])
-    assert t.hop < worker._coalesce_wait() <= t.group  # 2 more of group 7
-    worker._note_arrival(["w-1/7/w0", 3])
-    assert worker._coalesce_wait() > t.hop
-    worker._note_arrival(["w-1/7/w0", 3])
-    assert worker._groups == {}
-    assert worker._coalesce_wait() == 0.0  # the group is complete: run now
-    worker._note_arrival(["w-1/8/w0", 2])
-    worker._groups["w-1/8/w0"][2] -= t.group  # the rest never came (cancelled)
-    assert worker._coalesce_wait() == 0.0
-    for bad in (["g"], "g", [1, 2], ["g", True], ["g", 2.5], None):
-        worker._last_work_at -= 2 * t.hop
-        worker._note_arrival(bad)
-        assert worker._groups.keys() == {"w-1/8/w0"}
-        assert 0.0 < worker._coalesce_wait() <= t.hop  # untagged: quiet-time rule
-    # Groups that never complete do not pile up.
-    for i in range(3 * MAX_GROUPS):
-        worker._note_arrival([f"w-2/{i}/w0", 2])
-        worker._groups[f"w-2/{i}/w0"][2] -= t.group
-    assert len(worker._groups) <= MAX_GROUPS
-
-
-def test_results_are_tagged_with_their_group_per_next_worker(tiny_model_dir: Path) -> None:
-    from zmqllm.engine.sampling import SamplingParams
-    from zmqllm.engine.stage import Output
-
-    cfg = Config()
-    cfg.model.path = str(tiny_model_dir)
-    worker = Worker(cfg, load_stage(cfg), context=zmq.Context.instance())
-    for sid, hop in (("a", "w1"), ("b", "w2"), ("c", "w1"), ("d", "w1")):
-        s = worker.stage.open(sid, "", 20, 8, SamplingParams(), frozenset(), None)
-        s.next_hop = hop
-    worker.stage.stats.forwards = 12
-    outs = [
-        Output("a", "", 1, True, token=5),
-        Output("b", "", 1, True, token=5),
-        Output("c", "", 1, True, token=5, finish="length"),  # the broker ends it: no STEP
-        Output("d", "", 1, True, token=5),
-        Output("gone", "", 1, True, token=5),  # closed meanwhile
-    ]
-    g = f"{worker.identity}/12"
-    assert worker._tag_groups(outs) == [
-        [f"{g}/w1", 2],
-        [f"{g}/w2", 1],
-        None,
-        [f"{g}/w1", 2],
-        [f"{g}/", 1],
-    ]

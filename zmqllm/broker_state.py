@@ -1,259 +1,384 @@
-"""The broker's bookkeeping, without sockets: workers, pools, routes, sessions.
+"""The broker's session lifecycle, without sockets: open, route, requeue, fail, end.
 
-A pool is the set of workers serving one layer range. A route is one worker
-per hop, chained to cover [0, L); ranges may differ between routes (a worker
-holding the whole model beside a two-stage pipeline), so routes are found by
-a search over the ranges that start where the previous one ended.
+:class:`SessionTable` is a state machine in the manner of vLLM's scheduler: each method
+takes what arrived (and the time) and returns the messages to send as :class:`Out`
+values; the broker does the sending and reports back what could not be sent
+(``worker_lost`` / ``client_lost``). Tested without sockets.
+
+Sessions are keyed by (client routing id, the client's session id), so no client can
+name, cancel or collide with another client's session. Workers know a session by a wire
+id the broker assigns, plus the attempt number: messages of an earlier attempt still in
+flight match nothing.
 """
 
 from __future__ import annotations
 
-import time
+import itertools
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from zmqllm.protocol import Header
+from zmqllm.log import bind_request, get_logger
+from zmqllm.messages import (
+    Activation,
+    Close,
+    Error,
+    ErrorCode,
+    Message,
+    Open,
+    Step,
+    Token,
+)
+from zmqllm.registry import Registry, WorkerEntry
+
+log = get_logger("zmqllm.broker")
+
+# Routes one request may be tried on (a full worker, a worker lost before the first
+# token): past this it fails instead of bouncing around a sick cluster forever.
+MAX_ATTEMPTS = 8
+
+Key = tuple[bytes, str]  # (client routing id, client's session id)
 
 
-def fingerprint_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    """Readable differences between two model fingerprints ("num_layers: 30 != 4")."""
-    keys = sorted((set(a) | set(b)) - {"digest"})
-    return [f"{k}: {a.get(k)!r} != {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
+@dataclass(frozen=True, slots=True)
+class Out:
+    """One message to send: to a worker (by routing id) or a client; ``frames`` are
+    pre-encoded frames forwarded as received (activations)."""
 
-
-@dataclass
-class WorkerEntry:
+    to_worker: bool
     identity: bytes
-    worker_id: str
-    start: int
-    end: int
-    capacity: int  # most sessions at once
-    max_kv_tokens: int
-    info: dict[str, Any]
-    last_seen: float = field(default_factory=time.monotonic)
-    registered_at: float = field(default_factory=time.monotonic)
-    sessions: set[str] = field(default_factory=set)
-    reserved_tokens: int = 0
-    load: dict[str, Any] = field(default_factory=dict)
-    draining: bool = False
-    full_until: float = 0.0  # refused a session lately: skip it until then
-
-    def has_room(self, max_len: int, now: float) -> bool:
-        return (
-            not self.draining
-            and now >= self.full_until
-            and len(self.sessions) < self.capacity
-            and self.reserved_tokens + max_len <= self.max_kv_tokens
-        )
-
-    def load_score(self) -> float:
-        """Fraction of this worker in use: the larger of sessions and KV tokens."""
-        return max(
-            len(self.sessions) / max(1, self.capacity),
-            self.reserved_tokens / max(1, self.max_kv_tokens),
-        )
-
-    def describe(self, now: float) -> dict[str, Any]:
-        return {
-            "id": self.worker_id,
-            "layers": [self.start, self.end],
-            "sessions": len(self.sessions),
-            "capacity": self.capacity,
-            "kv_tokens_reserved": self.reserved_tokens,
-            "max_kv_tokens": self.max_kv_tokens,
-            "load": round(self.load_score(), 3),
-            "last_heartbeat_s": round(now - self.last_seen, 2),
-            "draining": self.draining,
-            "info": self.info,
-            "stats": self.load,
-        }
+    msg: Message | None = None
+    frames: Sequence[Any] | None = None
 
 
 @dataclass
 class Pending:
-    """A request waiting for a route: the client, its OPEN header, the prompt frame."""
+    """A request waiting for a route: its client and OPEN (the prompt a view of the
+    received frame, forwarded to stage 0 without a copy)."""
 
     client: bytes
-    header: Header
-    tokens: Any  # the received zmq.Frame, forwarded untouched to stage 0
-    max_len: int
-    enqueued: float = field(default_factory=time.monotonic)
-    attempts: int = 0  # routes tried (a stage that turns out full sends it back)
+    open: Open
+    enqueued: float
+    attempts: int = 0
 
     @property
-    def session(self) -> str:
-        return self.header.session
+    def key(self) -> Key:
+        return (self.client, self.open.session)
+
+    @property
+    def max_len(self) -> int:
+        return self.open.prompt_len + self.open.max_tokens
 
 
 @dataclass
 class Session:
-    id: str
-    client: bytes
-    request_id: str
+    request: Pending
+    wire: str  # the id workers know it by
     route: list[str]  # worker ids, stage order
-    max_len: int
-    max_tokens: int
-    step: int = 0
-    # Kept until the first token reaches the client: a request refused by a full stage or
-    # whose worker is lost before then is queued again (the client has lost nothing).
-    pending: Pending | None = None
-    opened: float = field(default_factory=time.monotonic)
-    # The id the workers know this attempt by (the session id, then "<session>.<attempt>"
-    # after a requeue): messages of an earlier attempt, still in flight, match nothing.
-    wire: str = ""
+    opened: float
+    last_active: float  # any message about it from its route (inactivity deadline)
+    next_step: int = 0  # the step of the TOKEN expected next
+
+    @property
+    def key(self) -> Key:
+        return self.request.key
+
+    @property
+    def attempt(self) -> int:
+        return self.request.attempts
+
+    @property
+    def request_id(self) -> str:
+        return self.request.open.request_id
+
+    @property
+    def streamed(self) -> bool:
+        """A token reached the client: the request can no longer start over unseen."""
+        return self.next_step > 0
 
 
-class Registry:
-    """Registered workers of one model; refuses a worker of another model."""
+@dataclass
+class SessionStats:
+    opened: int = 0
+    finished: int = 0
+    failed: int = 0
+    tokens: int = 0
 
-    def __init__(self) -> None:
-        self.workers: dict[str, WorkerEntry] = {}
-        self.by_identity: dict[bytes, WorkerEntry] = {}
-        self.num_layers = 0
-        self.context = 0
-        self.fingerprint = ""
-        self.fingerprint_summary: dict[str, Any] = {}
 
-    def refusal(
-        self,
-        version: str,
-        our_version: str,
-        digest: str,
-        summary: dict[str, Any],
-        start: int,
-        end: int,
-        num_layers: int,
-    ) -> str | None:
-        """Why a registering worker cannot join, or None."""
-        if version != our_version:
-            return f"zmqllm version {version} differs from the broker's {our_version}"
-        if not 0 <= start < end <= num_layers:
-            return f"layer range {start}:{end} is not inside [0, {num_layers})"
-        if self.workers and digest != self.fingerprint:
-            diffs = fingerprint_differences(self.fingerprint_summary, summary)
-            what = "; ".join(diffs) if diffs else f"digest {digest} != {self.fingerprint}"
-            return f"model fingerprint differs from the cluster's: {what}"
-        return None
+@dataclass
+class SessionTable:
+    registry: Registry
+    boot: str
+    queue_size: int = 256
+    queue_timeout: float = 30.0
+    session_timeout: float = 120.0
+    full_backoff: float = 1.0  # how long a worker that said "full" is skipped
+    sessions: dict[Key, Session] = field(default_factory=dict)
+    by_wire: dict[str, Session] = field(default_factory=dict)
+    queue: deque[Pending] = field(default_factory=deque)
+    stats: SessionStats = field(default_factory=SessionStats)
+    _ids: Any = field(default_factory=lambda: itertools.count(1))
 
-    def add(self, identity: bytes, fields: dict[str, Any], info: dict[str, Any]) -> WorkerEntry:
-        if not self.workers:
-            # The first worker defines the cluster's model.
-            self.fingerprint = fields["fingerprint"]
-            summary = info.get("fingerprint")
-            self.fingerprint_summary = summary if isinstance(summary, dict) else {}
-            self.num_layers = fields["num_layers"]
-            self.context = int(info.get("context", 0)) or 1 << 30
-        w = WorkerEntry(
-            identity=identity,
-            worker_id=identity.decode(errors="replace"),
-            start=fields["start"],
-            end=fields["end"],
-            capacity=fields["capacity"],
-            max_kv_tokens=int(info.get("max_kv_tokens", 1 << 30)),
-            info=info,
-        )
-        self.workers[w.worker_id] = w
-        self.by_identity[identity] = w
-        return w
+    # -- clients ---------------------------------------------------------------
+    def open(self, client: bytes, msg: Open, now: float) -> list[Out]:
+        def refuse(code: ErrorCode, text: str) -> list[Out]:
+            return [self._to_client(client, msg.session, msg.request_id, code, text)]
 
-    def remove(self, w: WorkerEntry) -> None:
-        self.workers.pop(w.worker_id, None)
-        self.by_identity.pop(w.identity, None)
-        if not self.workers:
-            # An empty cluster may take another model.
-            self.fingerprint, self.fingerprint_summary = "", {}
-            self.num_layers = self.context = 0
+        key = (client, msg.session)
+        if key in self.sessions or any(p.key == key for p in self.queue):
+            return refuse(ErrorCode.BAD_REQUEST, f"session {msg.session} is already open")
+        if msg.tokens is None:
+            return refuse(ErrorCode.BAD_REQUEST, "OPEN needs the prompt's int32 token ids")
+        context = self.registry.context
+        if context and msg.prompt_len + msg.max_tokens > context:
+            return refuse(
+                ErrorCode.BAD_REQUEST,
+                f"prompt ({msg.prompt_len}) + max_tokens ({msg.max_tokens}) exceed "
+                f"the model's context of {context} tokens",
+            )
+        if len(self.queue) >= self.queue_size:
+            return refuse(
+                ErrorCode.BUSY, f"the broker queue is full ({self.queue_size}); retry shortly"
+            )
+        self.queue.append(Pending(client, msg, now))
+        return self.dispatch(now)
 
-    def find_route(self, max_len: int, ignore_room: bool = False) -> list[WorkerEntry] | None:
-        """The least-loaded chain of workers covering [0, L) with room for max_len tokens."""
-        if not self.num_layers:
-            return None
-        now = time.monotonic()
-        by_start: dict[int, list[WorkerEntry]] = {}
-        for w in self.workers.values():
-            if ignore_room or w.has_room(max_len, now):
-                by_start.setdefault(w.start, []).append(w)
-        best: tuple[float, list[WorkerEntry]] | None = None
+    def cancel(self, client: bytes, session: str, now: float) -> list[Out]:
+        """Only the session's own client can name it: the key holds the client's id."""
+        key = (client, session)
+        s = self.sessions.get(key)
+        if s is not None:
+            with bind_request(s.request_id, session):
+                log.info("session cancelled by client", step=s.next_step)
+            return self._end(s, now, failed=False, code=ErrorCode.CANCELLED, text="cancelled")
+        for p in list(self.queue):
+            if p.key == key:
+                self.queue.remove(p)
+                return [
+                    self._to_client(
+                        client, session, p.open.request_id, ErrorCode.CANCELLED, "cancelled"
+                    )
+                ]
+        return []
 
-        def walk(pos: int, chain: list[WorkerEntry], score: float) -> None:
-            nonlocal best
-            if pos == self.num_layers:
-                # Fewer hops first, then the least loaded busiest member.
-                key = score + 0.001 * len(chain)
-                if best is None or key < best[0]:
-                    best = (key, list(chain))
-                return
-            # Per range, only the least-loaded replica matters.
-            per_range: dict[int, WorkerEntry] = {}
-            for w in by_start.get(pos, []):
-                cur = per_range.get(w.end)
-                if cur is None or (w.load_score(), w.worker_id) < (cur.load_score(), cur.worker_id):
-                    per_range[w.end] = w
-            for w in per_range.values():
-                chain.append(w)
-                walk(w.end, chain, max(score, w.load_score()))
-                chain.pop()
-
-        walk(0, [], 0.0)
-        return best[1] if best else None
-
-    def reserve(self, route: list[WorkerEntry], session: str, max_len: int) -> None:
-        for w in route:
-            w.sessions.add(session)
-            w.reserved_tokens += max_len
-
-    def release(self, route: list[str], session: str, max_len: int) -> None:
-        for wid in route:
-            w = self.workers.get(wid)
-            if w is not None and session in w.sessions:
-                w.sessions.discard(session)
-                w.reserved_tokens -= max_len
-
-    def uncovered(self) -> str:
-        """Layer ranges no worker serves, as "a:b, c:d" ("" when covered)."""
-        covered = [False] * self.num_layers
-        for w in self.workers.values():
-            for i in range(w.start, min(w.end, self.num_layers)):
-                covered[i] = True
-        gaps: list[str] = []
-        i = 0
-        while i < self.num_layers:
-            if not covered[i]:
-                j = i
-                while j < self.num_layers and not covered[j]:
-                    j += 1
-                gaps.append(f"{i}:{j}")
-                i = j
-            else:
-                i += 1
-        return ", ".join(gaps)
-
-    def route_shapes(self, limit: int = 32) -> list[list[str]]:
-        """Every chain of layer ranges (pools) covering [0, L), e.g. [["0:15", "15:30"]];
-        at most ``limit`` of them."""
-        ranges = sorted({(w.start, w.end) for w in self.workers.values()})
-        out: list[list[str]] = []
-
-        def walk(pos: int, chain: list[str]) -> None:
-            if len(out) >= limit:
-                return
-            if pos == self.num_layers and chain:
-                out.append(list(chain))
-                return
-            for a, b in ranges:
-                if a == pos:
-                    chain.append(f"{a}:{b}")
-                    walk(b, chain)
-                    chain.pop()
-
-        if self.num_layers:
-            walk(0, [])
+    def client_lost(self, client: bytes, code: ErrorCode, text: str, now: float) -> list[Out]:
+        """A client we cannot send to (gone, or not reading): its sessions end."""
+        # Its queued requests go first, or freeing its sessions would route them.
+        self.queue = deque(p for p in self.queue if p.client != client)
+        out: list[Out] = []
+        for s in [s for s in self.sessions.values() if s.key[0] == client]:
+            with bind_request(s.request_id, s.key[1]):
+                log.warning("session failed: client lost", code=code.value)
+            out += self._end(s, now, failed=True, tell_client=False)
         return out
 
-    def pools(self) -> list[dict[str, Any]]:
-        by_range: dict[tuple[int, int], list[str]] = {}
-        for w in self.workers.values():
-            by_range.setdefault((w.start, w.end), []).append(w.worker_id)
+    # -- routing ---------------------------------------------------------------
+    def dispatch(self, now: float) -> list[Out]:
+        """Open queued requests, oldest first, while a route with room exists."""
+        out: list[Out] = []
+        while self.queue:
+            p = self.queue[0]
+            route = self.registry.find_route(p.max_len)
+            if route is None:
+                break
+            self.queue.popleft()
+            out += self._start(p, route, now)
+        return out
+
+    def _start(self, p: Pending, route: list[WorkerEntry], now: float) -> list[Out]:
+        p.attempts += 1
+        wire = f"{self.boot}-{next(self._ids):x}"
+        s = Session(p, wire, [w.worker_id for w in route], now, now)
+        self.sessions[p.key] = s
+        self.by_wire[wire] = s
+        self.registry.reserve(route, wire, p.max_len)
+        self.stats.opened += 1
+        with bind_request(s.request_id, p.open.session):
+            log.info(
+                "session opened",
+                route=s.route,
+                attempt=p.attempts,
+                queue_wait_ms=round((now - p.enqueued) * 1e3, 1),
+            )
+        out: list[Out] = []
+        n = len(route)
+        # Later stages first: each must hold the session before stage 0's activations
+        # reach it (per-peer ordering keeps each OPEN ahead of what follows it).
+        for i in reversed(range(n)):
+            # next: where stage i's results go (the last stage's STEPs go to the first).
+            stage_open = Open(
+                session=wire,
+                attempt=p.attempts,
+                request_id=s.request_id,
+                max_tokens=p.open.max_tokens,
+                prompt_len=p.open.prompt_len,
+                sampling=p.open.sampling,
+                stop_ids=p.open.stop_ids,
+                stage=i,
+                stages=n,
+                max_len=p.max_len,
+                next=route[(i + 1) % n].worker_id,
+                tokens=p.open.tokens if i == 0 else None,
+            )
+            out.append(Out(True, route[i].identity, stage_open))
+        return out
+
+    # -- workers ---------------------------------------------------------------
+    def _session_of(self, w: WorkerEntry, wire: str, attempt: int) -> Session | None:
+        s = self.by_wire.get(wire)
+        if s is None or s.attempt != attempt or w.worker_id not in s.route:
+            return None  # cancelled meanwhile, an earlier attempt, or not its business
+        return s
+
+    def on_activation(self, w: WorkerEntry, msg: Activation, frames: Any, now: float) -> list[Out]:
+        s = self._session_of(w, msg.session, msg.attempt)
+        if s is None:
+            return []
+        i = s.route.index(w.worker_id)
+        nxt = self.registry.workers.get(s.route[i + 1]) if i + 1 < len(s.route) else None
+        if nxt is None:
+            return []  # from the last stage (a worker's bug), or the next one just left
+        s.last_active = now
+        return [Out(True, nxt.identity, frames=frames)]
+
+    def on_token(self, w: WorkerEntry, msg: Token, now: float) -> list[Out]:
+        s = self._session_of(w, msg.session, msg.attempt)
+        if s is None or s.route[-1] != w.worker_id or msg.step != s.next_step:
+            return []
+        first = msg.step == 0
+        s.next_step += 1
+        s.last_active = now
+        self.stats.tokens += 1
+        client, sid = s.key
+        token = Token(
+            session=sid,
+            request_id=s.request_id,
+            step=msg.step,
+            token=msg.token,
+            finish=msg.finish,
+            route=tuple(s.route) if first else None,
+            boot=self.boot if first else None,
+        )
+        out = [Out(False, client, token)]
+        if msg.finish is not None:
+            with bind_request(s.request_id, sid):
+                log.info("session finished", finish=msg.finish.value, tokens=msg.step + 1)
+            return out + self._end(s, now, failed=False, tell_client=False)
+        stage0 = self.registry.workers.get(s.route[0])
+        if stage0 is not None:
+            step = Step(
+                session=s.wire,
+                attempt=s.attempt,
+                request_id=s.request_id,
+                step=msg.step + 1,
+                token=msg.token,
+                group=msg.group,  # the next forward at stage 0 waits for its whole group
+            )
+            out.append(Out(True, stage0.identity, step))
+        return out
+
+    def on_worker_error(self, w: WorkerEntry, msg: Error, now: float) -> list[Out]:
+        s = self._session_of(w, msg.session, msg.attempt)
+        if s is None:
+            log.warning("worker error", worker=w.worker_id, code=msg.code.value)
+            return []
+        with bind_request(s.request_id, s.key[1]):
+            if msg.code is ErrorCode.FULL and not s.streamed:
+                # The worker had no room after all: undo, skip it a while, retry now while
+                # full_until still steers the route away from it.
+                log.info("worker full; request requeued", worker=w.worker_id)
+                w.full_until = now + self.full_backoff
+                return self._requeue(s, now)
+            log.warning("session failed on worker", worker=w.worker_id, code=msg.code.value)
+            return self._end(s, now, failed=True, code=msg.code, text=msg.message)
+
+    def worker_lost(self, worker_id: str, reason: str, now: float) -> list[Out]:
+        """A worker left or stopped answering (the registry already forgot it)."""
+        out: list[Out] = []
+        for s in [s for s in self.sessions.values() if worker_id in s.route]:
+            with bind_request(s.request_id, s.key[1]):
+                if not s.streamed:
+                    # No token reached the client: it loses nothing if the request starts
+                    # again on another route.
+                    log.info("worker lost before the first token; request requeued")
+                    out += self._requeue(s, now, dispatch=False)
+                    continue
+                log.warning("session failed: worker lost", worker=worker_id)
+                out += self._end(s, now, failed=True, code=ErrorCode.WORKER_LOST, text=reason)
+        return out + self.dispatch(now)
+
+    # -- time ------------------------------------------------------------------
+    def tick(self, now: float, no_route_reason: str) -> list[Out]:
+        """Queue timeouts, inactivity deadlines, then whatever can now be routed."""
+        out: list[Out] = []
+        while self.queue and now - self.queue[0].enqueued > self.queue_timeout:
+            p = self.queue.popleft()
+            with bind_request(p.open.request_id, p.open.session):
+                log.warning("request failed in queue", code=ErrorCode.NO_CAPACITY.value)
+            code = ErrorCode.NO_CAPACITY
+            out.append(
+                self._to_client(p.client, p.open.session, p.open.request_id, code, no_route_reason)
+            )
+        for s in [s for s in self.sessions.values() if now - s.last_active > self.session_timeout]:
+            with bind_request(s.request_id, s.key[1]):
+                log.warning("session timed out", idle_s=round(now - s.last_active, 1))
+            out += self._end(
+                s,
+                now,
+                failed=True,
+                code=ErrorCode.TIMEOUT,
+                text=f"no progress from the route for {self.session_timeout:g}s",
+            )
+        return out + self.dispatch(now)
+
+    # -- endings ---------------------------------------------------------------
+    def fail(self, s: Session, now: float, code: ErrorCode, text: str) -> list[Out]:
+        """End a session with an error its client is told."""
+        return self._end(s, now, failed=True, code=code, text=text)
+
+    def _release(self, s: Session) -> list[Out]:
+        """Forget an attempt and free its caches on every stage of its route."""
+        self.sessions.pop(s.key, None)
+        self.by_wire.pop(s.wire, None)
+        self.registry.release(s.route, s.wire, s.request.max_len)
+        close = Close(session=s.wire, attempt=s.attempt, request_id=s.request_id)
         return [
-            {"layers": [a, b], "workers": sorted(ws)} for (a, b), ws in sorted(by_range.items())
+            Out(True, w.identity, close)
+            for wid in s.route
+            if (w := self.registry.workers.get(wid)) is not None
         ]
+
+    def _requeue(self, s: Session, now: float, dispatch: bool = True) -> list[Out]:
+        out = self._release(s)
+        if s.attempt >= MAX_ATTEMPTS:
+            self.stats.failed += 1
+            text = f"no route took the request in {MAX_ATTEMPTS} attempts"
+            client, sid = s.key
+            return [*out, self._to_client(client, sid, s.request_id, ErrorCode.NO_CAPACITY, text)]
+        self.queue.appendleft(s.request)  # ahead of newer requests
+        return out + self.dispatch(now) if dispatch else out
+
+    def _end(
+        self,
+        s: Session,
+        now: float,
+        *,
+        failed: bool,
+        code: ErrorCode = ErrorCode.INTERNAL,
+        text: str = "",
+        tell_client: bool = True,
+    ) -> list[Out]:
+        out = self._release(s)
+        if failed:
+            self.stats.failed += 1
+        else:
+            self.stats.finished += 1
+        if tell_client:
+            client, sid = s.key
+            out.append(self._to_client(client, sid, s.request_id, code, text))
+        return out + self.dispatch(now)
+
+    @staticmethod
+    def _to_client(client: bytes, session: str, request_id: str, code: ErrorCode, text: str) -> Out:
+        return Out(False, client, Error.of(code, text, session, request_id=request_id))

@@ -52,7 +52,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
     from zmqllm.config import split_layers
     from zmqllm.engine.generator import Generator
-    from zmqllm.engine.sampling import SamplingParams
+    from zmqllm.sampling_params import SamplingParams
     from zmqllm.tokenizer import Tokenizer
 
     if ns.threads:
@@ -77,7 +77,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         return 2
     bounds = None
     if ns.stages > 1:
-        from zmqllm.engine.args import ModelArgs
+        from zmqllm.model_args import ModelArgs
 
         bounds = split_layers(ModelArgs.from_dir(model_dir).num_layers, ns.stages)
     gen = Generator(model_dir, bounds, dtype=ns.dtype, device=ns.device)

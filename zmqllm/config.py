@@ -86,7 +86,26 @@ class BrokerSettings:
     heartbeat_liveness: int = 3  # missed intervals before a peer counts as dead
     queue_size: int = 256  # sessions waiting for a route
     queue_timeout: float = 30.0  # seconds a session may wait for a route
-    max_message_bytes: int = 1 << 30
+    # Seconds a session may go without any message from its route before it is failed
+    # and freed everywhere (a lost message must not hold a slot or a KV reservation).
+    # Longer than the longest forward: a 2048-token prefill of a 7B model on a CPU.
+    session_timeout: float = 120.0
+    # Largest message on the backend: activations of a prefill chunk (prefill_chunk x
+    # hidden x 4 bytes for fp32); a peer sending more is disconnected by ZeroMQ.
+    max_message_bytes: int = 256 << 20
+    # Largest message on the frontend: an OPEN carries 4 bytes per prompt token.
+    frontend_max_message_bytes: int = 16 << 20
+    # Messages queued to one peer before it counts as not reading: its sessions fail
+    # (slow_consumer) instead of the broker waiting for it.
+    peer_queue: int = 10000
+    # Most workers registered at once; a REGISTER past it is refused.
+    max_workers: int = 1024
+    # Most distinct layer ranges (pools) at once; a REGISTER adding one more is refused.
+    max_ranges: int = 512
+    # A model digest (the fingerprint every worker of that model sends in REGISTER): only
+    # workers of that model are admitted, even into an empty cluster. "" = the first
+    # worker to register defines the model until the last one leaves.
+    model_fingerprint: str = ""
 
 
 @dataclass
@@ -398,8 +417,20 @@ def _check_model(s: ModelSettings, where: str) -> ModelSettings:
 def _check_broker(s: BrokerSettings, where: str) -> BrokerSettings:
     _check_endpoint("frontend", s.frontend, where)
     _check_endpoint("backend", s.backend, where)
-    _check_positive(s, ("heartbeat_interval", "queue_timeout"), where)
-    _check_positive(s, ("heartbeat_liveness", "queue_size", "max_message_bytes"), where)
+    _check_positive(s, ("heartbeat_interval", "queue_timeout", "session_timeout"), where)
+    _check_positive(
+        s,
+        (
+            "heartbeat_liveness",
+            "queue_size",
+            "max_message_bytes",
+            "frontend_max_message_bytes",
+            "peer_queue",
+            "max_workers",
+            "max_ranges",
+        ),
+        where,
+    )
     return s
 
 

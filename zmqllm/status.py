@@ -8,28 +8,63 @@ from typing import Any
 
 import zmq
 
-from zmqllm.protocol import Header, MsgType, ProtocolError, decode, encode
+from zmqllm.bus import recv_bounded
+from zmqllm.messages import MAX_STATUS_BYTES
+from zmqllm.protocol import (
+    MAX_FRAMES,
+    Error,
+    ErrorCode,
+    ProtocolError,
+    SessionError,
+    Status,
+    StatusReply,
+    decode,
+    encode,
+)
+
+__all__ = ["fetch_status", "format_status"]
 
 
 def fetch_status(address: str, timeout: float = 3.0) -> dict[str, Any]:
-    """One STATUS round trip over a fresh DEALER (synchronous, for the CLI and tests)."""
+    """One STATUS round trip over a fresh DEALER (synchronous, for the CLI and tests).
+
+    TimeoutError when no answer comes within ``timeout``; SessionError when the broker
+    answers with an ERROR or with a status that cannot be read.
+    """
     ctx: zmq.Context = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    # A status body is the largest frame a broker sends here; more cuts the peer off.
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_STATUS_BYTES)
+    deadline = time.monotonic() + timeout
+    sock.setsockopt(zmq.SNDTIMEO, max(1, round(timeout * 1000)))
     try:
         sock.connect(address)
         key = uuid.uuid4().hex
-        sock.send_multipart(encode(Header(MsgType.STATUS, request_id=key)))
-        deadline = time.monotonic() + timeout
+        try:
+            sock.send_multipart(encode(Status(request_id=key)))
+        except zmq.Again:
+            raise TimeoutError(
+                f"could not reach a broker at {address} within {timeout:g}s"
+            ) from None
         # One deadline for the whole wait: unrelated messages must not extend it.
         while sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            frames = recv_bounded(sock, MAX_FRAMES)
             try:
-                h, _ = decode(sock.recv_multipart())
+                msg = decode(frames, max_payload_bytes=MAX_STATUS_BYTES) if frames else None
             except ProtocolError:
                 continue
-            if h.type is MsgType.STATUS_REPLY and h.request_id == key:
-                status: dict[str, Any] = h.fields["status"]
-                return status
+            if msg is None or msg.request_id != key:
+                continue
+            if isinstance(msg, Error):
+                raise SessionError(msg.code, msg.message)
+            if isinstance(msg, StatusReply):
+                try:
+                    return msg.status()
+                except ProtocolError as exc:
+                    raise SessionError(
+                        ErrorCode.INTERNAL, f"unreadable status from the broker: {exc}"
+                    ) from None
         raise TimeoutError(f"no answer from a broker at {address} within {timeout:g}s")
     finally:
         sock.close(linger=0)
@@ -42,6 +77,37 @@ def _table(rows: list[list[str]], headers: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _worker_row(w: Any) -> list[str]:
+    a, b = w["layers"]
+    stats = w.get("stats") or {}
+    return [
+        str(w["id"]),
+        f"{a}:{b}",
+        f"{w['sessions']}/{w['capacity']}",
+        f"{w['kv_tokens_reserved']}/{w['max_kv_tokens']}",
+        f"{w['load']:.2f}",
+        str(stats.get("mean_batch", "-")),
+        f"{w['last_heartbeat_s']:.1f}s",
+        "draining" if w.get("draining") else "serving",
+    ]
+
+
+def _pool_row(p: Any) -> list[str]:
+    a, b = p["layers"]
+    return [f"{a}:{b}", ", ".join(str(w) for w in p["workers"])]
+
+
+def _rows(items: Any, make: Any, width: int) -> list[list[str]]:
+    """Table rows; an entry of another shape (an older or newer broker) shows as "?"."""
+    rows = []
+    for item in items if isinstance(items, list) else []:
+        try:
+            rows.append(make(item))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            rows.append(["?"] * width)
+    return rows
+
+
 def format_status(st: dict[str, Any]) -> str:
     out = [
         f"broker {st.get('boot', '?')}  zmqllm {st.get('version', '?')}  "
@@ -51,33 +117,16 @@ def format_status(st: dict[str, Any]) -> str:
         "",
         "workers",
     ]
-    rows = []
-    for w in st.get("workers", []):
-        a, b = w["layers"]
-        stats = w.get("stats", {})
-        rows.append(
-            [
-                w["id"],
-                f"{a}:{b}",
-                f"{w['sessions']}/{w['capacity']}",
-                f"{w['kv_tokens_reserved']}/{w['max_kv_tokens']}",
-                f"{w['load']:.2f}",
-                str(stats.get("mean_batch", "-")),
-                f"{w['last_heartbeat_s']:.1f}s",
-                "draining" if w.get("draining") else "serving",
-            ]
-        )
     headers = ["id", "layers", "sessions", "kv tokens", "load", "mean batch", "heartbeat", "state"]
+    rows = _rows(st.get("workers"), _worker_row, len(headers))
     out.append(_table(rows, headers) if rows else "  (none)")
     out += ["", "pools"]
-    pools = [
-        [f"{p['layers'][0]}:{p['layers'][1]}", ", ".join(p["workers"])] for p in st.get("pools", [])
-    ]
+    pools = _rows(st.get("pools"), _pool_row, 2)
     out.append(_table(pools, ["layers", "workers"]) if pools else "  (none)")
-    routes = [" -> ".join(r) for r in st.get("routes", [])]
+    routes = _rows(st.get("routes"), lambda r: [" -> ".join(str(p) for p in r)], 1)
     out += ["", "routes (chains of pools covering every layer)"]
-    out += [f"  {r}" for r in routes] if routes else ["  (none)"]
-    counters = st.get("counters", {})
-    if counters:
+    out += [f"  {r[0]}" for r in routes] if routes else ["  (none)"]
+    counters = st.get("counters")
+    if isinstance(counters, dict) and counters:
         out += ["", "  ".join(f"{k} {v}" for k, v in counters.items())]
     return "\n".join(out)

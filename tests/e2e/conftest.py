@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("fastapi")
 
-from zmqllm.local_cluster import Cluster
+from zmqllm.local_cluster import Cluster, Proc
 
 
 @pytest.fixture(scope="session")
@@ -76,3 +78,53 @@ def fresh_cluster(tmp_path: Path, e2e_model: Path) -> Iterator[Cluster]:
         yield c
     finally:
         c.stop()
+
+
+@dataclass
+class ConfiguredCluster(Cluster):
+    """A Cluster whose processes all read one TOML config (settings the flags of
+    ``Cluster`` do not reach: the broker's peer_queue, the gateway's max_concurrent...).
+    Flags still win over the file, as on the command line."""
+
+    config: str = ""
+
+    def _start(self, name: str, args: list[str]) -> Proc:
+        if self.config:
+            path = self.root / "cluster.toml"
+            path.write_text(self.config)
+            args = [*args, "--config", str(path)]
+        return super()._start(name, args)
+
+
+@pytest.fixture(scope="session")
+def greedy_ids(e2e_model: Path) -> Callable[..., list[int]]:
+    """HF MistralForCausalLM greedy token ids for prompt ids; ``stop_at_eos=False`` is the
+    reference for ``ignore_eos`` requests (exactly ``max_tokens`` ids). Cached: several
+    tests and streams share prompts, and HF generate costs ~10 ms a token here."""
+    import torch
+    from transformers import MistralForCausalLM
+
+    from zmqllm.tokenizer import Tokenizer
+
+    model = MistralForCausalLM.from_pretrained(e2e_model).eval()
+    eos = sorted(Tokenizer.from_dir(e2e_model).eos_token_ids)
+
+    @functools.cache
+    def generate(ids: tuple[int, ...], max_tokens: int, stop_at_eos: bool) -> tuple[int, ...]:
+        x = torch.tensor([ids])
+        out = model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            # None (not []): generate then ignores the checkpoint's EOS as ignore_eos does,
+            # where min_new_tokens would forbid EOS and change the argmax.
+            eos_token_id=eos if stop_at_eos else None,
+            pad_token_id=0,
+        )
+        return tuple(out[0, len(ids) :].tolist())
+
+    def greedy(ids: Sequence[int], max_tokens: int, stop_at_eos: bool = True) -> list[int]:
+        return list(generate(tuple(ids), max_tokens, stop_at_eos))
+
+    return greedy

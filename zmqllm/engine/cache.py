@@ -2,16 +2,18 @@
 
 A session's cache is allocated once, when it opens, for its whole length
 (prompt + max_tokens are both known then), and written in place: the decode
-loop never grows a tensor by concatenation.
+loop never grows a tensor by concatenation. The memory a new session's cache competes
+with is measured here too (resident memory, or the cuda allocator's).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
-from zmqllm.engine.args import ModelArgs
+from zmqllm.model_args import ModelArgs
 
 
 class CacheFullError(RuntimeError):
@@ -137,3 +139,31 @@ class CachePool:
             max_sessions=self.max_sessions,
             max_tokens=self.max_tokens,
         )
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process now (Linux /proc; the peak elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def memory_in_use(device: torch.device) -> int:
+    """What a new session's cache competes with: allocated GPU memory, or RSS on the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    return rss_bytes()
+
+
+def cuda_memory(device: torch.device) -> dict[str, int]:
+    """On cuda, what the caching allocator holds: an out-of-memory shard shows here first."""
+    if device.type != "cuda":
+        return {}
+    return {
+        "cuda_allocated_bytes": int(torch.cuda.memory_allocated(device)),
+        "cuda_reserved_bytes": int(torch.cuda.memory_reserved(device)),
+    }

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from zmqllm.engine.args import ModelArgs
+from zmqllm.model_args import ModelArgs
 from zmqllm.engine.cache import CachePool
 from zmqllm.engine.model import MistralShard, Segment
 from zmqllm.engine.sampling import SamplingParams, sample

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zmqllm.engine.args import ModelArgs
+from zmqllm.model_args import ModelArgs
 from zmqllm.engine.cache import KVCache
 
 # Row counts for which `linear` multiplies as W @ x^T on the CPU (see there).

@@ -3,12 +3,17 @@
 Each call of :meth:`Stage.run` takes the work that is ready (decode steps of
 every session, and prefill chunks up to a token budget) and runs it as ONE
 batched forward over the shard. Sessions join and leave between calls.
+
+Sessions are keyed by an opaque string (the worker uses ``"<session>/<attempt>"``).
+Work is validated when it arrives, before any tensor op sees it: a token id outside the
+vocabulary, a hidden state of the wrong shape or dtype, a step out of order or for an
+unknown session raises :class:`BadWork`, which costs that session alone. A forward that
+raises anyway raises :class:`BatchFailed` naming the sessions that were in it.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -16,14 +21,34 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from zmqllm.engine.cache import CacheFullError, CachePool, KVCache
+from zmqllm.engine.cache import (
+    CacheFullError,
+    CachePool,
+    KVCache,
+    cuda_memory,
+    memory_in_use,
+    rss_bytes,
+)
 from zmqllm.engine.model import MistralShard, Segment
 from zmqllm.engine.sampling import SamplingParams, sample
+from zmqllm.messages import Finish
 
 # How long ready work may wait for more sessions while the cores are free (see
 # Stage.coalesce_wait; time another stage spends computing does not count, up to
 # the worker's LOCK_WAIT_MAX_S): a safety net, far above one forward of a shard.
 COALESCE_MAX_S = 0.25
+
+
+class BadWork(ValueError):
+    """A step or activation this stage cannot run; the session it names must fail."""
+
+
+class BatchFailed(RuntimeError):
+    """A forward raised; ``keys`` are the sessions that were in its batch."""
+
+    def __init__(self, keys: list[str], cause: BaseException) -> None:
+        super().__init__(f"forward of {len(keys)} sessions failed: {type(cause).__name__}")
+        self.keys = keys
 
 
 @dataclass
@@ -39,6 +64,9 @@ class SessionState:
     prompt_step: int = 0
     opened: float = field(default_factory=time.monotonic)
     next_hop: str = ""  # the worker its results go to next (the worker groups by it)
+    # The decode step this stage expects next; 0 while the prompt is still coming
+    # (stage 0: until its last chunk runs; later stages: until the final chunk arrives).
+    next_step: int = 0
 
 
 @dataclass
@@ -58,7 +86,7 @@ class Output:
     final: bool
     hidden: torch.Tensor | None = None  # [n, hidden] for the next stage
     token: int | None = None  # last stage: the sampled token
-    finish: str | None = None  # last stage: "stop", "length" or None
+    finish: Finish | None = None  # last stage: why the session ends here, if it does
 
 
 @dataclass
@@ -110,13 +138,26 @@ class Stage:
         stop_ids: frozenset[int],
         prompt: np.ndarray | None = None,
     ) -> SessionState:
-        """Reserve the session's cache (raises CacheFullError when there is no room)."""
+        """Reserve the session's cache. Raises CacheFullError when there is no room and
+        ValueError for a request this stage cannot serve (stage 0 needs the prompt's
+        token ids, each in [0, vocab_size); later stages take none)."""
+        if session in self.sessions:
+            raise ValueError("session is already open on this stage")
+        if self.shard.is_first:
+            if prompt is None or prompt.ndim != 1 or prompt.size == 0:
+                raise ValueError("stage 0 needs the prompt as one int32 array of token ids")
+            if int(prompt.min()) < 0 or int(prompt.max()) >= self.shard.args.vocab_size:
+                raise ValueError("prompt token ids must be in [0, vocab_size)")
+            if prompt.size >= max_len:
+                raise ValueError(f"a prompt of {prompt.size} tokens leaves no room in {max_len}")
+        elif prompt is not None:
+            raise ValueError("only stage 0 takes the prompt's token ids")
         if self.max_memory:
             itemsize = torch.empty((), dtype=self.shard.dtype).element_size()
             need = max_len * self.shard.args.kv_bytes_per_token(
                 self.shard.num_local_layers, itemsize
             )
-            used = self._memory_in_use()
+            used = memory_in_use(self.shard.device)
             if used + need > self.max_memory:
                 raise CacheFullError(
                     f"stage memory: {used >> 20} MiB in use + {need >> 20} MiB for this "
@@ -141,22 +182,63 @@ class Stage:
         for sid in list(self.sessions):
             self.close(sid)
 
-    def step(self, session: str, step: int, token: int) -> bool:
+    def step(self, session: str, step: int, token: int) -> None:
         """Stage 0: the next decode step of a session (its previous token)."""
-        s = self.sessions.get(session)
-        if s is None:
-            return False
+        s = self._known(session)
+        if not self.shard.is_first:
+            raise BadWork("only stage 0 takes decode steps")
+        if not 0 <= token < self.shard.args.vocab_size:
+            raise BadWork(f"token id {token} is not in [0, {self.shard.args.vocab_size})")
+        if s.next_step == 0:
+            raise BadWork("a decode step for a session still in prefill")
+        self._check_step(s, step)
+        self._check_room(s, 1)
+        s.next_step += 1
         self._ready.append(Work(s, step, torch.tensor([token], dtype=torch.long), True))
-        return True
 
-    def activation(self, session: str, step: int, hidden: torch.Tensor, final: bool) -> bool:
-        """Later stages: hidden states from the previous stage ([n, hidden], a
-        view on the received frame: used within this turn, never kept)."""
+    def activation(self, session: str, step: int, hidden: torch.Tensor, final: bool) -> None:
+        """Later stages: hidden states from the previous stage ([n, hidden] on the CPU, a
+        view on the received frame: only read, and moved to the shard's device here)."""
+        s = self._known(session)
+        if self.shard.is_first:
+            raise BadWork("stage 0 takes token ids, not activations")
+        hidden_size = self.shard.args.hidden_size
+        if hidden.ndim != 2 or hidden.shape[1] != hidden_size:
+            raise BadWork(f"hidden states {tuple(hidden.shape)}, expected [n, {hidden_size}]")
+        n = hidden.shape[0]
+        if not 1 <= n <= self.prefill_chunk:
+            raise BadWork(f"{n} rows, expected 1 to {self.prefill_chunk}")
+        if hidden.dtype != self.shard.dtype:
+            raise BadWork(f"hidden states of {hidden.dtype}, this stage runs {self.shard.dtype}")
+        if s.next_step == 0:  # prompt chunks: all step 0, the last one final
+            if step != 0:
+                raise BadWork(f"step {step} before the prompt's last chunk")
+        else:
+            if n != 1 or not final:
+                raise BadWork("a decode step carries one final row")
+            self._check_step(s, step)
+        self._check_room(s, n)
+        if s.next_step or final:
+            s.next_step += 1
+        self._ready.append(Work(s, step, hidden.to(self.shard.device), final))
+
+    def _known(self, session: str) -> SessionState:
         s = self.sessions.get(session)
         if s is None:
-            return False
-        self._ready.append(Work(s, step, hidden, final))
-        return True
+            raise BadWork("no such session on this stage")
+        return s
+
+    @staticmethod
+    def _check_step(s: SessionState, step: int) -> None:
+        if step != s.next_step:
+            raise BadWork(f"step {step}, expected {s.next_step}")
+        if step >= s.max_tokens:
+            raise BadWork(f"step {step} past max_tokens {s.max_tokens}")
+
+    def _check_room(self, s: SessionState, n: int) -> None:
+        queued = sum(w.inputs.shape[0] for w in self._ready if w.session is s)
+        if s.cache.length + queued + s.prompt_left.size + n > s.cache.max_len:
+            raise BadWork(f"{n} more tokens overflow a cache of {s.cache.max_len}")
 
     # -- running ---------------------------------------------------------------
     def has_work(self) -> bool:
@@ -220,19 +302,27 @@ class Stage:
                 n = min(budget, s.prompt_left.size)
                 chunk, s.prompt_left = s.prompt_left[:n], s.prompt_left[n:]
                 final = s.prompt_left.size == 0
+                if final:
+                    s.next_step = 1  # its first token comes from this forward
                 batch.append(Work(s, 0, torch.from_numpy(chunk), final))
                 seen.add(s.id)
                 budget -= n
         return batch
 
     def run(self) -> list[Output]:
+        """One batched forward of the ready work. Raises BatchFailed if the forward
+        does (its sessions must fail; the others are untouched). A row that cannot be
+        sampled fails its own session (see ``failed``)."""
         batch = self._take_batch()
         if not batch:
             return []
         segs = [Segment(w.session.cache, w.inputs.shape[0]) for w in batch]
-        x = torch.cat([w.inputs for w in batch]) if len(batch) > 1 else batch[0].inputs
         t0 = time.perf_counter()
-        out = self.shard(x, segs)
+        try:
+            x = torch.cat([w.inputs for w in batch]) if len(batch) > 1 else batch[0].inputs
+            out = self.shard(x, segs)
+        except Exception as exc:
+            raise BatchFailed([w.session.id for w in batch], exc) from exc
         dt = time.perf_counter() - t0
         st = self.stats
         st.forwards += 1
@@ -242,36 +332,38 @@ class Stage:
         st.batch_sum += len(batch)
         st.forward_s += dt
         st.last_forward_ms = dt * 1e3
+        outputs = []
         if not self.shard.is_last:
-            outputs = []
             off = 0
             for w, seg in zip(batch, segs, strict=True):
-                outputs.append(
-                    Output(
-                        w.session.id, w.session.request_id, w.step, w.final, out[off : off + seg.n]
-                    )
-                )
+                s = w.session
+                hidden = out[off : off + seg.n]
+                outputs.append(Output(s.id, s.request_id, w.step, w.final, hidden))
                 off += seg.n
             return outputs
         logits = out.numpy()  # [B, vocab] float32
-        outputs = []
         for row, w in enumerate(batch):
             if not w.final:
                 continue  # a prompt chunk that is not the last: nothing to sample yet
             s = w.session
-            token = sample(logits[row], s.sampling, w.step)
+            try:
+                token = sample(logits[row], s.sampling, w.step)
+            except ValueError as exc:  # e.g. NaN logits: this row's session only
+                self.failed.append((s.id, s.request_id, f"sampling failed: {exc}"))
+                continue
             finish = None
             if token in s.stop_ids:
-                finish = "stop"
+                finish = Finish.STOP
             elif w.step + 1 >= s.max_tokens:
-                finish = "length"
+                finish = Finish.LENGTH
             outputs.append(Output(s.id, s.request_id, w.step, True, token=token, finish=finish))
         return outputs
 
     def warmup(self) -> None:
         """One small forward through the shard, so the first request is not slow."""
         sid = "__warmup__"
-        self.open(sid, "", 8, 1, SamplingParams(), frozenset())
+        prompt = np.asarray([1, 2], np.int32) if self.shard.is_first else None
+        self.open(sid, "", 8, 1, SamplingParams(), frozenset(), prompt)
         try:
             if self.shard.is_first:
                 x = torch.tensor([1, 2], dtype=torch.long)
@@ -296,31 +388,5 @@ class Stage:
             "last_forward_ms": round(st.last_forward_ms, 3),
             "busy_s": round(st.forward_s, 4),  # total time in forwards: utilisation
             "rss_bytes": rss_bytes(),
-            **self._cuda_memory(),
+            **cuda_memory(self.shard.device),
         }
-
-    def _memory_in_use(self) -> int:
-        if self.shard.device.type == "cuda":
-            return int(torch.cuda.memory_allocated(self.shard.device))
-        return rss_bytes()
-
-    def _cuda_memory(self) -> dict[str, int]:
-        """On cuda, what the caching allocator holds: an out-of-memory shard shows here first."""
-        dev = self.shard.device
-        if dev.type != "cuda":
-            return {}
-        return {
-            "cuda_allocated_bytes": int(torch.cuda.memory_allocated(dev)),
-            "cuda_reserved_bytes": int(torch.cuda.memory_reserved(dev)),
-        }
-
-
-def rss_bytes() -> int:
-    """Resident memory of this process now (Linux /proc; the peak elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        import resource
-
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

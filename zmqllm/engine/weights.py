@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from zmqllm.engine.args import ModelArgs
+from zmqllm.model_args import ModelArgs
 from zmqllm.tokenizer import MODEL_FILES
 
 INDEX_FILE = "model.safetensors.index.json"

@@ -2,16 +2,18 @@
 
 The gateway codes against these shapes rather than importing ``zmqllm.client``, so its
 tests drive it with an in-process fake and the HTTP layer never depends on ZeroMQ
-sockets. ``zmqllm.client.BrokerClient`` satisfies them.
+sockets. ``zmqllm.client.BrokerClient`` satisfies them; failures are
+``messages.SessionError`` (a socket-free module), with an ``ErrorCode``.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Protocol
 
-from zmqllm.engine.sampling import SamplingParams
+from zmqllm.messages import SessionError
+from zmqllm.sampling_params import SamplingParams
 
 __all__ = [
     "BrokerClientLike",
@@ -65,6 +67,11 @@ class BrokerClientLike(Protocol):
     @property
     def connected(self) -> bool: ...
 
+    @property
+    def dropped(self) -> Mapping[str, int]:
+        """Messages from the broker the client dropped or failed on, by reason (/metrics)."""
+        ...
+
     def generate(
         self,
         *,
@@ -79,14 +86,11 @@ class BrokerClientLike(Protocol):
 
 
 def broker_error_fields(exc: BaseException) -> tuple[str, str] | None:
-    """``(code, message)`` if ``exc`` is a broker failure, else None.
+    """``(code, message)`` if ``exc`` is a generation failure the client reported, else None.
 
-    A broker failure is any exception carrying string ``code`` and ``message`` attributes
-    (``zmqllm.client.BrokerError`` does). Matching the shape instead of the class keeps this
-    package free of the socket-level client.
+    The client raises ``messages.SessionError``, whose code is an ``ErrorCode``; the code
+    comes back as its plain string value, the word logs and JSON error bodies carry.
     """
-    code = getattr(exc, "code", None)
-    message = getattr(exc, "message", None)
-    if isinstance(code, str) and isinstance(message, str):
-        return code, message
+    if isinstance(exc, SessionError):
+        return exc.code.value, exc.message
     return None

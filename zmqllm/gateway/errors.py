@@ -17,6 +17,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from zmqllm.messages import ErrorCode
+
 __all__ = [
     "CLIENT_CLOSED",
     "RETRY_AFTER_S",
@@ -34,13 +36,23 @@ RETRY_AFTER_S = 1
 # nginx's convention for "client closed the request": only ever seen in our own log line.
 CLIENT_CLOSED = 499
 
-# How a broker error code maps to an HTTP status when it arrives before the first token.
-# Anything not listed (no_capacity, broker_unreachable, worker_lost) is a temporary lack
-# of service: 503 with Retry-After.
-# "busy": the broker's queue is full: back off and retry (429, like the gateway's own limit).
-# "timeout": the gateway's own first-token deadline passed (504, as a proxy answers an
-# upstream that did not).
-_BROKER_STATUS = {"bad_request": 400, "internal": 500, "busy": 429, "timeout": 504}
+# The HTTP answer to a failed generation that sent nothing yet, by its code. 503 and 429
+# carry Retry-After: the cluster lacks capacity for now (no route, a worker lost, the
+# broker unreachable or behind on our messages, its queue full), and trying again shortly
+# is the right move. A deadline that passed upstream is a 504. A code this gateway does
+# not know (a newer broker's) is a temporary lack of service: 503.
+_BROKER_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.BAD_REQUEST: 400,
+    ErrorCode.BUSY: 429,
+    ErrorCode.INTERNAL: 500,
+    ErrorCode.TIMEOUT: 504,
+    ErrorCode.NO_CAPACITY: 503,
+    ErrorCode.FULL: 503,
+    ErrorCode.WORKER_LOST: 503,
+    ErrorCode.BROKER_UNREACHABLE: 503,
+    ErrorCode.SLOW_CONSUMER: 503,
+    ErrorCode.CANCELLED: 503,
+}
 
 
 class APIError(Exception):
@@ -78,14 +90,17 @@ def error_payload(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def broker_failure(code: str, message: str) -> APIError:
-    """The answer to a broker error that arrived before any token was sent."""
-    status = _BROKER_STATUS.get(code, 503)
+def broker_failure(code: ErrorCode | str, message: str) -> APIError:
+    """The answer to a generation failure (``code`` an ErrorCode or its value) that
+    arrived before any token was sent."""
+    word = code.value if isinstance(code, ErrorCode) else str(code)
+    try:
+        status = _BROKER_STATUS[ErrorCode(word)]
+    except ValueError:
+        status = 503
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
     kind = "rate_limit_error" if status == 429 else None
-    if kind:
-        return APIError(status, message, code=code, headers=headers, type=kind)
-    return APIError(status, message, code=code, headers=headers)
+    return APIError(status, message, code=word, headers=headers, type=kind)
 
 
 def _field_path(loc: Sequence[int | str]) -> str:

@@ -83,6 +83,15 @@ class ClusterCollector(Collector):
             c = CounterMetricFamily(f"zmqllm_broker_{key}", f"Broker counter {key}")
             c.add_metric([], float(value))
             yield c
+        dropped = CounterMetricFamily(
+            "zmqllm_broker_dropped_messages_by_reason",
+            "Messages the broker dropped and handler errors, by reason (side:what)",
+            labels=["reason"],
+        )
+        for reason, value in sorted(st.get("dropped", {}).items()):
+            if isinstance(value, int | float):
+                dropped.add_metric([str(reason)], float(value))
+        yield dropped
         labels = ["worker", "layers"]
         gauges = {k: GaugeMetricFamily(n, t, labels=labels) for k, n, t in _WORKER_GAUGES}
         counters = {k: CounterMetricFamily(n, t, labels=labels) for k, n, t in _WORKER_COUNTERS}

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 
 import anyio
 
-from zmqllm.engine.sampling import SamplingParams
 from zmqllm.gateway.backend import BrokerClientLike, broker_error_fields
 from zmqllm.log import bind_request, get_logger, new_request_id
+from zmqllm.sampling_params import SamplingParams
 
 __all__ = ["Readiness"]
 

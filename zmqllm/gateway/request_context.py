@@ -7,7 +7,6 @@ streamed responses and of seeing a client disconnect.
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,12 +18,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from zmqllm.gateway.errors import APIError
 from zmqllm.gateway.streaming import TextStream
 from zmqllm.log import bind_request, get_logger, new_request_id
+from zmqllm.protocol import is_valid_id
 
 __all__ = ["REQUEST_ID_HEADER", "RequestContextMiddleware", "RequestRecord", "record_of"]
 
 REQUEST_ID_HEADER = "X-Request-ID"
-# Ids travel in log lines and ZeroMQ headers: keep them short and free of odd characters.
-_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _STATE_KEY = "zmqllm_record"
 # Probes hit these every second or two; their lines would drown the real traffic.
 _QUIET_PATHS = frozenset({"/health", "/ready"})
@@ -34,7 +32,8 @@ log = get_logger("zmqllm.gateway")
 
 def pick_request_id(given: str | None) -> str:
     """The client's id if it is safe to log and forward, else a fresh one."""
-    if given is not None and _REQUEST_ID_RE.fullmatch(given):
+    # Ids travel in log lines and on the bus, where only this pattern is accepted.
+    if given is not None and is_valid_id(given):
         return given
     return new_request_id()
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import uvicorn
 
 from zmqllm.config import Config, ConfigError, ModelSettings, resolve_model_path, served_model_name
-from zmqllm.engine.args import ModelArgs
 from zmqllm.gateway.app import create_app
 from zmqllm.gateway.http_server import uvicorn_config
 from zmqllm.log import configure_logging, get_logger
+from zmqllm.model_args import ModelArgs
 from zmqllm.tokenizer import MODEL_FILES, Tokenizer
 
 __all__ = ["META_FILES", "model_files_dir", "serve"]

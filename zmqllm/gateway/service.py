@@ -16,12 +16,12 @@ import anyio
 from starlette.requests import Request
 
 from zmqllm.config import GatewaySettings
-from zmqllm.engine.sampling import SamplingParams
 from zmqllm.gateway.admission import Admission, ClientGone, QueueFull, QueueTimeout
 from zmqllm.gateway.backend import BrokerClientLike, broker_error_fields
 from zmqllm.gateway.errors import CLIENT_CLOSED, RETRY_AFTER_S, APIError, broker_failure
 from zmqllm.gateway.request_context import RequestRecord
 from zmqllm.gateway.streaming import GenerationError, TextStream
+from zmqllm.sampling_params import SamplingParams
 from zmqllm.tokenizer import ChatTemplateError, Tokenizer
 
 __all__ = ["GatewayService", "GenerationPlan", "client_disconnected", "service_of"]

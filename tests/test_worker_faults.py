@@ -1,0 +1,54 @@
+"""Fault counters and their rate-limited log."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import zmqllm.worker_faults as faults_module
+from zmqllm.worker_faults import FAULT_REASONS, Faults, describe
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, dict[str, Any]]] = []
+
+    def warning(self, event: str, **fields: Any) -> None:
+        self.lines.append((event, fields))
+
+
+def fail_with(secret: str) -> BaseException:
+    try:
+        raise ValueError("x" * 500)
+    except ValueError as exc:
+        return exc
+
+
+def test_every_fault_is_counted_but_only_a_few_lines_a_second_are_logged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [100.0]
+    monkeypatch.setattr(faults_module.time, "monotonic", lambda: now[0])
+    log = Recorder()
+    faults = Faults(log, lines_per_second=3)  # type: ignore[arg-type]
+    for _ in range(1000):
+        faults.report("malformed", "bad message")
+    assert faults.count("malformed") == 1000
+    assert len(log.lines) == 3
+    now[0] += 1.5  # the next second: the lines left out are said to be
+    faults.report("internal", "boom", fail_with("prompt text"), session="s/0")
+    event, fields = log.lines[-1]
+    assert (event, fields["reason"], fields["session"]) == ("boom", "internal", "s/0")
+    assert fields["suppressed_before"] == 997
+    load = faults.load()
+    assert set(load) == {f"fault_{r}" for r in FAULT_REASONS}
+    assert (load["fault_malformed"], load["fault_internal"], load["fault_unsent"]) == (1000, 1, 0)
+
+
+def test_an_exception_is_described_without_locals_or_its_whole_message() -> None:
+    out = describe(fail_with("the secret prompt"))
+    assert out["error"].startswith("ValueError: xxx")
+    assert len(out["error"]) < 250
+    assert out["where"].startswith("test_worker_faults.py:")
+    assert "secret" not in repr(out)

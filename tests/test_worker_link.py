@@ -1,0 +1,201 @@
+"""The broker link on its own: a real link thread between a ROUTER the test drives and the
+compute loop's end of the pipe, which the test reads (or leaves unread, as a long forward
+would). No model, no torch."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+
+import zmqllm.worker_link as link_module
+from zmqllm.log import get_logger
+from zmqllm.protocol import (
+    MAX_FRAMES,
+    Activation,
+    Disconnect,
+    Heartbeat,
+    Payload,
+    Register,
+    Registered,
+    Step,
+    decode,
+    encode,
+)
+from zmqllm.worker_faults import Faults
+from zmqllm.worker_link import (
+    DELIVER,
+    FAIL,
+    RESET,
+    SEND,
+    BrokerLink,
+    LinkSettings,
+    named_session,
+    session_key,
+    split_key,
+)
+
+TIMEOUT = 10.0
+INTERVAL = 0.05
+REGISTER = Register(
+    start=0,
+    end=2,
+    num_layers=2,
+    capacity=4,
+    max_kv_tokens=64,
+    context=64,
+    version="t",
+    fingerprint="f",
+)
+
+
+@dataclass
+class Linked:
+    router: zmq.Socket[bytes]
+    link: BrokerLink
+    pipe: zmq.Socket[bytes]
+    identity: bytes = b""
+
+    def recv(self) -> Any:
+        """The next message the link sent the broker."""
+        assert self.router.poll(int(TIMEOUT * 1000)), "nothing from the link"
+        self.identity, *frames = self.router.recv_multipart()
+        return decode(frames)
+
+    def send(self, frames: list[Any]) -> None:
+        self.router.send_multipart([self.identity, *frames])
+
+    def from_link(self) -> list[zmq.Frame]:
+        assert self.pipe.poll(int(TIMEOUT * 1000)), "nothing on the pipe"
+        return self.pipe.recv_multipart(copy=False)
+
+    def registered(self) -> None:
+        assert isinstance(self.recv(), Register)
+        self.send(encode(Registered(worker_id="w", boot="b1")))
+
+
+def start(ctx: zmq.Context[Any], address: str, liveness: int = 1000) -> BrokerLink:
+    settings = LinkSettings(address, "w-test", INTERVAL, liveness, 1 << 20)
+    return BrokerLink(ctx, settings, REGISTER, Faults(get_logger("test")))
+
+
+@contextlib.contextmanager
+def linked_to_a_router(liveness: int = 1000) -> Iterator[Linked]:
+    ctx: zmq.Context[Any] = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind("tcp://127.0.0.1:0")
+    link = start(ctx, router.getsockopt_string(zmq.LAST_ENDPOINT), liveness)
+    pipe = link.start()
+    try:
+        yield Linked(router, link, pipe)
+    finally:
+        link.stop(pipe)
+        assert not link.alive()
+        pipe.close(linger=0)
+        router.close(linger=0)
+        ctx.term()
+
+
+@pytest.fixture
+def linked() -> Iterator[Linked]:
+    with linked_to_a_router() as linked:
+        yield linked
+
+
+def test_keys_name_one_try_of_one_session() -> None:
+    assert split_key(session_key("chat-1_x", 3)) == ("chat-1_x", 3)
+    assert named_session({"session": "s", "attempt": 2, "request_id": "r"}) == ("s", 2, "r")
+    assert named_session({"session": "s", "request_id": "bad id"}) == ("s", 0, "")
+    for bad in ({"session": "a/b"}, {"session": "s", "attempt": -1}, {"session": 5}, {}):
+        assert named_session(bad) is None
+
+
+def test_heartbeats_go_on_while_the_compute_loop_reads_nothing(linked: Linked) -> None:
+    linked.registered()
+    linked.link.publish({"sessions": 3}, draining=True)
+    beats = 0
+    deadline = time.monotonic() + TIMEOUT
+    while beats < 10:
+        assert time.monotonic() < deadline
+        msg = linked.recv()
+        linked.send(encode(Heartbeat(boot="b1")))  # and the broker's word comes back
+        if isinstance(msg, Heartbeat):
+            beats += 1
+            assert msg.load is not None and msg.load["sessions"] == 3
+            assert msg.draining is True
+
+
+def test_session_messages_go_to_the_compute_loop_whole(linked: Linked) -> None:
+    linked.registered()
+    hidden = np.arange(128, dtype=np.float32).reshape(2, 64)
+    act = Activation(session="s", attempt=1, step=0, hidden=Payload(hidden, "float32"))
+    linked.send(encode(act))
+    kind, *frames = linked.from_link()
+    assert kind.bytes == DELIVER
+    got = decode(frames)
+    assert isinstance(got, Activation) and got.attempt == 1
+    np.testing.assert_array_equal(got.hidden.array, hidden)
+
+
+def test_an_over_long_message_is_dropped_and_the_next_one_delivered(linked: Linked) -> None:
+    linked.registered()
+    linked.send([b"x"] * (MAX_FRAMES + 100))
+    linked.send(encode(Step(session="s", step=1, token=5)))
+    kind, *frames = linked.from_link()
+    assert kind.bytes == DELIVER
+    assert isinstance(decode(frames), Step)
+    assert linked.link.faults.count("malformed") == 1
+
+
+def test_disconnect_resets_the_sessions_and_registers_again(linked: Linked) -> None:
+    linked.registered()
+    linked.send(encode(Disconnect(reason="unknown worker")))
+    kind, reason = linked.from_link()
+    assert kind.bytes == RESET and b"unknown worker" in reason.bytes
+    while not isinstance(msg := linked.recv(), Register):
+        assert isinstance(msg, Heartbeat)
+
+
+def test_a_message_that_cannot_be_queued_fails_its_session(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Nobody listens at the address and the send queue holds one message (the REGISTER):
+    # the next one cannot be queued, and the compute loop is told to fail its session.
+    monkeypatch.setattr(link_module, "SOCKET_HWM", 1)
+    ctx: zmq.Context[Any] = zmq.Context()
+    probe = ctx.socket(zmq.ROUTER)
+    port = probe.bind_to_random_port("tcp://127.0.0.1")
+    probe.close(linger=0)
+    link = start(ctx, f"tcp://127.0.0.1:{port}")
+    pipe = link.start()
+    try:
+        step = encode(Step(session="s", step=1, token=5))
+        for _ in range(100):
+            pipe.send_multipart([SEND, b"s/0", *step])
+            if pipe.poll(100):
+                break
+        kind, key, why = pipe.recv_multipart()
+        assert (kind, key) == (FAIL, b"s/0")
+        assert b"full" in why
+        assert link.faults.count("unsent") >= 1
+    finally:
+        link.stop(pipe)
+        pipe.close(linger=0)
+        ctx.term()
+
+
+def test_a_silent_broker_is_left_and_rejoined() -> None:
+    with linked_to_a_router(liveness=3) as linked:
+        linked.registered()
+        kind, reason = linked.from_link()  # no word from the test: gone after 3 intervals
+        assert kind.bytes == RESET and b"no word" in reason.bytes
+        # A fresh socket registers again (after the heartbeats the broker never read).
+        while not isinstance(msg := linked.recv(), Register):
+            assert isinstance(msg, Heartbeat)

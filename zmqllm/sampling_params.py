@@ -1,0 +1,83 @@
+"""Sampling parameters: what a request asks of the token picker, as plain data.
+
+The gateway builds them, the wire carries them and the worker's sampler reads them; no
+torch here, so the front end can use them without the ML stack.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["MAX_SEED", "SamplingParams", "is_int"]
+
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next token. temperature 0 means greedy; top_k 0 means no limit."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad parameter."""
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number, got {self.temperature!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not is_int(self.seed) or not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {self.seed!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types only: this travels in msgpack headers."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SamplingParams:
+        """Build and validate from a header dict; missing keys take their defaults."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"sampling params must be a map, got {type(data).__name__}")
+        unknown = sorted(str(key) for key in data if key not in _FIELD_KINDS)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        values: dict[str, Any] = {}
+        for name, value in data.items():
+            if _FIELD_KINDS[name] is float:
+                if not _is_real(value):
+                    raise ValueError(f"{name} must be a number, got {type(value).__name__}")
+                values[name] = float(value)
+            else:
+                if not is_int(value):
+                    raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
+                values[name] = int(value)
+        params = cls(**values)
+        params.validate()
+        return params
+
+
+_FIELD_KINDS: dict[str, type] = {"temperature": float, "top_p": float, "top_k": int, "seed": int}
+
+
+def is_int(value: Any) -> bool:
+    # bool is an int subclass, but `top_k: true` is a client bug, not 1.
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)

@@ -1,0 +1,393 @@
+"""A worker's connection to the broker, in its own thread (the ZeroMQ guide's mdwrkapi.py).
+
+:class:`BrokerLink` owns the DEALER socket: it connects, registers, heartbeats both ways,
+reconnects with backoff when the broker goes quiet and registers again when the broker
+restarts or asks for it. It runs beside the compute loop, so heartbeats go out while a
+long forward runs (torch releases the GIL in its ops). The compute loop talks to it over
+an inproc PAIR socket, frames moved without copying:
+
+    link -> loop   [DELIVER, *frames]   a session message from the broker (OPEN, STEP, ...)
+                   [RESET, reason]      the broker forgot this worker's sessions: drop them
+                   [REFUSED, reason]    the broker refused this worker
+                   [FAIL, key, reason]  a message about it could not be sent: close it
+    loop -> link   [SEND, key, *frames] a message for the broker about session ``key``
+                   [STOP, reason]       say goodbye (DISCONNECT) and end the thread
+
+Nothing blocks on the broker: a message that cannot be queued to it fails its session
+locally (the broker's inactivity deadline does the rest), a message over MAX_FRAMES
+frames is read frame by frame and dropped unbuilt, and MAXMSGSIZE bounds every frame.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from zmqllm.log import get_logger
+from zmqllm.messages import MAX_ATTEMPTS
+from zmqllm.protocol import (
+    MAX_FRAMES,
+    Activation,
+    Cancel,
+    Close,
+    Disconnect,
+    Error,
+    ErrorCode,
+    Heartbeat,
+    Message,
+    Open,
+    ProtocolError,
+    Refused,
+    Register,
+    Registered,
+    Step,
+    decode,
+    decode_header,
+    encode,
+    is_valid_id,
+)
+from zmqllm.worker_faults import Faults
+
+__all__ = ["BrokerLink", "LinkSettings", "named_session", "session_key", "split_key"]
+
+log = get_logger("zmqllm.worker")
+
+DELIVER, RESET, REFUSED, FAIL = b"deliver", b"reset", b"refused", b"fail"
+SEND, STOP = b"send", b"stop"
+SESSION_TYPES = (Open, Step, Activation, Close, Cancel)
+
+RECONNECT_MAX_S = 30.0
+MAX_MESSAGES_PER_TURN = 1024
+# Messages either way between the link and the compute loop; past it the link answers
+# the broker "overloaded" for the session instead of queueing more.
+PIPE_HWM = 100_000
+SOCKET_HWM = 10_000
+CLOSE_LINGER_MS = 500  # long enough for the goodbye DISCONNECT, short enough to exit
+JOIN_TIMEOUT_S = 5.0
+
+
+def session_key(session: str, attempt: int) -> str:
+    """A session's key on this worker: one try of one client session."""
+    return f"{session}/{attempt}"
+
+
+def split_key(key: str) -> tuple[str, int]:
+    session, _, attempt = key.rpartition("/")
+    return session, int(attempt)
+
+
+def named_session(head: dict[str, Any]) -> tuple[str, int, str] | None:
+    """(session, attempt, request id) a header names, if they are valid ids, even when
+    the rest of its message is not: such a message fails that session instead of
+    leaving it to wait for what never comes."""
+    session, attempt, rid = head.get("session"), head.get("attempt", 0), head.get("request_id")
+    if not isinstance(session, str) or not is_valid_id(session):
+        return None
+    if type(attempt) is not int or not 0 <= attempt <= MAX_ATTEMPTS:
+        return None
+    return session, attempt, rid if isinstance(rid, str) and is_valid_id(rid) else ""
+
+
+@dataclass(frozen=True)
+class LinkSettings:
+    address: str  # the broker's backend endpoint
+    identity: str  # this worker's routing id, the same on every reconnect
+    interval: float  # heartbeat interval, both ways
+    liveness: int  # intervals without a word from the broker before it counts as gone
+    max_message_bytes: int  # MAXMSGSIZE: the largest frame this worker accepts
+
+
+class BrokerLink:
+    def __init__(
+        self, ctx: zmq.Context[Any], settings: LinkSettings, register: Register, faults: Faults
+    ) -> None:
+        self.ctx = ctx
+        self.settings = settings
+        self.register = register
+        self.faults = faults
+        self.pipe_address = f"inproc://zmqllm-link-{uuid.uuid4().hex}"
+        self._status: tuple[dict[str, Any], bool] = ({}, False)
+        self._thread: threading.Thread | None = None
+        # The thread's own state from here on.
+        self._pipe: zmq.Socket[Any] | None = None
+        self._sock: zmq.Socket[Any] | None = None
+        self._registered = False
+        self._refused = False
+        self._stopping = False
+        self._goodbye = "worker shutting down"
+        self._boot: str | None = None
+        self._last_broker = 0.0
+        self._next_beat = 0.0
+        self._reconnect_at = 0.0
+        self._backoff = settings.interval
+        self._reset_pending: str | None = None
+
+    # -- the compute loop's side ---------------------------------------------------
+    def start(self) -> zmq.Socket[Any]:
+        """Start the thread; returns the compute loop's end of the pipe."""
+        pipe = self.ctx.socket(zmq.PAIR)
+        pipe.setsockopt(zmq.LINGER, 0)
+        pipe.setsockopt(zmq.SNDHWM, PIPE_HWM)
+        pipe.setsockopt(zmq.RCVHWM, PIPE_HWM)
+        pipe.bind(self.pipe_address)
+        self._thread = threading.Thread(target=self._run, name="broker-link", daemon=True)
+        self._thread.start()
+        return pipe
+
+    def publish(self, load: dict[str, Any], draining: bool) -> None:
+        """What the next heartbeats report (one reference swap: safe across threads)."""
+        self._status = (load, draining)
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, pipe: zmq.Socket[Any], reason: str = "worker shutting down") -> None:
+        """Ask the thread to say goodbye and end; wait for it (bounded)."""
+        try:
+            pipe.send_multipart([STOP, reason.encode()], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self._stopping = True  # the pipe is full or gone: the flag still ends it
+        if self._thread is not None:
+            self._thread.join(timeout=JOIN_TIMEOUT_S)
+
+    # -- the thread --------------------------------------------------------------
+    def _run(self) -> None:
+        pipe = self.ctx.socket(zmq.PAIR)
+        pipe.setsockopt(zmq.LINGER, 0)
+        pipe.setsockopt(zmq.SNDHWM, PIPE_HWM)
+        pipe.setsockopt(zmq.RCVHWM, PIPE_HWM)
+        pipe.connect(self.pipe_address)
+        self._pipe = pipe
+        try:
+            self._connect()
+            while not self._stopping:
+                try:
+                    self._turn()
+                except Exception as exc:  # the link must outlive any one message
+                    self.faults.report("internal", "broker link turn failed", exc)
+                    time.sleep(0.01)
+        finally:
+            self._close_socket(goodbye=self._registered and not self._refused)
+            pipe.close(linger=0)
+
+    def _turn(self) -> None:
+        assert self._pipe is not None
+        now = time.monotonic()
+        due = self._next_beat if self._sock is not None else self._reconnect_at
+        poller = zmq.Poller()
+        poller.register(self._pipe, zmq.POLLIN)
+        if self._sock is not None:
+            poller.register(self._sock, zmq.POLLIN)
+        events = dict(poller.poll(max(0, math.ceil((due - now) * 1000))))
+        if self._pipe in events:
+            self._from_loop()
+        if self._sock is not None and self._sock in events:
+            self._from_broker()
+        if self._reset_pending is not None:
+            self._reset(self._reset_pending)
+        now = time.monotonic()
+        if self._stopping:
+            return
+        if self._sock is None:
+            if now >= self._reconnect_at:
+                self._connect()
+        elif now >= self._next_beat:
+            self._beat(now)
+
+    def _connect(self) -> None:
+        s = self.settings
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt_string(zmq.IDENTITY, s.identity)
+        sock.setsockopt(zmq.SNDHWM, SOCKET_HWM)
+        sock.setsockopt(zmq.RCVHWM, SOCKET_HWM)
+        sock.setsockopt(zmq.MAXMSGSIZE, s.max_message_bytes)
+        sock.connect(s.address)
+        self._sock = sock
+        self._registered = False
+        now = time.monotonic()
+        self._last_broker = now
+        self._next_beat = now + s.interval
+        self._send(self.register)
+
+    def _close_socket(self, goodbye: bool) -> None:
+        if self._sock is None:
+            return
+        if goodbye:
+            self._send(Disconnect(reason=self._goodbye))
+        self._sock.close(linger=CLOSE_LINGER_MS if goodbye else 0)
+        self._sock = None
+
+    def _beat(self, now: float) -> None:
+        s = self.settings
+        self._next_beat = now + s.interval
+        quiet = now - self._last_broker
+        if quiet > s.interval * s.liveness:
+            self._lost(f"no word from the broker for {quiet:.1f}s")
+            return
+        if not self._registered or self._refused:
+            # Unregistered, a REGISTER is already on its way on this socket. Another
+            # would make the broker see a restarted worker and fail the sessions it
+            # routed here after the first; a broker that never answers is caught above.
+            return
+        load, draining = self._status
+        self._send(Heartbeat(load={**load, **self.faults.load()}, draining=draining))
+
+    def _lost(self, why: str) -> None:
+        log.warning("reconnecting to the broker", reason=why, backoff_s=round(self._backoff, 2))
+        self._reset(why)
+        self._close_socket(goodbye=False)
+        self._reconnect_at = time.monotonic() + self._backoff
+        self._backoff = min(self._backoff * 2, RECONNECT_MAX_S)
+
+    def _register_again(self, why: str) -> None:
+        log.warning("registering with the broker again", reason=why)
+        self._registered = False
+        self._reset(why)
+        self._send(self.register)
+
+    def _reset(self, why: str) -> None:
+        """The broker forgot our sessions: the compute loop must drop them (retried
+        until the pipe takes it, or their KV caches would be held forever)."""
+        if self._tell_loop([RESET, why.encode()]):
+            self._reset_pending = None
+        else:
+            self._reset_pending = why
+
+    # -- messages ------------------------------------------------------------------
+    def _from_loop(self) -> None:
+        assert self._pipe is not None
+        for _ in range(MAX_MESSAGES_PER_TURN):
+            try:
+                frames = self._pipe.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            kind = frames[0].bytes
+            if kind == SEND:
+                self._send_frames(frames[2:], frames[1].bytes.decode())
+            elif kind == STOP:
+                self._goodbye = frames[1].bytes.decode()[:200] or self._goodbye
+                self._stopping = True
+                return
+
+    def _from_broker(self) -> None:
+        for _ in range(MAX_MESSAGES_PER_TURN):
+            if self._sock is None:
+                return
+            frames = self._recv_bounded(self._sock)
+            if frames is None:
+                return
+            self._last_broker = time.monotonic()
+            if not frames:
+                continue
+            try:
+                self._handle(frames)
+            except Exception as exc:  # one message costs at most itself
+                self.faults.report("internal", "error handling a broker message", exc)
+
+    def _recv_bounded(self, sock: zmq.Socket[Any]) -> list[zmq.Frame] | None:
+        """One message of at most MAX_FRAMES frames ([] if it had more: the rest are read
+        one by one and let go); None when nothing is waiting."""
+        try:
+            frame = sock.recv(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        frames = [frame]
+        extra = 0
+        while frame.more:
+            # The parts of a message arrive together: the rest is already here.
+            frame = sock.recv(zmq.NOBLOCK, copy=False)
+            if len(frames) < MAX_FRAMES:
+                frames.append(frame)
+            else:
+                extra += 1
+        if extra:
+            self.faults.report(
+                "malformed", "message with too many frames dropped", frames=MAX_FRAMES + extra
+            )
+            return []
+        return frames
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        try:
+            cls, head = decode_header(frames[0])
+            if issubclass(cls, SESSION_TYPES):
+                # The compute loop decodes it in full (and fails the session it names
+                # if that fails): one decode per message, on the thread that uses it.
+                self._deliver(head, frames)
+                return
+            msg = decode(frames)
+        except ProtocolError as exc:
+            self.faults.report("malformed", "malformed message from the broker dropped", exc)
+            return
+        if isinstance(msg, Heartbeat):
+            boot = msg.boot
+            if self._registered and self._boot and boot is not None and boot != self._boot:
+                self._register_again("the broker restarted (new boot id)")
+        elif isinstance(msg, Registered):
+            self._registered = True
+            self._backoff = self.settings.interval
+            self._boot = msg.boot or None
+            log.info("registered with the broker", worker=msg.worker_id)
+        elif isinstance(msg, Refused):
+            self._refused = True
+            self._tell_loop([REFUSED, msg.reason.encode()])
+        elif isinstance(msg, Disconnect):
+            # Unregistered, it answers a message sent before our pending REGISTER (e.g.
+            # a second heartbeat in flight to a restarted broker): that REGISTER suffices.
+            if self._registered:
+                self._register_again(f"the broker asked: {msg.reason[:200]}")
+        elif isinstance(msg, Error):
+            log.debug("the broker reported an error", code=msg.code.value, session=msg.session)
+        else:
+            self.faults.report("unexpected", "unexpected message dropped", type=msg.TYPE.value)
+
+    def _deliver(self, head: dict[str, Any], frames: list[zmq.Frame]) -> None:
+        if self._tell_loop([DELIVER, *frames]):
+            return
+        self.faults.report("overloaded", "compute loop inbox full; message refused")
+        named = named_session(head)
+        if named is not None:
+            session, attempt, request_id = named
+            err = Error.of(
+                ErrorCode.INTERNAL,
+                "worker overloaded",
+                session,
+                attempt=attempt,
+                request_id=request_id,
+            )
+            self._send(err)
+
+    def _send(self, msg: Message, key: str = "") -> None:
+        try:
+            frames = encode(msg)
+        except ProtocolError as exc:
+            self.faults.report("internal", "message cannot be encoded", exc, type=msg.TYPE.value)
+            return
+        self._send_frames(frames, key)
+
+    def _send_frames(self, frames: list[Any], key: str) -> None:
+        why = "not connected to the broker"
+        if self._sock is not None:
+            try:
+                self._sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                why = "send queue to the broker is full"
+        if key:
+            self.faults.report("unsent", "message to the broker not sent; session failed", why=why)
+            self._tell_loop([FAIL, key.encode(), why.encode()])
+
+    def _tell_loop(self, frames: list[Any]) -> bool:
+        assert self._pipe is not None
+        try:
+            self._pipe.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
