@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import anyio
 import pytest
 
-from tests.fake_broker_client import FakeBrokerClient
+from tests.fake_broker_client import FakeBrokerClient, Script
 from tests.test_gateway_support import (
     ANSWER,
     answer_script,
@@ -239,3 +239,23 @@ def test_a_client_that_hangs_up_while_queued_frees_its_place(tok: Tokenizer) -> 
             assert first.read().decode() == long_answer
         assert len(fake.request_streams) == 2  # the client that hung up never got a session
         wait_for(lambda: gateway.in_flight == 0)
+
+
+def test_a_client_that_hangs_up_before_its_first_token_frees_its_slot(tok: Tokenizer) -> None:
+    """A long prefill (here: a first token that never comes) does not keep the slot and
+    the workers busy for a client that has gone: the session is cancelled at once."""
+    fake = FakeBrokerClient(Script(answer_script(tok).tokens, stall_after=0, stall=3600.0))
+    app = make_app(fake, tok, max_concurrent=1)
+    gateway = service(app)
+    with running_server(app) as url:
+        address = urlsplit(url)
+        request = b"POST /chat HTTP/1.1\r\nHost: gw\r\nContent-Length: 2\r\n\r\nHi"
+        with socket.create_connection((address.hostname, address.port)) as quitter:
+            quitter.sendall(request)
+            wait_for(lambda: len(fake.request_streams) == 1)
+        (stream,) = fake.request_streams
+        wait_for(lambda: fake.cancels == [stream.session])
+        wait_for(lambda: gateway.in_flight == 0 and stream.session not in fake.open_streams)
+        # The slot is free: the next request is served.
+        fake.default_script = answer_script(tok)
+        assert httpx.post(f"{url}/chat", content=b"Hi", timeout=30).text == ANSWER

@@ -211,7 +211,7 @@ class GatewayService:
                 on_close=release,
             )
             record.generation = text_stream
-            await text_stream.open()
+            await self._first_token(text_stream, record, request)
         except GenerationError as exc:
             await release()
             record.error = exc.code
@@ -224,7 +224,37 @@ class GatewayService:
             # generate() itself refused (e.g. not connected to the broker).
             record.error = fields[0]
             raise broker_failure(*fields) from None
+        if record.error == "cancelled":
+            await text_stream.close()  # already closed, unless the token came as it left
+            raise APIError(CLIENT_CLOSED, "the client closed the request before the first token")
         return text_stream
+
+    async def _first_token(
+        self, text_stream: TextStream, record: RequestRecord, request: Request | None
+    ) -> None:
+        """Open the stream and wait for its first token, unless the client hangs up first:
+        then the session is cancelled at once (the stream closes itself) instead of
+        holding its slot and its workers until the first token or its deadline."""
+        if request is None:
+            await text_stream.open()
+            return
+        failure: BaseException | None = None
+        async with anyio.create_task_group() as tasks:
+
+            async def watch() -> None:
+                await client_disconnected(request)
+                record.error = record.finish_reason = "cancelled"
+                tasks.cancel_scope.cancel()
+
+            tasks.start_soon(watch)
+            try:
+                await text_stream.open()
+            except Exception as exc:
+                # Raised outside the task group, which would wrap it in an ExceptionGroup.
+                failure = exc
+            tasks.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
 
     async def _check_broker_link(self, record: RequestRecord) -> None:
         """503 unless the broker link is alive, or shows it is within LINK_GRACE_S."""
