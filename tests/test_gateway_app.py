@@ -342,6 +342,23 @@ async def test_disconnected_client_fails_fast_with_503(client: Any, fake: FakeBr
     assert (await client.post("/chat", content=b"Hi")).text == ANSWER
 
 
+async def test_a_link_that_only_looks_stale_is_given_a_moment(
+    client: Any, fake: FakeBrokerClient
+) -> None:
+    """After the event loop was busy, the broker's last message is old only because it was
+    not read yet: the request waits a moment for the link to show it is alive."""
+    fake.unreachable = True
+
+    async def broker_message_read() -> None:
+        await asyncio.sleep(0.05)
+        fake.unreachable = False
+
+    task = asyncio.ensure_future(broker_message_read())
+    response = await client.post("/chat", content=b"Hi")
+    await task
+    assert response.status_code == 200 and response.text == ANSWER
+
+
 async def test_chat_error_after_streaming_began_is_a_last_line(
     client: Any, fake: FakeBrokerClient, tok: Tokenizer
 ) -> None:

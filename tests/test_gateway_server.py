@@ -121,3 +121,17 @@ def test_serve_wires_client_app_and_uvicorn(
     gateway = made["app"].state.gateway
     assert gateway.context_length == CONFIG["max_position_embeddings"]
     assert gateway.model_name == "tiny-model"
+
+
+def test_gateway_flags_reach_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from zmqllm import cli
+
+    seen: list[Config] = []
+    monkeypatch.setattr(server, "serve", seen.append)
+    flags = ["--max-concurrent", "8", "--max-queued", "3", "--queue-timeout", "7"]
+    flags += ["--first-token-timeout", "9", "--inter-token-timeout", "4.5"]
+    assert cli.main(["gateway", *flags]) == 0
+    (cfg,) = seen
+    g = cfg.gateway
+    assert (g.max_concurrent, g.max_queued, g.queue_timeout) == (8, 3, 7.0)
+    assert (g.first_token_timeout, g.inter_token_timeout) == (9.0, 4.5)

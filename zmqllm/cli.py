@@ -220,7 +220,16 @@ def cmd_worker(ns: argparse.Namespace) -> int:
 def cmd_gateway(ns: argparse.Namespace) -> int:
     from zmqllm.gateway.server import serve
 
-    gateway = dict(host=ns.host, port=ns.port, broker=ns.broker, max_concurrent=ns.max_concurrent)
+    gateway = dict(
+        host=ns.host,
+        port=ns.port,
+        broker=ns.broker,
+        max_concurrent=ns.max_concurrent,
+        max_queued=ns.max_queued,
+        queue_timeout=ns.queue_timeout,
+        first_token_timeout=ns.first_token_timeout,
+        inter_token_timeout=ns.inter_token_timeout,
+    )
     model = dict(path=ns.model, name=ns.model_name)
     cfg = _load(ns, {"gateway": gateway, "model": model, "broker": _beats(ns)})
     serve(cfg)
@@ -295,7 +304,11 @@ def _add_roles(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--broker", metavar="ADDR", help="the broker's frontend (tcp://HOST:5555)")
     p.add_argument("--model", help="where the tokenizer and config come from")
     p.add_argument("--model-name", help="the model name clients ask for")
-    p.add_argument("--max-concurrent", type=int, help="requests answered at once; past it: 429")
+    p.add_argument("--max-concurrent", type=int, help="generations at once; more wait in the queue")
+    p.add_argument("--max-queued", type=int, help="requests waiting for a slot; past it: 429")
+    p.add_argument("--queue-timeout", type=float, metavar="S", help="longest wait in the queue")
+    p.add_argument("--first-token-timeout", type=float, metavar="S")
+    p.add_argument("--inter-token-timeout", type=float, metavar="S")
     _beat_flags(p)
     p.set_defaults(func=cmd_gateway)
 

@@ -102,9 +102,11 @@ class Cluster:
             args += ["--cpu-lock", str(self.root / "cpu.lock")]
         return self._start(f"worker-{layers.replace(':', '-')}", args)
 
-    def start_gateway(self) -> Proc:
+    def start_gateway(self, *flags: str) -> Proc:
+        """The gateway; ``flags`` are more `zmqllm gateway` flags (--max-queued 3 ...)."""
         args = ["gateway", "--port", str(self.http_port), "--broker", self.frontend]
-        return self._start("gateway", [*args, "--model", str(self.model_dir), *self.beats()])
+        args += ["--model", str(self.model_dir), *self.beats(), *flags]
+        return self._start("gateway", args)
 
     def start_all(self, splits: tuple[str, ...] = ("0:2", "2:4")) -> None:
         self.start_broker()

@@ -17,8 +17,11 @@ from zmqllm.local_cluster import Cluster, Proc
 
 @pytest.fixture(scope="session")
 def e2e_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from zmqllm.engine import native
     from zmqllm.models import prepare_tiny_model
 
+    # Built once here, not by the first workers while a test waits for them to be ready.
+    native.load()
     return prepare_tiny_model(tmp_path_factory.mktemp("e2e-models") / "tiny")
 
 

@@ -62,8 +62,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, max_rows: int = CPU_MM_MAX_ROWS) ->
     37 ms against 20 ms for 16 (1 thread, measured). Computed as W @ x^T the
     same product reads the weight once: 23 ms at 12 rows, and the MLP weights
     gain up to 2x up to 32 rows. Outside that band F.linear is as fast or
-    faster (and is what transformers uses, so single-row decode stays
-    bit-identical to it).
+    faster (and is what transformers uses, so single-row decode runs the
+    same kernel as transformers does).
     """
     if x.device.type == "cpu" and CPU_MM_MIN_ROWS <= x.shape[0] <= max_rows:
         return torch.mm(w, x.t()).t().contiguous()
@@ -278,8 +278,8 @@ class MistralShard(nn.Module):
         """Attend batched decode steps with the compiled kernel (engine.native).
 
         Only float32 on the CPU; elsewhere, or with None, the PyTorch path stays.
-        A single session always takes the PyTorch path, the one that matches
-        transformers bit for bit. Returns whether the kernel is in use.
+        A single session always takes the PyTorch path, the same ops that
+        transformers runs. Returns whether the kernel is in use.
         """
         ok = kernel is not None and self._cpu_float32()
         self.kernel = kernel if ok else None

@@ -60,10 +60,18 @@ def _build() -> ModuleType | None:
     name = f"zmqllm_decode_attention_{tag}"
     directory = build_dir() / name
     directory.mkdir(parents=True, exist_ok=True)
+    # Built from a copy inside the build directory: the loader rebuilds whenever the
+    # source path changes, so two checkouts on one machine would rebuild each other's
+    # kernel on every start.
+    copy = directory / SOURCE.name
+    if not copy.exists() or copy.read_bytes() != source:
+        staged = copy.with_name(f"{copy.name}.{os.getpid()}")
+        staged.write_bytes(source)
+        staged.replace(copy)
     try:
         module = cpp_extension.load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(copy)],
             build_directory=str(directory),
             # The build runs on the machine that uses it: tune for its CPU. OpenMP
             # makes at::parallel_for use torch's threads (without it, it runs serially).

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 from starlette.requests import Request
 
 from zmqllm.config import GatewaySettings
@@ -29,6 +30,12 @@ __all__ = ["GatewayService", "GenerationPlan", "client_disconnected", "service_o
 # answer (what the e2e tests compare with HF generate). OpenAI's own default is 1.0.
 DEFAULT_TEMPERATURE = 0.0
 _MAX_SEED = 2**63 - 1
+# Seconds a request gives a broker link that looks dead to show it is alive. The link's
+# liveness is the time since the broker's last message was read, and while the event loop
+# was busy (a burst of requests parsed and tokenized at once) the broker's messages wait
+# unread: the link only looks stale until the loop gets to them.
+LINK_GRACE_S = 0.5
+LINK_POLL_S = 0.01
 
 
 @dataclass(frozen=True)
@@ -166,15 +173,15 @@ class GatewayService:
         The caller owns the returned stream and must ``close`` it.
         """
         record.prompt_tokens = len(plan.prompt_ids)
-        if not self.client.connected:
-            # Fail fast: an OPEN sent into a dead link would only time out much later.
-            record.error = "broker_unreachable"
-            raise broker_failure(
-                "broker_unreachable",
-                f"the gateway has no connection to the broker at {self.settings.broker}; "
-                "retry shortly",
-            )
+        # Fail fast: an OPEN sent into a dead link would only time out much later. Checked
+        # before queueing (no wait for a dead broker) and again once a slot is free.
+        await self._check_broker_link(record)
         await self._admit(record, request)
+        try:
+            await self._check_broker_link(record)
+        except BaseException:
+            self.admission.release()
+            raise
         released = False
 
         async def release() -> None:
@@ -218,6 +225,19 @@ class GatewayService:
             record.error = fields[0]
             raise broker_failure(*fields) from None
         return text_stream
+
+    async def _check_broker_link(self, record: RequestRecord) -> None:
+        """503 unless the broker link is alive, or shows it is within LINK_GRACE_S."""
+        deadline = time.monotonic() + LINK_GRACE_S
+        while not self.client.connected:
+            if time.monotonic() >= deadline:
+                record.error = "broker_unreachable"
+                raise broker_failure(
+                    "broker_unreachable",
+                    f"the gateway has no connection to the broker at {self.settings.broker}; "
+                    "retry shortly",
+                )
+            await anyio.sleep(LINK_POLL_S)
 
     async def _admit(self, record: RequestRecord, request: Request | None) -> None:
         """Take a generation slot, waiting in the queue if all are taken."""
