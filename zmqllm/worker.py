@@ -148,6 +148,9 @@ class Worker:
         except WorkerRefused as exc:
             log.error("refused by the broker", reason=str(exc))
             return 3
+        except LinkLost as exc:
+            log.error("leaving", reason=str(exc))
+            return 1
         finally:
             self.close()
         return 0
