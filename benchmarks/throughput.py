@@ -31,8 +31,8 @@ import torch
 from report import write_json, write_plot
 
 from zmqllm.config import default_model_dir, split_layers
-from zmqllm.model_args import ModelArgs
 from zmqllm.local_cluster import Cluster
+from zmqllm.model_args import ModelArgs
 from zmqllm.models import prepare_default_model
 from zmqllm.status import fetch_status
 from zmqllm.tokenizer import Tokenizer

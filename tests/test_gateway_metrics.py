@@ -97,3 +97,12 @@ async def test_broker_drops_are_exported_by_reason(tok: Tokenizer) -> None:
     name = "zmqllm_broker_dropped_messages_by_reason_total"
     assert f'{name}{{reason="frontend:malformed"}} 3.0' in text
     assert f'{name}{{reason="backend:unknown_peer"}} 2.0' in text
+
+
+async def test_the_gateways_own_drops_are_exported_by_reason(tok: Tokenizer) -> None:
+    fake = FakeBrokerClient(answer_script(tok))
+    app, _clock = await scrape_app(fake, tok)
+    fake.drops["malformed"] += 4
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+        text = (await c.get("/metrics")).text
+    assert 'zmqllm_client_dropped_messages_by_reason_total{reason="malformed"} 4.0' in text

@@ -651,6 +651,25 @@ def test_a_forward_that_raises_fails_only_its_batch(setup: Setup) -> None:
     broker.wait_load("fault_forward_failed", 1)
 
 
+def test_a_turn_that_raises_is_counted_and_the_loop_goes_on(setup: Setup) -> None:
+    broker, worker = setup.worker()
+    run, calls = worker.stage.run, []
+
+    def run_raising_once() -> list[Output]:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected")  # not a forward's failure: a bug in the turn
+        return run()
+
+    worker.stage.run = run_raising_once  # type: ignore[method-assign]
+    setup.run(worker)
+    broker.register()
+    broker.send(open_msg("s1", max_tokens=1))
+    tok, _ = broker.expect(Token)
+    assert tok.session == "s1" and len(calls) >= 2
+    broker.wait_load("fault_internal", 1)
+
+
 class FailingShard:
     def __init__(self, shard: Any) -> None:
         self._shard = shard

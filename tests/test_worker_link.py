@@ -199,3 +199,19 @@ def test_a_silent_broker_is_left_and_rejoined() -> None:
         # A fresh socket registers again (after the heartbeats the broker never read).
         while not isinstance(msg := linked.recv(), Register):
             assert isinstance(msg, Heartbeat)
+
+
+def test_a_malformed_broker_address_ends_the_link() -> None:
+    ctx: zmq.Context[Any] = zmq.Context()
+    link = start(ctx, "nonsense://here")
+    pipe = link.start()
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while link.alive():
+            assert time.monotonic() < deadline, "the link kept running"
+            time.sleep(0.01)
+        assert not link.alive()
+    finally:
+        link.stop(pipe)
+        pipe.close(linger=0)
+        ctx.term()

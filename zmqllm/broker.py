@@ -229,7 +229,8 @@ class Broker:
                 w = self.registry.by_identity.get(out.identity)
                 if w is not None:
                     why = "not reading (queue full)" if slow else "unreachable"
-                    todo.extend(self._remove(w, f"worker {w.worker_id} {why}", now))
+                    why = f"worker {w.worker_id} (layers {w.start}:{w.end}) {why}"
+                    todo.extend(self._remove(w, why, now))
             elif slow:
                 self.drops.drop("frontend:slow_consumer", peer=out.identity.hex()[:32])
                 todo.extend(

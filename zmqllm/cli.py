@@ -237,13 +237,14 @@ def cmd_gateway(ns: argparse.Namespace) -> int:
 
 
 def cmd_status(ns: argparse.Namespace) -> int:
+    from zmqllm.messages import SessionError
     from zmqllm.status import fetch_status, format_status
 
     cfg = _load(ns, {})
     address = ns.broker or cfg.gateway.broker
     try:
         status = fetch_status(address, timeout=ns.timeout)
-    except TimeoutError as exc:
+    except (TimeoutError, SessionError) as exc:  # no answer, or an error / unreadable one
         print(f"zmqllm status: {exc}", file=sys.stderr)
         return 1
     if ns.json:

@@ -8,12 +8,14 @@ against a broker (the messages themselves come from ``zmqllm.fuzz``).
   high-water mark and dropped on EAGAIN.
 - ``VictimStreams`` runs greedy streams one after another through the real broker
   client, each with a session id the fuzzer is told, so foreign CANCELs name it.
+- ``ChatStreams`` does the same through the gateway's ``POST /chat`` (session ids unknown).
 - ``StatusPoller`` asks the broker for its status the whole time, each with a deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
+import http.client
 import threading
 import time
 import uuid
@@ -30,7 +32,16 @@ from zmqllm.messages import SessionError
 from zmqllm.sampling_params import SamplingParams
 from zmqllm.status import fetch_status
 
-__all__ = ["BlastStats", "HostilePeers", "StatusPoller", "VictimResult", "VictimStreams", "blast"]
+__all__ = [
+    "BlastStats",
+    "ChatResult",
+    "ChatStreams",
+    "HostilePeers",
+    "StatusPoller",
+    "VictimResult",
+    "VictimStreams",
+    "blast",
+]
 
 Rng = np.random.Generator
 
@@ -256,6 +267,64 @@ class VictimStreams:
 
 
 @dataclass
+class ChatResult:
+    prompt: str
+    status: int  # the HTTP status, -1 when the connection failed
+    text: str
+    started: float
+    ended: float
+
+
+class ChatStreams:
+    """``POST /chat`` requests to a gateway, one after another until stopped, each read
+    to its end (the text streams as it is made)."""
+
+    def __init__(self, port: int, prompts: Sequence[str], *, max_tokens: int) -> None:
+        self.port = port
+        self.prompts = list(prompts)
+        self.max_tokens = max_tokens
+        self.results: list[ChatResult] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chat-streams", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_for(self, count: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while len(self.results) < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return len(self.results) >= count
+
+    def stop(self, timeout: float) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        i = 0
+        while not self._stop.is_set():
+            prompt = self.prompts[i % len(self.prompts)]
+            started = time.monotonic()
+            try:
+                status, text = self._chat(prompt)
+            except OSError as exc:  # recorded: a result that is not 200
+                status, text = -1, repr(exc)
+            self.results.append(ChatResult(prompt, status, text, started, time.monotonic()))
+            i += 1
+
+    def _chat(self, prompt: str) -> tuple[int, str]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        try:
+            headers = {"Content-Type": "application/x-www-form-urlencoded"}
+            path = f"/chat?max_tokens={self.max_tokens}"
+            conn.request("POST", path, body=prompt.encode(), headers=headers)
+            resp = conn.getresponse()
+            return resp.status, resp.read().decode(errors="replace")
+        finally:
+            conn.close()
+
+
+@dataclass
 class StatusPoller:
     """STATUS round trips to a broker, one after another until stopped, each with a
     deadline; what each took, and what failed."""
@@ -266,6 +335,8 @@ class StatusPoller:
     latencies: list[float] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     last: dict[str, Any] = field(default_factory=dict)
+    # The longest a worker went unheard, as the broker saw it (seconds, by worker id).
+    heartbeat_ages: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
@@ -284,6 +355,14 @@ class StatusPoller:
             try:
                 self.last = fetch_status(self.address, timeout=self.deadline)
                 self.latencies.append(time.monotonic() - started)
+                self._note_heartbeats(self.last)
             except Exception as exc:  # a missed deadline or a bad answer: counted
                 self.failures.append(f"{type(exc).__name__}: {str(exc)[:200]}")
             self._stop.wait(self.interval)
+
+    def _note_heartbeats(self, status: dict[str, Any]) -> None:
+        for w in status.get("workers", []):
+            if isinstance(w, dict) and isinstance(w.get("last_heartbeat_s"), int | float):
+                wid = str(w.get("id"))
+                age = float(w["last_heartbeat_s"])
+                self.heartbeat_ages[wid] = max(age, self.heartbeat_ages.get(wid, 0.0))

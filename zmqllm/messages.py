@@ -412,4 +412,3 @@ class StatusReply(Message):
         if not isinstance(out, dict):
             raise ProtocolError("status must be a map")
         return out
-

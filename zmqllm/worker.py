@@ -61,16 +61,21 @@ from zmqllm.worker_link import (
     split_key,
 )
 
-__all__ = ["Loaded", "Worker", "WorkerRefused", "load_stage", "serve"]
+__all__ = ["LinkLost", "Loaded", "Worker", "WorkerRefused", "load_stage", "serve"]
 
 log = get_logger("zmqllm.worker")
 
 MAX_MESSAGES_PER_TURN = 1024
 IDLE_POLL_S = 0.1  # an idle loop still looks at signals and publishes its load this often
+TURN_FAILED_PAUSE_S = 0.01  # a turn that raised is not retried in a tight loop
 
 
 class WorkerRefused(RuntimeError):
     """The broker refused this worker (different model or version)."""
+
+
+class LinkLost(RuntimeError):
+    """The broker link's thread is gone: this worker can no longer be reached."""
 
 
 class Worker:
@@ -130,13 +135,22 @@ class Worker:
         )
         try:
             while not self._stop:
-                self._turn()
+                try:
+                    self._turn()
+                except (WorkerRefused, LinkLost):
+                    raise
+                except Exception as exc:  # the loop outlives whatever one turn meets
+                    self.faults.report("internal", "worker turn failed", exc)
+                    time.sleep(TURN_FAILED_PAUSE_S)
                 if self.draining and not self.stage.sessions:
                     log.info("drained; leaving")
                     self._stop = True
         except WorkerRefused as exc:
             log.error("refused by the broker", reason=str(exc))
             return 3
+        except LinkLost as exc:
+            log.error("leaving", reason=str(exc))
+            return 1
         finally:
             self.close()
         return 0
@@ -144,7 +158,7 @@ class Worker:
     def _turn(self) -> None:
         assert self.pipe is not None
         if not self.link.alive():
-            raise RuntimeError("the broker link thread ended")
+            raise LinkLost("the broker link thread ended")
         now = time.monotonic()
         if now - self._published >= min(IDLE_POLL_S, self.cfg.broker.heartbeat_interval / 2):
             self.publish_load(now)
@@ -331,7 +345,13 @@ class Worker:
             self._fail_key(key, why)
         self.stage.failed.clear()
         for o, group in zip(outputs, self._tag_groups(outputs), strict=True):
-            self.send(self._result(o, group), o.session)
+            try:
+                result = self._result(o, group)
+            except Exception as exc:
+                self.faults.report("internal", "result cannot be sent", exc, session=o.session)
+                self._fail_key(o.session, f"result cannot be sent: {type(exc).__name__}")
+                continue
+            self.send(result, o.session)
 
     def _result(self, o: Output, group: tuple[str, int] | None) -> Message:
         session, attempt = split_key(o.session)

@@ -165,7 +165,13 @@ class BrokerLink:
         pipe.connect(self.pipe_address)
         self._pipe = pipe
         try:
-            self._connect()
+            try:
+                self._connect()
+            except zmq.ZMQError as exc:  # e.g. a malformed endpoint: nothing to retry
+                log.error(
+                    "cannot connect to the broker", address=self.settings.address, error=str(exc)
+                )
+                return
             while not self._stopping:
                 try:
                     self._turn()
@@ -349,20 +355,16 @@ class BrokerLink:
             self.faults.report("unexpected", "unexpected message dropped", type=msg.TYPE.value)
 
     def _deliver(self, head: dict[str, Any], frames: list[zmq.Frame]) -> None:
-        if self._tell_loop([DELIVER, *frames]):
+        if self._reset_pending is not None:
+            self._reset(self._reset_pending)  # what came after a reset must follow it
+        if self._reset_pending is None and self._tell_loop([DELIVER, *frames]):
             return
         self.faults.report("overloaded", "compute loop inbox full; message refused")
         named = named_session(head)
         if named is not None:
-            session, attempt, request_id = named
-            err = Error.of(
-                ErrorCode.INTERNAL,
-                "worker overloaded",
-                session,
-                attempt=attempt,
-                request_id=request_id,
-            )
-            self._send(err)
+            session, attempt, rid = named
+            why = "worker overloaded"
+            self._send(Error.of(ErrorCode.INTERNAL, why, session, attempt=attempt, request_id=rid))
 
     def _send(self, msg: Message, key: str = "") -> None:
         try:

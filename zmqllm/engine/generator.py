@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from zmqllm.model_args import ModelArgs
 from zmqllm.engine.cache import CachePool
 from zmqllm.engine.model import MistralShard, Segment
 from zmqllm.engine.sampling import SamplingParams, sample
 from zmqllm.engine.weights import load_shard_tensors, shard_tensor_groups, weight_map
+from zmqllm.model_args import ModelArgs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zmqllm.model_args import ModelArgs
 from zmqllm.engine.cache import KVCache
+from zmqllm.model_args import ModelArgs
 
 # Row counts for which `linear` multiplies as W @ x^T on the CPU (see there).
 CPU_MM_MIN_ROWS = 7

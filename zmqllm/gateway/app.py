@@ -103,7 +103,9 @@ def create_app(
         """Prometheus text: the gateway's figures and, through the broker, the cluster's."""
         status = await request.app.state.broker_status.get()
         service: GatewayService = request.app.state.gateway
-        body = request.app.state.metrics.render(status, service.in_flight, service.queued)
+        body = request.app.state.metrics.render(
+            status, service.in_flight, service.queued, service.client.dropped
+        )
         return Response(body, media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/health")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -58,11 +58,20 @@ class ClusterCollector(Collector):
 
     def __init__(self) -> None:
         self.status: dict[str, Any] | None = None
+        self.client_dropped: Mapping[str, int] = {}  # the gateway's own broker client
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("zmqllm_broker_up", "1 if the broker answered the last scrape")
         up.add_metric([], 0.0 if self.status is None else 1.0)
         yield up
+        mine = CounterMetricFamily(
+            "zmqllm_client_dropped_messages_by_reason",
+            "Messages from the broker this gateway dropped and handler errors, by reason",
+            labels=["reason"],
+        )
+        for reason, value in sorted(self.client_dropped.items()):
+            mine.add_metric([str(reason)], float(value))
+        yield mine
         st = self.status
         if st is None:
             return
@@ -193,8 +202,15 @@ class GatewayMetrics:
         for gap in gen.token_gaps:
             self.itl.observe(gap)
 
-    def render(self, status: dict[str, Any] | None, in_flight: int, queued: int = 0) -> bytes:
+    def render(
+        self,
+        status: dict[str, Any] | None,
+        in_flight: int,
+        queued: int = 0,
+        client_dropped: Mapping[str, int] | None = None,
+    ) -> bytes:
         self.cluster.status = status
+        self.cluster.client_dropped = client_dropped or {}
         self.in_flight.set(in_flight)
         self.queued.set(queued)
         return generate_latest(self.registry)

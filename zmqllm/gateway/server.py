@@ -63,6 +63,9 @@ def serve(cfg: Config) -> None:
         settings.broker,
         heartbeat_interval=cfg.broker.heartbeat_interval,
         liveness=cfg.broker.heartbeat_liveness,
+        # Every admitted request holds one stream (queued ones hold none yet), and the
+        # readiness warm-up one more.
+        max_streams=settings.max_concurrent + 1,
     )
     name = served_model_name(cfg.model)
     app = create_app(client, settings, tokenizer, name, context_length)
