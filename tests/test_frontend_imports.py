@@ -64,7 +64,7 @@ def test_cli_help_runs_without_the_ml_stack() -> None:
 # Only the worker's modules and the CLI may import the engine (and with it torch);
 # everything else, the whole front end included, reads what it needs from torch-free
 # modules.
-ENGINE_USERS = ("zmqllm/worker", "zmqllm/cpu_turns.py", "zmqllm/cli.py")
+ENGINE_USERS = ("zmqllm/worker", "zmqllm/cpu_turns.py", "zmqllm/shard_loader.py", "zmqllm/cli.py")
 
 
 def test_only_the_worker_and_the_cli_import_the_engine() -> None:
