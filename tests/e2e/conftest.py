@@ -112,16 +112,23 @@ def greedy_ids(e2e_model: Path) -> Callable[..., list[int]]:
     @functools.cache
     def generate(ids: tuple[int, ...], max_tokens: int, stop_at_eos: bool) -> tuple[int, ...]:
         x = torch.tensor([ids])
-        out = model.generate(
-            x,
-            attention_mask=torch.ones_like(x),
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            # None (not []): generate then ignores the checkpoint's EOS as ignore_eos does,
-            # where min_new_tokens would forbid EOS and change the argmax.
-            eos_token_id=eos if stop_at_eos else None,
-            pad_token_id=0,
-        )
+        threads = torch.get_num_threads()
+        # One thread: on 2 cores shared with a cluster (and more), every parallel region
+        # of a 2-thread forward waits for a descheduled thread (measured ~10x slower).
+        torch.set_num_threads(1)
+        try:
+            out = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                # None (not []): generate then ignores the checkpoint's EOS as ignore_eos
+                # does, where min_new_tokens would forbid EOS and change the argmax.
+                eos_token_id=eos if stop_at_eos else None,
+                pad_token_id=0,
+            )
+        finally:
+            torch.set_num_threads(threads)
         return tuple(out[0, len(ids) :].tolist())
 
     def greedy(ids: Sequence[int], max_tokens: int, stop_at_eos: bool = True) -> list[int]:
