@@ -190,6 +190,7 @@ class VictimStreams:
         stop_ids: Sequence[int],
         sessions: list[str],
         connect_timeout: float = 30.0,
+        heartbeat: float = 1.0,
     ) -> None:
         self.address = address
         self.prompts = [list(p) for p in prompts]
@@ -197,6 +198,7 @@ class VictimStreams:
         self.stop_ids = list(stop_ids)
         self.sessions = sessions
         self.connect_timeout = connect_timeout
+        self.heartbeat = heartbeat
         self.results: list[VictimResult] = []
         self.crashed: BaseException | None = None  # the thread's own failure, if any
         self._stop = threading.Event()
@@ -226,7 +228,7 @@ class VictimStreams:
             self.crashed = exc
 
     async def _main(self) -> None:
-        client = BrokerClient(self.address, heartbeat_interval=0.5)
+        client = BrokerClient(self.address, heartbeat_interval=self.heartbeat)
         await client.start()
         try:
             deadline = time.monotonic() + self.connect_timeout
