@@ -1309,3 +1309,42 @@ def test_client_heartbeat_gets_the_boot_id(cluster: Callable[..., Harness]) -> N
     client = h.client()
     client.send(Heartbeat())
     assert h.expect(client, Heartbeat).boot == boot
+
+
+def test_a_status_flood_reuses_one_status_until_something_happens(
+    cluster: Callable[..., Harness], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h = cluster(heartbeat_interval=5.0)  # no tick in between to refresh it
+    client, w0, w1 = pipeline(h)
+    built = 0
+    real = Broker.status
+
+    def counting(self: Broker) -> dict[str, Any]:
+        nonlocal built
+        built += 1
+        return real(self)
+
+    monkeypatch.setattr(Broker, "status", counting)
+    flood = h.client("flood")
+    for i in range(200):
+        flood.send(Status(request_id=f"q{i}"))
+    replies = [h.expect(flood, StatusReply) for _ in range(200)]
+    assert [r.request_id for r in replies] == [f"q{i}" for i in range(200)]
+    assert all(r.status()["sessions"] == 0 for r in replies)
+    assert built <= 2  # not one per request
+    # Anything else happening makes the next STATUS fresh.
+    open_on(h, client, [w1, w0], "s1")
+    assert h.status(via=client)["sessions"] == 1
+
+
+def test_a_small_client_queue_does_not_apply_to_workers(cluster: Callable[..., Harness]) -> None:
+    h = cluster(peer_queue=8)
+    client, w0, w1 = pipeline(h)
+    wires = [open_on(h, client, [w1, w0], f"s{i}") for i in range(3)]
+    # A burst to one worker far past the clients' queue bound: it is not dropped as slow.
+    for _ in range(40):
+        for wire in wires:
+            w1.send(wire.activation(0, rows=1))  # forwarded nowhere (last stage): ignored
+    client.send(Cancel(session="s0"))
+    st = h.wait_status(lambda st: st["sessions"] == 2, "the cancel was not handled")
+    assert len(st["workers"]) == 2

@@ -70,13 +70,22 @@ class Broker:
         self.drops = Drops("zmqllm.broker")
         self.started = time.monotonic()
         self.frontend = self._router(
-            settings.frontend, settings.frontend_max_message_bytes, handover=False
+            settings.frontend,
+            settings.frontend_max_message_bytes,
+            settings.peer_queue,
+            handover=False,
         )
-        self.backend = self._router(settings.backend, settings.max_message_bytes, handover=True)
+        self.backend = self._router(
+            settings.backend, settings.max_message_bytes, settings.worker_queue, handover=True
+        )
+        # The last STATUS reply's body, reused until anything else happens (a flood of
+        # STATUS must not rebuild the status of every worker for each request).
+        self._status_body: StatusReply | None = None
+        self._status_at = 0.0
         self._stop = False
         self._next_beat = 0.0
 
-    def _router(self, address: str, max_bytes: int, handover: bool) -> zmq.Socket:
+    def _router(self, address: str, max_bytes: int, hwm: int, handover: bool) -> zmq.Socket:
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         # Unknown peer -> an error we handle, not a silent drop; with NOBLOCK a full
@@ -88,8 +97,8 @@ class Broker:
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1 if handover else 0)
         # ZeroMQ disconnects a peer that sends a larger message, before we see it.
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes + MAX_HEADER_BYTES)
-        sock.setsockopt(zmq.SNDHWM, self.s.peer_queue)
-        sock.setsockopt(zmq.RCVHWM, self.s.peer_queue)
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.setsockopt(zmq.RCVHWM, hwm)
         sock.bind(address)
         return sock
 
@@ -143,14 +152,18 @@ class Broker:
             except zmq.Again:
                 return
             if frames is None or len(frames) < 2:
+                self._status_body = None  # the counters move
                 self.drops.drop(f"{side}:frames")
                 continue
             identity = frames[0].bytes
             try:
                 msg = decode(frames[1:])
             except ProtocolError as exc:
+                self._status_body = None
                 self.drops.drop(f"{side}:malformed", peer=identity.hex()[:32], error=exc)
                 continue
+            if not isinstance(msg, Status):
+                self._status_body = None
             try:
                 handler(identity, msg, frames)
             except Exception as exc:  # a bug handling one message must not stop the broker
@@ -187,6 +200,7 @@ class Broker:
     def tick(self) -> None:
         """Heartbeats out, dead workers out, deadlines, queue in; each step isolated."""
         now = time.monotonic()
+        self._status_body = None
         self._next_beat = now + self.s.heartbeat_interval
         for step in (self._beat_workers, self._expire):
             try:
@@ -256,7 +270,7 @@ class Broker:
         elif isinstance(msg, Heartbeat):
             self.send([Out(False, client, Heartbeat(boot=self.boot))])
         elif isinstance(msg, Status):
-            self.send([Out(False, client, StatusReply.of(self.status(), msg.request_id))])
+            self.send([Out(False, client, self._status_reply(msg.request_id, now))])
         else:
             self.drops.drop("frontend:not_allowed", type=msg.TYPE.value)
             session = getattr(msg, "session", "")
@@ -340,6 +354,15 @@ class Broker:
         return f"no capacity: no route with room after {t:g}s"
 
     # -- status ----------------------------------------------------------------
+    def _status_reply(self, request_id: str, now: float) -> StatusReply:
+        """The status, rebuilt only if anything happened since the last one (or a
+        second passed: ages in it move)."""
+        cached = self._status_body
+        if cached is None or now - self._status_at > 1.0:
+            cached = self._status_body = StatusReply.of(self.status())
+            self._status_at = now
+        return StatusReply(request_id=request_id, body=cached.body)
+
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
         st = self.table.stats

@@ -95,9 +95,12 @@ class BrokerSettings:
     max_message_bytes: int = 256 << 20
     # Largest message on the frontend: an OPEN carries 4 bytes per prompt token.
     frontend_max_message_bytes: int = 16 << 20
-    # Messages queued to one peer before it counts as not reading: its sessions fail
+    # Messages queued to one client before it counts as not reading: its sessions fail
     # (slow_consumer) instead of the broker waiting for it.
     peer_queue: int = 10000
+    # The same for one worker, which then counts as lost. Larger: a worker takes a burst
+    # of one message per session it serves at every step.
+    worker_queue: int = 100000
     # Most workers registered at once; a REGISTER past it is refused.
     max_workers: int = 1024
     # Most distinct layer ranges (pools) at once; a REGISTER adding one more is refused.
@@ -426,6 +429,7 @@ def _check_broker(s: BrokerSettings, where: str) -> BrokerSettings:
             "max_message_bytes",
             "frontend_max_message_bytes",
             "peer_queue",
+            "worker_queue",
             "max_workers",
             "max_ranges",
         ),
