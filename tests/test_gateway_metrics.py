@@ -106,3 +106,14 @@ async def test_the_gateways_own_drops_are_exported_by_reason(tok: Tokenizer) -> 
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
         text = (await c.get("/metrics")).text
     assert 'zmqllm_client_dropped_messages_by_reason_total{reason="malformed"} 4.0' in text
+
+
+async def test_worker_faults_are_exported_by_reason(tok: Tokenizer) -> None:
+    fake = FakeBrokerClient(answer_script(tok))
+    app, _clock = await scrape_app(fake, tok)
+    worker = {"id": "w0", "layers": [0, 2], "stats": {"fault_bad_request": 2, "forwards": 9}}
+    fake.status_extra = {"workers": [worker]}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+        text = (await c.get("/metrics")).text
+    line = 'zmqllm_worker_faults_total{layers="0:2",reason="bad_request",worker="w0"} 2.0'
+    assert line in text

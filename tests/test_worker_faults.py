@@ -52,3 +52,9 @@ def test_an_exception_is_described_without_locals_or_its_whole_message() -> None
     assert len(out["error"]) < 250
     assert out["where"].startswith("test_worker_faults.py:")
     assert "secret" not in repr(out)
+
+
+def test_every_fault_counter_can_ride_the_heartbeat() -> None:
+    from zmqllm.messages import LOAD_KEYS
+
+    assert {f"fault_{r}" for r in FAULT_REASONS} <= LOAD_KEYS

@@ -281,7 +281,8 @@ class SessionTable:
     def on_worker_error(self, w: WorkerEntry, msg: Error, now: float) -> list[Out]:
         s = self._session_of(w, msg.session, msg.attempt)
         if s is None:
-            log.warning("worker error", worker=w.worker_id, code=msg.code.value)
+            # Usually work that crossed a CLOSE (a cancelled stream): nothing to fail.
+            log.debug("worker error for no open session", worker=w.worker_id, code=msg.code.value)
             return []
         with bind_request(s.request_id, s.key[1]):
             if msg.code is ErrorCode.FULL and not s.streamed:

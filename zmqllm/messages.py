@@ -104,6 +104,14 @@ LOAD_KEYS = frozenset(
         "rss_bytes",
         "cuda_allocated_bytes",
         "cuda_reserved_bytes",
+        # What a worker dropped or failed on, by reason (worker_faults.FAULT_REASONS).
+        "fault_malformed",
+        "fault_unexpected",
+        "fault_bad_request",
+        "fault_internal",
+        "fault_forward_failed",
+        "fault_unsent",
+        "fault_overloaded",
     }
 )
 

@@ -105,6 +105,11 @@ class ClusterCollector(Collector):
         gauges = {k: GaugeMetricFamily(n, t, labels=labels) for k, n, t in _WORKER_GAUGES}
         counters = {k: CounterMetricFamily(n, t, labels=labels) for k, n, t in _WORKER_COUNTERS}
         draining = GaugeMetricFamily("zmqllm_worker_draining", "1 while draining", labels=labels)
+        faults = CounterMetricFamily(
+            "zmqllm_worker_faults",
+            "Messages a worker dropped or failed a session on, by reason",
+            labels=[*labels, "reason"],
+        )
         for w in st.get("workers", []):
             lv = [str(w["id"]), f"{w['layers'][0]}:{w['layers'][1]}"]
             stats = w.get("stats", {})
@@ -115,9 +120,13 @@ class ClusterCollector(Collector):
                 if isinstance(stats.get(key), (int, float)):
                     cfam.add_metric(lv, float(stats[key]))
             draining.add_metric(lv, 1.0 if w.get("draining") else 0.0)
+            for key, value in sorted(stats.items()):
+                if key.startswith("fault_") and isinstance(value, int | float):
+                    faults.add_metric([*lv, key.removeprefix("fault_")], float(value))
         yield from gauges.values()
         yield from counters.values()
         yield draining
+        yield faults
 
 
 class StatusCache:
