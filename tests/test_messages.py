@@ -128,6 +128,7 @@ def registers(draw: st.DrawFn) -> Register:
         pid=draw(st.integers(0, (1 << 31) - 1)),
         dtype=draw(texts(16)),
         device=draw(texts(32)),
+        prefill_chunk=draw(st.integers(0, MAX_CONTEXT)),
     )
 
 
@@ -290,6 +291,7 @@ EXAMPLES: dict[type[Message], Message] = {
         pid=12,
         dtype="float32",
         device="cpu",
+        prefill_chunk=2048,
     ),
     Registered: Registered(worker_id="w-1", boot="b"),
     Refused: Refused(reason="no"),
@@ -378,6 +380,7 @@ BAD: dict[type[Message], dict[str, list[Any]]] = {
         "pid": _ints(0, (1 << 31) - 1),
         "dtype": _texts(16),
         "device": _texts(32),
+        "prefill_chunk": _ints(0, MAX_CONTEXT),
     },
     Registered: {**_COMMON, "worker_id": _NAMES, "boot": _texts(64)},
     Refused: {**_COMMON, "reason": _texts(MAX_TEXT)},

@@ -757,3 +757,12 @@ def test_the_status_of_500_workers_fits_one_reply() -> None:
     assert len(back["workers"]) == 500
     assert back["workers"][0]["info"]["host"] == "h" * 255
     assert len(back["routes"]) == 1
+
+
+def test_a_worker_with_another_prefill_chunk_is_refused() -> None:
+    reg = Registry()
+    reg.add(b"a", dataclasses.replace(register(0, 2), prefill_chunk=2048))
+    other = dataclasses.replace(register(2, 4), prefill_chunk=512)
+    reason = reg.refusal(other, VERSION, b"b")
+    assert reason is not None and "prefill_chunk is 512, the cluster's is 2048" in reason
+    assert reg.refusal(dataclasses.replace(other, prefill_chunk=2048), VERSION, b"b") is None

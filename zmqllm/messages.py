@@ -272,6 +272,9 @@ class Register(Message):
     pid: int = wire(integer(0, (1 << 31) - 1), 0)
     dtype: str = wire(text(16), "")
     device: str = wire(text(32), "")
+    # Most prompt tokens per forward: the rows of the largest activation it sends and
+    # takes, the same on every worker of a cluster (0: not said).
+    prefill_chunk: int = wire(integer(0, MAX_CONTEXT), 0)
 
     def _validate(self) -> None:
         if not self.start < self.end <= self.num_layers:

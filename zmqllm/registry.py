@@ -155,6 +155,7 @@ class Registry:
         self.model: dict[str, Any] = {}  # the defining worker's fingerprint summary
         self.num_layers = 0
         self.context = 0
+        self.prefill_chunk = 0
 
     @classmethod
     def from_settings(cls, s: BrokerSettings) -> Registry:
@@ -209,6 +210,11 @@ class Registry:
                 return f"model has {n} layers, the cluster's has {self.num_layers}"
             if reg.context != self.context:
                 return f"model context is {reg.context} tokens, the cluster's is {self.context}"
+            if reg.prefill_chunk != self.prefill_chunk:
+                # A larger chunk upstream sends activations this worker refuses.
+                return (
+                    f"prefill_chunk is {reg.prefill_chunk}, the cluster's is {self.prefill_chunk}"
+                )
 
         if others >= self.max_workers:
             return f"the broker takes at most {self.max_workers} workers"
@@ -239,6 +245,7 @@ class Registry:
             self.model = dict(reg.model)
             self.num_layers = reg.num_layers
             self.context = reg.context
+            self.prefill_chunk = reg.prefill_chunk
         w = WorkerEntry(
             identity=identity,
             worker_id=identity.decode("ascii"),
@@ -271,7 +278,7 @@ class Registry:
             # An empty cluster may take another model, unless config pins one.
             self.fingerprint = self.pinned
             self.model = {}
-            self.num_layers = self.context = 0
+            self.num_layers = self.context = self.prefill_chunk = 0
 
     # -- sessions ------------------------------------------------------------------------
 

@@ -108,4 +108,5 @@ def register_message(cfg: Config, ld: Loaded) -> Register:
         pid=os.getpid(),
         dtype=cfg.model.dtype,
         device=cfg.model.device,
+        prefill_chunk=cfg.worker.prefill_chunk,
     )
