@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -145,3 +147,15 @@ def test_fused_layer_steps_match_pytorch(kernel: ModuleType) -> None:
         kernel.rope_(got, cos[:4], sin[:4], 6, 16)  # a table for 4 rows, not 5
     with pytest.raises(RuntimeError, match="silu_mul"):
         kernel.silu_mul(gate_up.double())
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_load(kernel: ModuleType) -> None:
+    # torch's loader waits on a "lock" file as long as it exists; a builder killed
+    # mid-build leaves one behind. A fresh process must load the kernel anyway.
+    (stale,) = [d / "lock" for d in native.build_dir().iterdir() if d.name == kernel.__name__]
+    stale.write_text("")
+    code = "from zmqllm.engine import native; assert native.load() is not None"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", code], env=env, timeout=300, check=False)
+    assert done.returncode == 0
+    assert not stale.exists()

@@ -11,11 +11,13 @@ to float32 rounding, slower when many sessions decode at once.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
 import sys
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -28,6 +30,8 @@ log = get_logger("zmqllm.engine.native")
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
 _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}
+# Longest wait for another process's build of the same kernel; past it, the PyTorch path.
+BUILD_WAIT_S = 900.0
 
 
 def enabled() -> bool:
@@ -68,6 +72,29 @@ def _build() -> ModuleType | None:
         staged = copy.with_name(f"{copy.name}.{os.getpid()}")
         staged.write_bytes(source)
         staged.replace(copy)
+    with open(directory / "zmqllm.lock", "a+") as held:
+        # flock dies with its process, unlike the lock file torch's loader leaves behind
+        # when a builder is killed (every later load would then wait on it forever).
+        deadline = time.monotonic() + BUILD_WAIT_S
+        while True:
+            try:
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    log.warning("another process's kernel build did not finish; using PyTorch")
+                    return None
+                time.sleep(0.2)
+        # Holding it, no other zmqllm process builds here: torch's lock is a dead one's.
+        (directory / "lock").unlink(missing_ok=True)
+        if not any(directory.glob(f"{name}*.so")):
+            log.info(
+                "building the compiled decode attention kernel (once)", directory=str(directory)
+            )
+        return _load(cpp_extension, name, copy, directory)
+
+
+def _load(cpp_extension: ModuleType, name: str, copy: Path, directory: Path) -> ModuleType | None:
     try:
         module = cpp_extension.load(
             name=name,
