@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-import zmqllm.worker_faults as faults_module
+import zmqllm.bus as bus
 from zmqllm.worker_faults import FAULT_REASONS, Faults, describe
 
 
@@ -29,21 +29,24 @@ def test_every_fault_is_counted_but_only_a_few_lines_a_second_are_logged(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     now = [100.0]
-    monkeypatch.setattr(faults_module.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(bus.time, "monotonic", lambda: now[0])
     log = Recorder()
     faults = Faults(log, lines_per_second=3)  # type: ignore[arg-type]
     for _ in range(1000):
         faults.report("malformed", "bad message")
-    assert faults.count("malformed") == 1000
-    assert len(log.lines) == 3
-    now[0] += 1.5  # the next second: the lines left out are said to be
     faults.report("internal", "boom", fail_with("prompt text"), session="s/0")
+    assert faults.count("malformed") == 1000
+    # Per reason: a flood of one does not hide another.
+    assert [f["reason"] for _, f in log.lines] == ["malformed"] * 3 + ["internal"]
     event, fields = log.lines[-1]
-    assert (event, fields["reason"], fields["session"]) == ("boom", "internal", "s/0")
-    assert fields["suppressed_before"] == 997
+    assert (event, fields["session"]) == ("boom", "s/0")
+    assert fields["error"].startswith("ValueError: xxx")
+    now[0] += 1.5  # the next second: the lines left out are said to be
+    faults.report("malformed", "bad message")
+    assert log.lines[-1][1]["suppressed_before"] == 997
     load = faults.load()
     assert set(load) == {f"fault_{r}" for r in FAULT_REASONS}
-    assert (load["fault_malformed"], load["fault_internal"], load["fault_unsent"]) == (1000, 1, 0)
+    assert (load["fault_malformed"], load["fault_internal"], load["fault_unsent"]) == (1001, 1, 0)
 
 
 def test_an_exception_is_described_without_locals_or_its_whole_message() -> None:

@@ -2,22 +2,27 @@
 
 A peer decides how many frames it sends; ``recv_bounded`` reads one message frame by
 frame and discards the rest of one that has more frames than any message type allows,
-without building the list up. ``Drops`` counts what a process threw away by reason and
-logs it at most a few times a second, so a flood of garbage can neither fill the disk
-nor hide in silence.
+without building the list up. ``Drops`` counts what a process threw away or failed on
+by reason and logs each reason at most a few times a second (saying how many lines it
+left out), so a flood of garbage can neither fill the disk nor hide in silence. The
+broker, the client and each worker's threads share it.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+import traceback
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 import zmq
+from structlog.typing import FilteringBoundLogger
 
 from zmqllm.log import get_logger
 
-__all__ = ["Drops", "recv_bounded"]
+__all__ = ["Drops", "describe", "recv_bounded"]
 
 # Log lines per reason per second at most; the counters keep the full count.
 LOG_PER_SECOND = 5
@@ -40,40 +45,84 @@ def recv_bounded(sock: zmq.Socket, max_frames: int) -> list[Any] | None:
     return frames
 
 
-class Drops:
-    """Messages dropped and handler errors, counted by reason, logged rate-limited."""
+def describe(exc: BaseException) -> dict[str, str]:
+    """The exception's type, its message cut short and the file:line it came from: never
+    a traceback with locals (a prompt may sit in one)."""
+    out = {"error": f"{type(exc).__name__}: {str(exc)[:MAX_LOGGED_TEXT]}"}
+    frames = traceback.extract_tb(exc.__traceback__)
+    if frames:
+        last = frames[-1]
+        out["where"] = f"{last.filename.rsplit('/', 1)[-1]}:{last.lineno} in {last.name}"
+    return out
 
-    def __init__(self, logger_name: str) -> None:
-        self.counts: Counter[str] = Counter()
-        self._log = get_logger(logger_name)
+
+class Drops:
+    """Messages dropped and failures, counted by reason, logged rate-limited per reason.
+
+    Thread-safe: a worker's connection thread and compute loop report into one.
+    """
+
+    def __init__(
+        self,
+        logger: str | FilteringBoundLogger,
+        reasons: Iterable[str] = (),
+        lines_per_second: int = LOG_PER_SECOND,
+    ) -> None:
+        self._log = get_logger(logger) if isinstance(logger, str) else logger
+        self._limit = lines_per_second
+        self._lock = threading.Lock()
+        self.counts: Counter[str] = Counter(dict.fromkeys(reasons, 0))
         self._window = 0.0
         self._logged: Counter[str] = Counter()
+        self._suppressed: Counter[str] = Counter()
 
-    def _may_log(self, reason: str) -> bool:
-        now = time.monotonic()
-        if now - self._window >= 1.0:
-            self._window = now
-            self._logged.clear()
-        self._logged[reason] += 1
-        return self._logged[reason] <= LOG_PER_SECOND
+    def _admit(self, reason: str) -> int | None:
+        """Count one; the lines left out of this reason since its last, or None when
+        this one is left out too."""
+        with self._lock:
+            self.counts[reason] += 1
+            now = time.monotonic()
+            if now - self._window >= 1.0:
+                self._window = now
+                self._logged.clear()
+            self._logged[reason] += 1
+            if self._logged[reason] > self._limit:
+                self._suppressed[reason] += 1
+                return None
+            return self._suppressed.pop(reason, 0)
+
+    def report(
+        self, reason: str, event: str, exc: BaseException | None = None, **fields: Any
+    ) -> None:
+        """Count one failure of ``reason``; log it as ``event`` unless this second's lines
+        for that reason are spent."""
+        left_out = self._admit(reason)
+        if left_out is None:
+            return
+        shown: dict[str, Any] = {k: str(v)[:MAX_LOGGED_TEXT] for k, v in fields.items()}
+        if exc is not None:
+            shown.update(describe(exc))
+        if left_out:
+            shown["suppressed_before"] = left_out
+        self._log.warning(event, reason=reason, **shown)
 
     def drop(self, reason: str, **details: Any) -> None:
         """A message thrown away (malformed, unknown peer, not allowed here...)."""
-        self.counts[reason] += 1
-        if self._may_log(reason):
-            shown = {k: str(v)[:MAX_LOGGED_TEXT] for k, v in details.items()}
-            self._log.warning("message dropped", reason=reason, **shown)
+        self.report(reason, "message dropped", **details)
 
     def error(self, where: str, exc: BaseException) -> None:
         """An unexpected exception while handling one message: the loop goes on."""
-        reason = f"error:{where}"
-        self.counts[reason] += 1
-        if self._may_log(reason):
-            # A bug of ours: the traceback (never with locals) says where.
-            self._log.error(
-                "error handling a message",
-                where=where,
-                error=type(exc).__name__,
-                detail=str(exc)[:MAX_LOGGED_TEXT],
-                exc_info=exc,
-            )
+        if self._admit(f"error:{where}") is None:
+            return
+        # A bug of ours: the traceback (never with locals) says where.
+        self._log.error(
+            "error handling a message",
+            where=where,
+            error=type(exc).__name__,
+            detail=str(exc)[:MAX_LOGGED_TEXT],
+            exc_info=exc,
+        )
+
+    def count(self, reason: str) -> int:
+        with self._lock:
+            return self.counts[reason]
