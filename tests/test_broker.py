@@ -1348,3 +1348,39 @@ def test_a_small_client_queue_does_not_apply_to_workers(cluster: Callable[..., H
     client.send(Cancel(session="s0"))
     st = h.wait_status(lambda st: st["sessions"] == 2, "the cancel was not handled")
     assert len(st["workers"]) == 2
+
+
+def test_heartbeats_the_broker_has_not_read_yet_are_not_taken_for_silence() -> None:
+    # A flood can leave the broker behind on its backend: a worker is judged silent only
+    # up to the last time everything that had arrived was read.
+    ctx = zmq.Context()
+    broker = Broker(
+        BrokerSettings(
+            frontend="tcp://127.0.0.1:0",
+            backend="tcp://127.0.0.1:0",
+            heartbeat_interval=1.0,
+            heartbeat_liveness=3,
+        ),
+        context=ctx,
+    )
+    peer = ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.setsockopt(zmq.IDENTITY, b"w0")
+    peer.connect(broker.endpoints[1])
+    try:
+        w = broker.registry.add(b"w0", register_msg(0, 4))
+        peer.send_multipart(encode(Heartbeat()))  # so the broker knows its connection
+        assert broker.backend.poll(int(TIMEOUT * 1000))
+        broker._drain(broker.backend, broker.on_worker_message, "backend")
+        now = time.monotonic()
+        w.last_seen = now - 10.0  # its heartbeats since then still wait unread
+        broker._backend_read_at = now - 9.0
+        broker._beat_workers(now)
+        assert "w0" in broker.registry.workers
+        broker._backend_read_at = now  # all read, and nothing from it for 10 s
+        broker._beat_workers(now)
+        assert "w0" not in broker.registry.workers
+    finally:
+        peer.close()
+        broker.close()
+        ctx.term()

@@ -51,6 +51,8 @@ DEFAULT_HEARTBEAT_INTERVAL = 1.0
 DEFAULT_HEARTBEAT_LIVENESS = 3
 # Most messages handled per socket per loop turn, so neither side starves the other.
 BATCH = 512
+# Messages queued from one peer before ZeroMQ stops reading its connection.
+RECV_QUEUE = 1000
 
 
 class Broker:
@@ -84,6 +86,7 @@ class Broker:
         self._status_at = 0.0
         self._stop = False
         self._next_beat = 0.0
+        self._backend_read_at = 0.0  # when the backend was last read to empty
 
     def _router(self, address: str, max_bytes: int, hwm: int, handover: bool) -> zmq.Socket:
         sock = self.ctx.socket(zmq.ROUTER)
@@ -98,7 +101,9 @@ class Broker:
         # ZeroMQ disconnects a peer that sends a larger message, before we see it.
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes + MAX_HEADER_BYTES)
         sock.setsockopt(zmq.SNDHWM, hwm)
-        sock.setsockopt(zmq.RCVHWM, hwm)
+        # Inbound, a short queue per peer: a flooding peer waits (or drops) on its own
+        # side instead of the broker buffering its flood.
+        sock.setsockopt(zmq.RCVHWM, RECV_QUEUE)
         sock.bind(address)
         return sock
 
@@ -129,6 +134,8 @@ class Broker:
             while not self._stop:
                 timeout = max(0.0, self._next_beat - time.monotonic())
                 events = dict(poller.poll(int(timeout * 1000) + 1))
+                if self.backend not in events:
+                    self._backend_read_at = time.monotonic()
                 if self.backend in events:
                     self._drain(self.backend, self.on_worker_message, "backend")
                 if self.frontend in events:
@@ -150,6 +157,8 @@ class Broker:
             try:
                 frames = recv_bounded(sock, 1 + MAX_FRAMES)
             except zmq.Again:
+                if sock is self.backend:
+                    self._backend_read_at = time.monotonic()
                 return
             if frames is None or len(frames) < 2:
                 self._status_body = None  # the counters move
@@ -212,11 +221,14 @@ class Broker:
         beat = encode(Heartbeat(boot=self.boot))
         horizon = self.s.heartbeat_interval * self.s.heartbeat_liveness
         for w in list(self.registry.workers.values()):
-            if now - w.last_seen > horizon:
+            # Silent up to the last time everything that had arrived was read: a broker
+            # behind on its backend (a flood) must not take unread heartbeats for silence.
+            silent = self._backend_read_at - w.last_seen
+            if silent > horizon:
                 self.remove_worker(
                     w,
                     f"worker {w.worker_id} (layers {w.start}:{w.end}) "
-                    f"stopped answering for {now - w.last_seen:.1f}s",
+                    f"stopped answering for {silent:.1f}s",
                 )
             else:
                 self.send([Out(True, w.identity, frames=beat)])
@@ -371,7 +383,6 @@ class Broker:
             "version": __version__,
             "uptime_s": round(now - self.started, 1),
             "num_layers": self.registry.num_layers,
-            "model": self.registry.fingerprint,
             "complete_route": self.registry.find_route(1, ignore_room=True) is not None,
             "queue": len(self.table.queue),
             "sessions": len(self.table.sessions),
