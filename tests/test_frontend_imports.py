@@ -17,6 +17,8 @@ FRONT_END_MODULES = [
     "zmqllm.wire_types",
     "zmqllm.sampling_params",
     "zmqllm.bus",
+    "zmqllm.fuzz",
+    "zmqllm.fuzz_peers",
     "zmqllm.registry",
     "zmqllm.broker_state",
     "zmqllm.config",
