@@ -11,7 +11,6 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
-from zmqllm.broker_state import fingerprint_differences  # noqa: E402
 from zmqllm.engine.generator import load_shard  # noqa: E402
 from zmqllm.engine.weights import (  # noqa: E402
     INDEX_FILE,
@@ -23,6 +22,7 @@ from zmqllm.engine.weights import (  # noqa: E402
     weight_map,
 )
 from zmqllm.model_args import ModelArgs  # noqa: E402
+from zmqllm.registry import fingerprint_differences  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
