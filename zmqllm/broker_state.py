@@ -76,7 +76,6 @@ class Session:
     request: Pending
     wire: str  # the id workers know it by
     route: list[str]  # worker ids, stage order
-    opened: float
     last_active: float  # any message about it from its route (inactivity deadline)
     next_step: int = 0  # the step of the TOKEN expected next
 
@@ -189,7 +188,7 @@ class SessionTable:
     def _start(self, p: Pending, route: list[WorkerEntry], now: float) -> list[Out]:
         p.attempts += 1
         wire = f"{self.boot}-{next(self._ids):x}"
-        s = Session(p, wire, [w.worker_id for w in route], now, now)
+        s = Session(p, wire, [w.worker_id for w in route], now)
         self.sessions[p.key] = s
         self.by_wire[wire] = s
         self.registry.reserve(route, wire, p.max_len)
