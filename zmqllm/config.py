@@ -1,7 +1,7 @@
 """Settings for every zmqllm process, read from one TOML file.
 
 A file has one table per section (``[model]``, ``[broker]``, ``[worker]``, ``[gateway]``,
-``[log]``) plus an array of ``[[stages]]`` tables for the launcher. Every key has a default,
+``[log]``, ``[security]``) plus an array of ``[[stages]]`` tables for the launcher. Every key has a default,
 so a file only names what it changes, and command-line flags override the file through
 ``with_overrides``. Mistakes are reported as ``ConfigError`` naming the key, the section
 and the file, because a typo that silently falls back to a default is the hardest kind of
@@ -40,6 +40,7 @@ __all__ = [
     "GatewaySettings",
     "LogSettings",
     "ModelSettings",
+    "SecuritySettings",
     "StageSpec",
     "WorkerSettings",
     "check_layer_spec",
@@ -175,6 +176,22 @@ class GatewaySettings:
     header_timeout: float = 10.0
     # Seconds to read a request's whole body: then 408.
     body_timeout: float = 30.0
+    # A file of API keys, one a line ('#' starts a comment): /chat, /v1/* and /metrics
+    # then need "Authorization: Bearer KEY". Re-read when it changes. "" = the
+    # ZMQLLM_API_KEY environment variable if set, else no keys (open).
+    api_keys_file: str = ""
+    # TLS: serve https with this PEM certificate (chain) and its private key.
+    ssl_certfile: str = ""
+    ssl_keyfile: str = ""
+
+
+@dataclass
+class SecuritySettings:
+    # The CURVE key folder (made by `zmqllm keys init DIR`). "" = $ZMQLLM_HOME/keys if it
+    # exists, else no keys: the bus is then plaintext and the broker binds loopback only.
+    keys: str = ""
+    # Run without CURVE even where keys exist.
+    insecure: bool = False
 
 
 @dataclass
@@ -197,6 +214,7 @@ class Config:
     worker: WorkerSettings = field(default_factory=WorkerSettings)
     gateway: GatewaySettings = field(default_factory=GatewaySettings)
     log: LogSettings = field(default_factory=LogSettings)
+    security: SecuritySettings = field(default_factory=SecuritySettings)
     stages: list[StageSpec] = field(default_factory=list)
 
 
@@ -481,6 +499,10 @@ def _check_gateway(s: GatewaySettings, where: str) -> GatewaySettings:
     return s
 
 
+def _check_security(s: SecuritySettings, where: str) -> SecuritySettings:
+    return s
+
+
 def _check_log(s: LogSettings, where: str) -> LogSettings:
     level, fmt = s.level.lower(), s.format.lower()
     if level not in LOG_LEVELS:
@@ -497,6 +519,7 @@ _SECTIONS: dict[str, Callable[[Any, str], Any]] = {
     "worker": _check_worker,
     "gateway": _check_gateway,
     "log": _check_log,
+    "security": _check_security,
 }
 
 

@@ -117,6 +117,7 @@ class BrokerLink:
         # The thread's own state from here on.
         self._pipe: zmq.Socket[Any] | None = None
         self._sock: zmq.Socket[Any] | None = None
+        self._poller = zmq.Poller()  # the pipe, and the broker's socket while connected
         self._registered = False
         self._refused = False
         self._stopping = False
@@ -164,6 +165,7 @@ class BrokerLink:
         pipe.setsockopt(zmq.RCVHWM, PIPE_HWM)
         pipe.connect(self.pipe_address)
         self._pipe = pipe
+        self._poller.register(pipe, zmq.POLLIN)
         try:
             try:
                 self._connect()
@@ -186,11 +188,7 @@ class BrokerLink:
         assert self._pipe is not None
         now = time.monotonic()
         due = self._next_beat if self._sock is not None else self._reconnect_at
-        poller = zmq.Poller()
-        poller.register(self._pipe, zmq.POLLIN)
-        if self._sock is not None:
-            poller.register(self._sock, zmq.POLLIN)
-        events = dict(poller.poll(max(0, math.ceil((due - now) * 1000))))
+        events = dict(self._poller.poll(max(0, math.ceil((due - now) * 1000))))
         if self._pipe in events:
             self._from_loop()
         if self._sock is not None and self._sock in events:
@@ -216,6 +214,7 @@ class BrokerLink:
         sock.setsockopt(zmq.MAXMSGSIZE, s.max_message_bytes)
         sock.connect(s.address)
         self._sock = sock
+        self._poller.register(sock, zmq.POLLIN)
         self._registered = False
         now = time.monotonic()
         self._last_broker = now
@@ -227,6 +226,7 @@ class BrokerLink:
             return
         if goodbye:
             self._send(Disconnect(reason=self._goodbye))
+        self._poller.unregister(self._sock)
         self._sock.close(linger=CLOSE_LINGER_MS if goodbye else 0)
         self._sock = None
 

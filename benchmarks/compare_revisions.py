@@ -1,0 +1,155 @@
+"""Per-token latency of two revisions of zmqllm, measured in alternating rounds.
+
+On a shared machine the speed of the cores drifts by more than a small regression
+between two runs made minutes apart, so comparing one run of each hides or invents
+one. This script checks the older revision out into a temporary git worktree and
+runs the same measurement (a local cluster of the default model split into stages,
+streamed over `POST /v1/completions`, inter-token latency p50) for the old and the
+working tree in turn, round after round, and reports both medians, their run-to-run
+ranges and the ratio of every round's pair.
+
+    python benchmarks/compare_revisions.py --before 8809ed1 [--rounds 6] [--stages 2]
+
+Writes benchmarks/results/compare_revisions.json. Each round runs in a fresh process
+whose `zmqllm` is imported from the tree under test; the older tree must have
+`zmqllm.local_cluster.Cluster` (every revision since the benchmarks were added does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from report import write_json
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+
+def measure(root: Path, stages: int, new_tokens: int, requests: int, threads: int) -> float:
+    """In a fresh process whose sys.path starts at ``root``: ITL p50 in ms."""
+    sys.path.insert(0, str(root))
+    import numpy as np
+    from per_token_latency import stream_once
+
+    from zmqllm.config import default_model_dir, split_layers
+    from zmqllm.local_cluster import Cluster
+
+    text = (default_model_dir() / "config.json").read_text()
+    layers = split_layers(json.loads(text)["num_hidden_layers"], stages)
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = Cluster(
+            Path(tmp),
+            default_model_dir(),
+            heartbeat=1.0,
+            threads=threads,
+            batch_threads=max(1, (os.cpu_count() or 1) // stages),
+        )
+        try:
+            cluster.start_all(tuple(f"{a}:{b}" for a, b in layers))
+            stream_once(cluster.http_port, 16)  # warm-up
+            gaps: list[float] = []
+            for _ in range(requests):
+                stamps = stream_once(cluster.http_port, new_tokens)
+                gaps += list(np.diff(stamps[2:]))  # inter-token gaps, first token left out
+            return float(np.median(gaps) * 1e3)
+        finally:
+            cluster.stop()
+
+
+def run_round(root: Path, a: argparse.Namespace, cache: Path | None) -> float:
+    cmd = [sys.executable, __file__, "--measure", str(root)]
+    cmd += ["--stages", str(a.stages), "--new-tokens", str(a.new_tokens)]
+    cmd += ["--requests", str(a.requests), "--threads", str(a.threads)]
+    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{HERE}")
+    if cache is not None:  # the older tree builds and caches its own native kernel
+        env["XDG_CACHE_HOME"] = str(cache)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise SystemExit(f"measuring {root} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def spread(xs: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--before", help="the older revision (any git rev)")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="benchmarks/results/compare_revisions.json")
+    ap.add_argument("--measure", metavar="ROOT", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.measure:
+        print(measure(Path(a.measure), a.stages, a.new_tokens, a.requests, a.threads))
+        return
+    if not a.before:
+        ap.error("--before REV is required")
+    from zmqllm.config import default_model_dir
+    from zmqllm.models import prepare_default_model
+
+    prepare_default_model(default_model_dir())
+    sha = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--verify", f"{a.before}^{{commit}}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    before: list[float] = []
+    after: list[float] = []
+    # Kept between runs: a first build of the kernel must not land inside a round.
+    cache = Path(tempfile.gettempdir()) / f"zmqllm-compare-{sha[:12]}"
+    with tempfile.TemporaryDirectory() as tmp:
+        old = Path(tmp) / "before"
+        subprocess.run(
+            ["git", "-C", str(REPO), "worktree", "add", "--detach", str(old), sha],
+            check=True,
+            capture_output=True,
+        )
+        try:
+            for r in range(a.rounds):
+                # Alternate which goes first, so a drift within a round favours neither.
+                order = [("before", old), ("after", REPO)]
+                for name, root in order if r % 2 == 0 else order[::-1]:
+                    ms = run_round(root, a, cache if root == old else None)
+                    (before if name == "before" else after).append(ms)
+                print(f"round {r + 1}: before {before[-1]:.2f} ms, after {after[-1]:.2f} ms")
+        finally:
+            subprocess.run(
+                ["git", "-C", str(REPO), "worktree", "remove", "--force", str(old)],
+                capture_output=True,
+            )
+    ratios = [b / a_ for a_, b in zip(before, after, strict=True)]
+    result: dict[str, Any] = {
+        "before": {"rev": sha, "itl_ms_p50": before, **spread(before)},
+        "after": {"itl_ms_p50": after, **spread(after)},
+        "ratio_after_vs_before": spread(ratios),
+    }
+    print(
+        f"\nITL p50 over {a.rounds} alternating rounds, {a.stages} stages, "
+        f"{a.new_tokens} tokens x {a.requests} requests each\n"
+        f"before {sha[:10]}: median {result['before']['median']:.2f} ms "
+        f"(range {min(before):.2f}-{max(before):.2f})\n"
+        f"after (working tree): median {result['after']['median']:.2f} ms "
+        f"(range {min(after):.2f}-{max(after):.2f})\n"
+        f"after/before per round: median {statistics.median(ratios):.3f} "
+        f"(range {min(ratios):.3f}-{max(ratios):.3f})"
+    )
+    meta = {k: getattr(a, k) for k in ("rounds", "stages", "new_tokens", "requests", "threads")}
+    write_json(Path(a.out), {"meta": meta, "results": result})
+
+
+if __name__ == "__main__":
+    main()
