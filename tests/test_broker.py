@@ -24,6 +24,7 @@ from zmqllm import PROTOCOL_VERSION, __version__
 from zmqllm.broker import Broker
 from zmqllm.broker_state import MAX_ATTEMPTS, SessionTable
 from zmqllm.config import BrokerSettings
+from zmqllm.keys import BrokerKeys, PeerKeys, as_client
 from zmqllm.messages import (
     Activation,
     Cancel,
@@ -84,7 +85,15 @@ class Peer:
 class Harness:
     """One broker in a thread plus the peers a test creates; ``close`` ends it all."""
 
-    def __init__(self, **settings: Any) -> None:
+    def __init__(
+        self,
+        keys: BrokerKeys | None = None,
+        client_keys: PeerKeys | None = None,
+        worker_keys: PeerKeys | None = None,
+        **settings: Any,
+    ) -> None:
+        # With keys: CURVE on both sockets; peers use these pairs unless told otherwise.
+        self.client_keys, self.worker_keys = client_keys, worker_keys
         values: dict[str, Any] = dict(
             frontend="tcp://127.0.0.1:0",
             backend="tcp://127.0.0.1:0",
@@ -96,7 +105,7 @@ class Harness:
         values.update(settings)
         # A private context: term() at the end proves every socket was closed.
         self.ctx = zmq.Context()
-        self.broker = Broker(BrokerSettings(**values), context=self.ctx)
+        self.broker = Broker(BrokerSettings(**values), context=self.ctx, keys=keys)
         self.frontend, self.backend = self.broker.endpoints
         self.peers: list[Peer] = []
         self._next_keepalive = 0.0
@@ -127,10 +136,14 @@ class Harness:
         assert self.crashed is None, f"the broker died: {self.crashed!r}"
 
     # -- peers ---------------------------------------------------------------------------
-    def _dealer(self, name: str, address: str, options: dict[int, int]) -> Peer:
+    def _dealer(
+        self, name: str, address: str, options: dict[int, int], curve: PeerKeys | None = None
+    ) -> Peer:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, name.encode())
+        if curve is not None:
+            as_client(sock, curve)
         for option, value in options.items():
             sock.setsockopt(option, value)
         sock.connect(address)
@@ -138,15 +151,17 @@ class Harness:
         self.peers.append(peer)
         return peer
 
-    def client(self, name: str = "client", **options: int) -> Peer:
+    def client(self, name: str = "client", curve: PeerKeys | None = None, **options: int) -> Peer:
         """A frontend peer; ``options`` are zmq socket options by name (RCVHWM=10)."""
-        return self._dealer(name, self.frontend, _options(options))
+        return self._dealer(name, self.frontend, _options(options), curve or self.client_keys)
 
-    def worker(self, name: str, **options: int) -> Peer:
-        return self._dealer(name, self.backend, _options(options))
+    def worker(self, name: str, curve: PeerKeys | None = None, **options: int) -> Peer:
+        return self._dealer(name, self.backend, _options(options), curve or self.worker_keys)
 
-    def register(self, name: str, start: int, end: int, **kw: Any) -> Peer:
-        w = self.worker(name)
+    def register(
+        self, name: str, start: int, end: int, curve: PeerKeys | None = None, **kw: Any
+    ) -> Peer:
+        w = self.worker(name, curve)
         w.send(register_msg(start, end, **kw))
         assert self.expect(w, Registered).worker_id == name
         w.keepalive = True

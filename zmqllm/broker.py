@@ -11,6 +11,7 @@ bookkeeping in :class:`~zmqllm.registry.Registry`. It never imports torch.
 
 from __future__ import annotations
 
+import ipaddress
 import signal
 import time
 import uuid
@@ -21,9 +22,11 @@ from typing import Any
 import zmq
 
 from zmqllm import __version__
+from zmqllm.auth import Authenticator, HandshakeMonitor
 from zmqllm.broker_state import Out, SessionTable
 from zmqllm.bus import Drops, recv_bounded
-from zmqllm.config import BrokerSettings
+from zmqllm.config import BrokerSettings, ConfigError, SecuritySettings
+from zmqllm.keys import ALLOWED_FOLDERS, BrokerKeys, as_server, keys_dir, load_broker_keys
 from zmqllm.log import get_logger
 from zmqllm.messages import (
     Activation,
@@ -55,10 +58,27 @@ BATCH = 512
 RECV_QUEUE = 1000
 
 
+CLIENTS, WORKERS = ALLOWED_FOLDERS["client"], ALLOWED_FOLDERS["worker"]  # ZAP domains
+
+
 class Broker:
-    def __init__(self, settings: BrokerSettings, context: zmq.Context | None = None) -> None:
+    def __init__(
+        self,
+        settings: BrokerSettings,
+        context: zmq.Context | None = None,
+        keys: BrokerKeys | None = None,
+    ) -> None:
         self.s = settings
         self.ctx = context or zmq.Context.instance()
+        self.keys = keys
+        # The ZAP handler must be bound before the sockets: libzmq looks for it when a
+        # handshake starts, and without one it lets in anyone who knows our public key.
+        self.auth: Authenticator | None = None
+        if keys is not None:
+            self.auth = Authenticator(self.ctx, {d: keys.folder / d for d in (CLIENTS, WORKERS)})
+            self.auth.start()
+        # Client routing id -> the key it opened sessions with, to end them on revocation.
+        self._client_keys: dict[bytes, str] = {}
         self.boot = uuid.uuid4().hex[:12]
         self.registry = Registry.from_settings(settings)
         self.table = SessionTable(
@@ -76,9 +96,21 @@ class Broker:
             settings.frontend_max_message_bytes,
             settings.peer_queue,
             handover=False,
+            domain=CLIENTS,
         )
+        # With keys, a routing id belongs to the connection that has it: a second peer
+        # (another allowed key) must not take a registered worker's pipe over.
         self.backend = self._router(
-            settings.backend, settings.max_message_bytes, settings.worker_queue, handover=True
+            settings.backend,
+            settings.max_message_bytes,
+            settings.worker_queue,
+            handover=keys is None,
+            domain=WORKERS,
+        )
+        self.monitor = (
+            HandshakeMonitor({"frontend": self.frontend, "backend": self.backend})
+            if keys is not None
+            else None
         )
         # The last STATUS reply's body, reused until anything else happens (a flood of
         # STATUS must not rebuild the status of every worker for each request).
@@ -88,9 +120,18 @@ class Broker:
         self._next_beat = 0.0
         self._backend_read_at = 0.0  # when the backend was last read to empty
 
-    def _router(self, address: str, max_bytes: int, hwm: int, handover: bool) -> zmq.Socket:
+    def _router(
+        self, address: str, max_bytes: int, hwm: int, handover: bool, domain: str
+    ) -> zmq.Socket:
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.keys is not None:
+            as_server(sock, self.keys, domain)
+        # ZeroMQ's own heartbeats close a connection whose peer went silent (a host cut
+        # off), so that its routing id is free again when the peer comes back.
+        interval_ms = max(1, round(self.s.heartbeat_interval * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_IVL, interval_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, interval_ms * self.s.heartbeat_liveness)
         # Unknown peer -> an error we handle, not a silent drop; with NOBLOCK a full
         # pipe -> EAGAIN instead of the whole broker waiting on one peer.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -123,12 +164,16 @@ class Broker:
         poller = zmq.Poller()
         poller.register(self.frontend, zmq.POLLIN)
         poller.register(self.backend, zmq.POLLIN)
+        monitors = self.monitor.monitors if self.monitor is not None else {}
+        for monitor in monitors:
+            poller.register(monitor, zmq.POLLIN)
         log.info(
             "broker started",
             frontend=self.endpoints[0],
             backend=self.endpoints[1],
             boot=self.boot,
             version=__version__,
+            curve=self.keys is not None,
         )
         try:
             while not self._stop:
@@ -140,14 +185,21 @@ class Broker:
                     self._drain(self.backend, self.on_worker_message, "backend")
                 if self.frontend in events:
                     self._drain(self.frontend, self.on_client_message, "frontend")
+                for monitor in monitors:
+                    if monitor in events:
+                        self.monitor.read(monitor)  # type: ignore[union-attr]
                 if time.monotonic() >= self._next_beat:
                     self.tick()
         finally:
             self.close()
 
     def close(self) -> None:
+        if self.monitor is not None:
+            self.monitor.close([self.frontend, self.backend])
         self.frontend.close(linger=0)
         self.backend.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
         log.info("broker stopped")
 
     def _drain(
@@ -165,6 +217,13 @@ class Broker:
                 self.drops.drop(f"{side}:frames")
                 continue
             identity = frames[0].bytes
+            if self.auth is not None and not self.auth.allowed(
+                WORKERS if side == "backend" else CLIENTS, peer_key(frames)
+            ):
+                # Connected before its key was removed: nothing it sends counts now.
+                self._status_body = None
+                self.drops.drop(f"{side}:revoked", peer=identity.hex()[:32])
+                continue
             try:
                 msg = decode(frames[1:])
             except ProtocolError as exc:
@@ -211,7 +270,7 @@ class Broker:
         now = time.monotonic()
         self._status_body = None
         self._next_beat = now + self.s.heartbeat_interval
-        for step in (self._beat_workers, self._expire):
+        for step in (self._revoke, self._beat_workers, self._expire):
             try:
                 step(now)
             except Exception as exc:
@@ -232,6 +291,29 @@ class Broker:
                 )
             else:
                 self.send([Out(True, w.identity, frames=beat)])
+
+    def _revoke(self, now: float) -> None:
+        """After a key file was removed: its workers are refused and removed, its
+        clients lose their sessions."""
+        if self.auth is None:
+            return
+        live = {key[0] for key in self.table.sessions} | {p.key[0] for p in self.table.queue}
+        changed = self.auth.refresh()
+        for client, key in list(self._client_keys.items()):
+            if changed and not self.auth.allowed(CLIENTS, key):
+                log.warning("client key revoked; ending its sessions", peer=client.hex()[:32])
+                self.send(self.table.client_lost(client, ErrorCode.CANCELLED, "key revoked", now))
+                del self._client_keys[client]
+            elif client not in live:
+                del self._client_keys[client]  # keeps the map as small as the live clients
+        if not changed:
+            return
+        for w in list(self.registry.workers.values()):
+            if not self.auth.allowed(WORKERS, w.key):
+                self.send([Out(True, w.identity, Refused(reason="this worker's key was revoked"))])
+                self.remove_worker(
+                    w, f"worker {w.worker_id} (layers {w.start}:{w.end}): key revoked"
+                )
 
     def _expire(self, now: float) -> None:
         self.send(self.table.tick(now, self._no_route_reason()))
@@ -276,6 +358,8 @@ class Broker:
     def on_client_message(self, client: bytes, msg: Message, frames: list[Any]) -> None:
         now = time.monotonic()
         if isinstance(msg, Open):
+            if self.auth is not None:
+                self._client_keys[client] = peer_key(frames) or ""
             self.send(self.table.open(client, msg, now))
         elif isinstance(msg, Cancel):
             self.send(self.table.cancel(client, msg.session, now))
@@ -292,10 +376,15 @@ class Broker:
 
     # -- workers ---------------------------------------------------------------
     def on_worker_message(self, identity: bytes, msg: Message, frames: list[Any]) -> None:
-        if isinstance(msg, Register):
-            self.on_register(identity, msg)
-            return
+        key = peer_key(frames) if self.auth is not None else None
         w = self.registry.by_identity.get(identity)
+        if key is not None and w is not None and w.key != key:
+            # Another key speaking with a registered worker's routing id.
+            self.drops.drop("backend:wrong_key", worker=w.worker_id, type=msg.TYPE.value)
+            return
+        if isinstance(msg, Register):
+            self.on_register(identity, msg, key or "")
+            return
         if w is None:
             # A worker from before a broker restart: tell it to register again.
             self.drops.drop("backend:unknown_peer", type=msg.TYPE.value)
@@ -321,7 +410,7 @@ class Broker:
         else:
             self.drops.drop("backend:not_allowed", type=msg.TYPE.value, worker=w.worker_id)
 
-    def on_register(self, identity: bytes, reg: Register) -> None:
+    def on_register(self, identity: bytes, reg: Register, key: str = "") -> None:
         reason = self.registry.refusal(reg, __version__, identity)
         if reason:
             self.drops.drop("backend:refused", why=reason)
@@ -336,6 +425,7 @@ class Broker:
         except RegistryError as exc:  # refusal() said yes, but the state moved meanwhile
             self.send([Out(True, identity, Refused(reason=str(exc)))])
             return
+        w.key = key
         log.info(
             "worker registered",
             worker=w.worker_id,
@@ -397,11 +487,66 @@ class Broker:
                 "dropped_messages": sum(self.drops.counts.values()),
             },
             "dropped": dict(self.drops.counts),
+            "curve": self.keys is not None,
+            "auth": {
+                "refused": dict(self.auth.denied.counts) if self.auth is not None else {},
+                "handshake_failures": dict(self.monitor.counts) if self.monitor else {},
+            },
         }
 
 
-def serve(settings: BrokerSettings) -> None:
-    broker = Broker(settings)
+def peer_key(frames: list[Any]) -> str | None:
+    """The CURVE public key (z85) of the connection a message came on: the ZAP user id
+    libzmq stamps on its frames. None without CURVE."""
+    try:
+        key = frames[-1].get("User-Id")
+    except (zmq.ZMQError, AttributeError):
+        return None
+    return key or None
+
+
+def exposed_endpoints(settings: BrokerSettings) -> list[str]:
+    """The broker's endpoints that other machines could reach (not loopback, ipc or
+    inproc; a host name other than localhost counts as reachable)."""
+    out = []
+    for endpoint in (settings.frontend, settings.backend):
+        if not endpoint.startswith("tcp://"):
+            continue
+        host = endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+        if host == "localhost":
+            continue
+        try:
+            if ipaddress.ip_address(host).is_loopback:
+                continue
+        except ValueError:
+            pass
+        out.append(endpoint)
+    return out
+
+
+def serve(settings: BrokerSettings, security: SecuritySettings | None = None) -> None:
+    """Run a broker until SIGTERM/SIGINT. Without keys it binds loopback only (unless
+    told --insecure): a plaintext bus lets anyone who reaches it read every prompt."""
+    security = security or SecuritySettings()
+    folder = keys_dir(security)
+    keys = load_broker_keys(folder) if folder is not None else None
+    if keys is None:
+        exposed = exposed_endpoints(settings)
+        if exposed and not security.insecure:
+            raise ConfigError(
+                f"refusing to bind {', '.join(exposed)} without CURVE keys: anyone who "
+                "reaches it could join the bus and read every prompt. Make keys with "
+                "`zmqllm keys init DIR` and give --keys DIR (or keep them in "
+                "$ZMQLLM_HOME/keys), or give --insecure to bind it plaintext anyway"
+            )
+        log.warning(
+            "no CURVE keys: the bus is plaintext and any local process may join it",
+            hint="zmqllm keys init DIR, then --keys DIR",
+            insecure=security.insecure,
+        )
+    else:
+        log.info("CURVE on", keys=str(folder))
+    broker = Broker(settings, keys=keys)
     signal.signal(signal.SIGTERM, broker.stop)
     signal.signal(signal.SIGINT, broker.stop)
     broker.run()

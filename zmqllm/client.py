@@ -25,6 +25,7 @@ import zmq.asyncio
 
 from zmqllm.bus import Drops
 from zmqllm.client_streams import StreamTable, TokenEvent, TokenStream, open_frames
+from zmqllm.keys import PeerKeys, as_client
 from zmqllm.log import get_logger
 from zmqllm.messages import MAX_STATUS_BYTES
 from zmqllm.protocol import (
@@ -65,8 +66,10 @@ class BrokerClient:
         send_timeout: float = 1.0,
         max_streams: int = DEFAULT_MAX_STREAMS,
         send_hwm: int = 1000,
+        keys: PeerKeys | None = None,
     ) -> None:
         self.address = address
+        self.keys = keys  # CURVE: our pair and the broker's public key
         self.heartbeat_interval = heartbeat_interval
         self.liveness = liveness
         self.send_timeout = send_timeout
@@ -93,6 +96,8 @@ class BrokerClient:
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_INBOUND_FRAME)
         sock.setsockopt(zmq.SNDTIMEO, max(1, round(self.send_timeout * 1000)))
         sock.setsockopt(zmq.IDENTITY, f"c-{uuid.uuid4().hex[:12]}".encode())
+        if self.keys is not None:
+            as_client(sock, self.keys)
         sock.connect(self.address)
         self._sock = sock
 

@@ -89,6 +89,8 @@ class WorkerEntry:
     load: dict[str, Any] = field(default_factory=dict)  # the worker's last HEARTBEAT load
     draining: bool = False
     full_until: float = 0.0  # refused a session lately: skip it until then
+    # The CURVE public key (z85) it registered with: only that key may speak as it.
+    key: str = ""
 
     def has_room(self, max_len: int, now: float) -> bool:
         return (

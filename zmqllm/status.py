@@ -9,6 +9,7 @@ from typing import Any
 import zmq
 
 from zmqllm.bus import recv_bounded
+from zmqllm.keys import PeerKeys, as_client
 from zmqllm.messages import MAX_STATUS_BYTES
 from zmqllm.protocol import (
     MAX_FRAMES,
@@ -25,7 +26,9 @@ from zmqllm.protocol import (
 __all__ = ["fetch_status", "format_status"]
 
 
-def fetch_status(address: str, timeout: float = 3.0) -> dict[str, Any]:
+def fetch_status(
+    address: str, timeout: float = 3.0, keys: PeerKeys | None = None
+) -> dict[str, Any]:
     """One STATUS round trip over a fresh DEALER (synchronous, for the CLI and tests).
 
     TimeoutError when no answer comes within ``timeout``; SessionError when the broker
@@ -38,6 +41,8 @@ def fetch_status(address: str, timeout: float = 3.0) -> dict[str, Any]:
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_STATUS_BYTES)
     deadline = time.monotonic() + timeout
     sock.setsockopt(zmq.SNDTIMEO, max(1, round(timeout * 1000)))
+    if keys is not None:
+        as_client(sock, keys)
     try:
         sock.connect(address)
         key = uuid.uuid4().hex

@@ -29,6 +29,7 @@ from zmqllm.cpu_turns import CpuTurns
 from zmqllm.engine.cache import CacheFullError
 from zmqllm.engine.frames import payload_to_tensor, tensor_to_payload
 from zmqllm.engine.stage import BadWork, BatchFailed, Output
+from zmqllm.keys import PeerKeys, keys_dir, load_peer_keys
 from zmqllm.log import bind_request, get_logger
 from zmqllm.protocol import (
     Activation,
@@ -80,7 +81,11 @@ class LinkLost(RuntimeError):
 
 class Worker:
     def __init__(
-        self, cfg: Config, loaded: Loaded, context: zmq.Context[Any] | None = None
+        self,
+        cfg: Config,
+        loaded: Loaded,
+        context: zmq.Context[Any] | None = None,
+        keys: PeerKeys | None = None,
     ) -> None:
         self.cfg = cfg
         self.loaded = loaded
@@ -105,6 +110,7 @@ class Worker:
             max_message_bytes=min(
                 cfg.broker.max_message_bytes, max_frame_bytes(self.stage, loaded.context)
             ),
+            keys=keys,
         )
         self.link = BrokerLink(self.ctx, settings, register_message(cfg, loaded), self.faults)
         self.pipe: zmq.Socket[Any] | None = None
@@ -132,6 +138,7 @@ class Worker:
             worker=self.identity,
             broker=self.cfg.worker.broker,
             layers=f"{self.loaded.start}:{self.loaded.end}",
+            curve=self.link.settings.keys is not None,
         )
         try:
             while not self._stop:
@@ -399,8 +406,10 @@ class Worker:
 
 
 def serve(cfg: Config) -> int:
+    folder = keys_dir(cfg.security)  # a key problem is told before the model loads
+    keys = load_peer_keys(folder, "worker") if folder is not None else None
     loaded = load_stage(cfg)
-    worker = Worker(cfg, loaded)
+    worker = Worker(cfg, loaded, keys=keys)
     signal.signal(signal.SIGTERM, worker.on_sigterm)
     signal.signal(signal.SIGINT, worker.on_sigint)
     return worker.run()

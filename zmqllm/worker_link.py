@@ -29,6 +29,7 @@ from typing import Any
 
 import zmq
 
+from zmqllm.keys import PeerKeys, as_client
 from zmqllm.log import get_logger
 from zmqllm.messages import MAX_ATTEMPTS
 from zmqllm.protocol import (
@@ -101,6 +102,7 @@ class LinkSettings:
     interval: float  # heartbeat interval, both ways
     liveness: int  # intervals without a word from the broker before it counts as gone
     max_message_bytes: int  # MAXMSGSIZE: the largest frame this worker accepts
+    keys: PeerKeys | None = None  # CURVE: this worker's pair and the broker's key
 
 
 class BrokerLink:
@@ -212,6 +214,8 @@ class BrokerLink:
         sock.setsockopt(zmq.SNDHWM, SOCKET_HWM)
         sock.setsockopt(zmq.RCVHWM, SOCKET_HWM)
         sock.setsockopt(zmq.MAXMSGSIZE, s.max_message_bytes)
+        if s.keys is not None:
+            as_client(sock, s.keys)
         sock.connect(s.address)
         self._sock = sock
         self._poller.register(sock, zmq.POLLIN)

@@ -1,0 +1,209 @@
+"""The broker's side of CURVE: who may connect (ZAP), and what failed handshakes tell.
+
+libzmq asks a ZAP handler (RFC 27) about every CURVE handshake on a socket that has a
+ZAP domain; without a handler on the socket's own context it admits any client that
+knows the server's public key. :class:`Authenticator` is that handler, in a thread of
+the broker: the frontend's domain admits the keys in ``clients/``, the backend's those
+in ``workers/``, so a worker key is not a client key. The folders are read again at
+most every ``RESCAN_S`` and whenever a file is added or removed: a key file removed is
+refused from then on, and
+``allowed()`` lets the broker turn away the messages of peers connected before.
+
+The handler answers with the peer's public key (z85) as the ZAP user id; libzmq then
+stamps it on every message of that connection as the ``User-Id`` property, which is how
+the broker ties a worker's routing id to the key that registered it.
+
+:class:`HandshakeMonitor` reads the broker sockets' monitor events and counts failed
+handshakes by socket and kind (a peer without CURVE, with the wrong server key, or with
+a key not allowed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.utils.monitor
+import zmq.utils.z85
+
+from zmqllm.bus import Drops
+from zmqllm.keys import allowed_keys
+from zmqllm.log import get_logger
+
+__all__ = ["ZAP_ENDPOINT", "Authenticator", "HandshakeMonitor"]
+
+log = get_logger("zmqllm.auth")
+
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by RFC 27
+RESCAN_S = 1.0
+POLL_MS = 200  # the handler thread looks at its stop flag this often
+MAX_ZAP_FRAMES = 16
+
+HANDSHAKE_EVENTS: dict[int, str] = {
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "failed",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol",  # e.g. a peer without CURVE
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "denied",  # the ZAP handler said no
+}
+
+
+class Authenticator:
+    """A ZAP handler for CURVE: ``domains`` maps a ZAP domain to its folder of allowed
+    public keys. Start it before any socket of its context binds."""
+
+    def __init__(self, ctx: zmq.Context[Any], domains: dict[str, Path]) -> None:
+        self.ctx = ctx
+        self.domains = domains
+        # Handshakes refused, by domain: apart from the broker's message counters,
+        # since nothing of such a peer ever reaches the broker's handlers.
+        self.denied = Drops(log)
+        self._lock = threading.Lock()
+        self._allowed: dict[str, frozenset[bytes]] = {d: frozenset() for d in domains}
+        self._scanned_at = -RESCAN_S
+        self._seen: tuple[int, ...] = ()
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    # -- the allowed keys ----------------------------------------------------------
+    def _stamps(self) -> tuple[int, ...]:
+        out = []
+        for folder in self.domains.values():
+            try:
+                out.append(os.stat(folder).st_mtime_ns)
+            except OSError:
+                out.append(-1)
+        return tuple(out)
+
+    def refresh(self, force: bool = False) -> bool:
+        """Read the folders again when a file was added or removed (the folder's mtime
+        moved) or RESCAN_S has passed; True when a set changed."""
+        with self._lock:
+            now = time.monotonic()
+            stamps = self._stamps()
+            if not force and stamps == self._seen and now - self._scanned_at < RESCAN_S:
+                return False
+            self._scanned_at, self._seen = now, stamps
+            fresh = {d: allowed_keys(folder) for d, folder in self.domains.items()}
+            changed = fresh != self._allowed
+            if changed:
+                for d, keys in fresh.items():
+                    gone = len(self._allowed[d] - keys)
+                    if gone or len(keys) != len(self._allowed[d]):
+                        log.info("allowed keys read", domain=d, keys=len(keys), revoked=gone)
+            self._allowed = fresh
+            return changed
+
+    def allowed(self, domain: str, key: str | bytes | None) -> bool:
+        """Whether a public key (z85) is allowed in ``domain`` now."""
+        if key is None:
+            return False
+        raw = key.encode() if isinstance(key, str) else key
+        return raw in self._allowed.get(domain, frozenset())
+
+    # -- the handler thread ------------------------------------------------------------
+    def start(self) -> None:
+        self.refresh(force=True)
+        self._thread = threading.Thread(target=self._run, name="zap", daemon=True)
+        self._thread.start()
+        self._ready.wait(5.0)
+        if self._error is not None:
+            raise RuntimeError(f"cannot start the ZAP handler: {self._error}")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+
+    def _run(self) -> None:
+        sock = self.ctx.socket(zmq.REP)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.bind(ZAP_ENDPOINT)
+        except zmq.ZMQError as exc:
+            self._error = exc
+            self._ready.set()
+            sock.close()
+            return
+        self._ready.set()
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(POLL_MS):
+                    continue
+                frames = sock.recv_multipart()
+                try:
+                    reply = self._answer(frames)
+                except Exception as exc:  # the handler must answer, whatever it met
+                    self.denied.error("zap", exc)
+                    reply = [b"1.0", frames[1] if len(frames) > 1 else b"", b"500", b"", b"", b""]
+                sock.send_multipart(reply)
+        finally:
+            sock.close(linger=0)
+
+    def _answer(self, frames: list[bytes]) -> list[bytes]:
+        if len(frames) < 6 or len(frames) > MAX_ZAP_FRAMES or frames[0] != b"1.0":
+            request_id = frames[1] if len(frames) > 1 else b""
+            return [b"1.0", request_id, b"400", b"malformed ZAP request", b"", b""]
+        _, request_id, domain_b, address_b, _, mechanism = frames[:6]
+        credentials = frames[6:]
+        domain = domain_b.decode(errors="replace")
+        self.refresh()
+        if mechanism != b"CURVE" or len(credentials) != 1 or len(credentials[0]) != 32:
+            why = "CURVE is required"
+        else:
+            key = zmq.utils.z85.encode(credentials[0])
+            if self.allowed(domain, key):
+                return [b"1.0", request_id, b"200", b"OK", key, b""]
+            why = "key not allowed"
+        self.denied.report(
+            domain,
+            "handshake refused",
+            why=why,
+            peer=address_b.decode(errors="replace")[:64],
+            mechanism=mechanism.decode(errors="replace")[:16],
+        )
+        return [b"1.0", request_id, b"400", why.encode(), b"", b""]
+
+
+class HandshakeMonitor:
+    """Failed handshakes on the broker's sockets, counted by ``socket:kind``."""
+
+    def __init__(self, sockets: dict[str, zmq.Socket[Any]]) -> None:
+        self.counts: Counter[str] = Counter()
+        events = 0
+        for e in HANDSHAKE_EVENTS:
+            events |= e
+        self.monitors: dict[zmq.Socket[Any], str] = {}
+        for name, sock in sockets.items():
+            address = f"inproc://zmqllm-monitor-{name}-{uuid.uuid4().hex[:8]}"
+            self.monitors[sock.get_monitor_socket(events, addr=address)] = name
+
+    def read(self, monitor: zmq.Socket[Any]) -> None:
+        """Take in what one monitor socket has waiting (never blocks)."""
+        name = self.monitors[monitor]
+        while monitor.poll(0):
+            try:
+                event = zmq.utils.monitor.recv_monitor_message(monitor, zmq.NOBLOCK)
+            except (zmq.Again, ValueError):
+                return
+            kind = HANDSHAKE_EVENTS.get(int(event["event"]))
+            if kind is None:
+                continue
+            self.counts[f"{name}:{kind}"] += 1
+            total = self.counts[f"{name}:{kind}"]
+            if total <= 3 or total % 100 == 0:  # a flood must not fill the log
+                log.warning("handshake failed", socket=name, kind=kind, total=total)
+
+    def close(self, sockets: list[zmq.Socket[Any]]) -> None:
+        for sock in sockets:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+        for monitor in self.monitors:
+            monitor.close(linger=0)
