@@ -20,6 +20,9 @@ from pathlib import Path
 import pytest
 
 from zmqllm import launcher
+from zmqllm.cli import _load as cli_load
+from zmqllm.cli import build_parser
+from zmqllm.config import Config
 from zmqllm.launcher import (
     Child,
     Cluster,
@@ -125,6 +128,53 @@ def test_unchanged_values_are_left_to_the_config_file() -> None:
     cfg, used = up_config(ns(config=str(CONFIGS / "tiny.toml"), port=8081, model="tiny"))
     for child in plan(cfg, used, python=PY):
         assert "--port" not in child.argv and "--model" not in child.argv
+
+
+def up_flags(*argv: str) -> argparse.Namespace:
+    """The Namespace of `zmqllm up ARGV`, parsed by the real command line."""
+    return build_parser().parse_args(["up", *argv])
+
+
+def child_config(child: Child) -> Config:
+    """What a child runs: its command line parsed and applied the way `zmqllm ROLE` does."""
+    return cli_load(build_parser().parse_args(list(child.argv[3:])))
+
+
+def test_up_passes_security_and_gateway_files_to_the_children_that_take_them() -> None:
+    flags = up_flags(
+        *("--config", str(CONFIGS / "tiny.toml"), "--keys", "/k", "--insecure"),
+        *("--api-key-file", "/a", "--ssl-certfile", "/c", "--ssl-keyfile", "/p"),
+    )
+    cfg, used = up_config(flags)
+    assert cfg.security.keys == "/k" and cfg.security.insecure
+    children = plan(cfg, used, python=PY)
+    for child in children:
+        assert child.argv.count("--keys") == 1 and "--insecure" in child.argv
+        assert child_config(child).security == cfg.security
+        files = {"--api-key-file", "--ssl-certfile", "--ssl-keyfile"} & set(child.argv)
+        assert bool(files) == (child.role == "gateway"), child.argv
+    gateway = child_config(children[-1]).gateway
+    assert (gateway.api_keys_file, gateway.ssl_certfile, gateway.ssl_keyfile) == ("/a", "/c", "/p")
+    # Nothing else changes: each child still runs the launcher's config.
+    for child in children:
+        own = child_config(child)
+        assert own.model == cfg.model and own.log.level == cfg.log.level
+
+
+def test_up_passes_a_bool_turned_off_as_its_no_flag(tmp_path: Path) -> None:
+    path = write_config(tmp_path, "[security]\ninsecure = true\n")
+    cfg, used = up_config(up_flags("--config", str(path), "--no-insecure"))
+    for child in plan(cfg, used, python=PY):
+        assert "--no-insecure" in child.argv and not child_config(child).security.insecure
+
+
+def test_up_flags_equal_to_the_file_are_not_passed(tmp_path: Path) -> None:
+    path = write_config(tmp_path, '[security]\nkeys = "/k"\n[gateway]\napi_keys_file = "/a"\n')
+    flags = up_flags("--config", str(path), "--keys", "/k", "--api-key-file", "/a")
+    cfg, used = up_config(flags)
+    for child in plan(cfg, used, python=PY):
+        assert "--keys" not in child.argv and "--api-key-file" not in child.argv
+        assert child_config(child).security.keys == "/k"
 
 
 def test_replicas_and_layer_ranges(tmp_path: Path) -> None:

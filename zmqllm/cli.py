@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from zmqllm import __version__
@@ -19,9 +19,9 @@ from zmqllm.config import (
     default_model_dir,
     load_config,
     resolve_model_path,
-    with_overrides,
 )
 from zmqllm.log import configure_logging
+from zmqllm.settings_flags import add_setting_flags, apply_flags
 
 
 def _model_dir(spec: str, prepare: bool = True) -> Path:
@@ -136,43 +136,19 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
 # -- roles --------------------------------------------------------------------
 
 
-def _load(ns: argparse.Namespace, overrides: dict[str, dict[str, object]]) -> Config:
-    """The config file (if any) with the command-line flags applied on top."""
-    cfg = load_config(ns.config)
-    for section, values in overrides.items():
-        cfg = with_overrides(cfg, section, values)
-    return with_overrides(cfg, "log", {"level": ns.log_level, "format": ns.log_format})
-
-
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="TOML config file (see configs/)")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--log-format", choices=["auto", "json", "console"])
-
-
-def _beats(ns: argparse.Namespace) -> dict[str, object]:
-    return {
-        "heartbeat_interval": ns.heartbeat_interval,
-        "heartbeat_liveness": ns.heartbeat_liveness,
-    }
-
-
-def _beat_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--heartbeat-interval", type=float, metavar="S")
-    p.add_argument("--heartbeat-liveness", type=int, metavar="N")
+def _load(ns: argparse.Namespace) -> Config:
+    """The config file (if any) with the role's command-line flags applied on top."""
+    if getattr(ns, "stage", None):  # a worker's --stage K/N is --layers K/N
+        if ns.layers:
+            raise ConfigError("give --layers or --stage, not both")
+        ns.layers = ns.stage
+    return apply_flags(load_config(ns.config), ns.command, ns)
 
 
 def cmd_broker(ns: argparse.Namespace) -> int:
     from zmqllm.broker import serve
 
-    broker = dict(
-        frontend=ns.frontend,
-        backend=ns.backend,
-        queue_size=ns.queue_size,
-        queue_timeout=ns.queue_timeout,
-        **_beats(ns),
-    )
-    cfg = _load(ns, {"broker": broker})
+    cfg = _load(ns)
     configure_logging("broker", cfg.log.level, cfg.log.format)
     serve(cfg.broker)
     return 0
@@ -192,25 +168,7 @@ def cmd_worker(ns: argparse.Namespace) -> int:
         os.environ.setdefault(key, value)  # before torch (and its OpenMP) loads
     from zmqllm.worker import serve
 
-    layers = ns.layers
-    if ns.stage:
-        if layers:
-            raise ConfigError("give --layers or --stage, not both")
-        layers = ns.stage
-    worker = dict(
-        broker=ns.broker,
-        layers=layers,
-        threads=ns.threads,
-        batch_threads=ns.batch_threads,
-        cpu_lock=ns.cpu_lock,
-        max_sessions=ns.max_sessions,
-        max_kv_tokens=ns.max_kv_tokens,
-        max_memory_mb=ns.max_memory_mb,
-        prefill_chunk=ns.prefill_chunk,
-        name=ns.name,
-    )
-    model = dict(path=ns.model, dtype=ns.dtype, device=ns.device, revision=ns.revision)
-    cfg = _load(ns, {"worker": worker, "model": model, "broker": _beats(ns)})
+    cfg = _load(ns)
     configure_logging("worker", cfg.log.level, cfg.log.format)
     if resolve_model_path(cfg.model.path) == str(default_model_dir()):
         _model_dir(cfg.model.path)  # convert the default model on first use
@@ -220,19 +178,7 @@ def cmd_worker(ns: argparse.Namespace) -> int:
 def cmd_gateway(ns: argparse.Namespace) -> int:
     from zmqllm.gateway.server import serve
 
-    gateway = dict(
-        host=ns.host,
-        port=ns.port,
-        broker=ns.broker,
-        max_concurrent=ns.max_concurrent,
-        max_queued=ns.max_queued,
-        queue_timeout=ns.queue_timeout,
-        first_token_timeout=ns.first_token_timeout,
-        inter_token_timeout=ns.inter_token_timeout,
-    )
-    model = dict(path=ns.model, name=ns.model_name)
-    cfg = _load(ns, {"gateway": gateway, "model": model, "broker": _beats(ns)})
-    serve(cfg)
+    serve(_load(ns))
     return 0
 
 
@@ -240,10 +186,9 @@ def cmd_status(ns: argparse.Namespace) -> int:
     from zmqllm.messages import SessionError
     from zmqllm.status import fetch_status, format_status
 
-    cfg = _load(ns, {})
-    address = ns.broker or cfg.gateway.broker
-    try:
-        status = fetch_status(address, timeout=ns.timeout)
+    cfg = _load(ns)
+    try:  # --broker is [gateway] broker: the frontend a gateway would connect to
+        status = fetch_status(cfg.gateway.broker, timeout=ns.timeout)
     except (TimeoutError, SessionError) as exc:  # no answer, or an error / unreadable one
         print(f"zmqllm status: {exc}", file=sys.stderr)
         return 1
@@ -260,73 +205,35 @@ def cmd_up(ns: argparse.Namespace) -> int:
     return run_up(ns)
 
 
+def _role(
+    sub: argparse._SubParsersAction, name: str, help: str, func: Callable[[argparse.Namespace], int]
+) -> argparse.ArgumentParser:
+    """A role's parser: --config, then a flag for every setting the role takes."""
+    p: argparse.ArgumentParser = sub.add_parser(name, help=help)
+    p.add_argument("--config", metavar="FILE", help="TOML config file (see configs/)")
+    add_setting_flags(p, name)
+    p.set_defaults(func=func)
+    return p
+
+
 def _add_roles(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("broker", help="route messages between gateways and workers")
-    _common(p)
-    p.add_argument("--frontend", metavar="ADDR", help="for gateways (tcp://127.0.0.1:5555)")
-    p.add_argument("--backend", metavar="ADDR", help="for workers (tcp://127.0.0.1:5556)")
-    p.add_argument("--queue-size", type=int)
-    p.add_argument("--queue-timeout", type=float, metavar="S")
-    _beat_flags(p)
-    p.set_defaults(func=cmd_broker)
+    _role(sub, "broker", "route messages between gateways and workers", cmd_broker)
 
-    p = sub.add_parser("worker", help="serve a range of the model's layers")
-    _common(p)
-    p.add_argument("--model", help='model directory, Hub repo id, "default" or "tiny"')
-    p.add_argument("--revision", help="Hub revision")
-    p.add_argument("--layers", help='half-open layer range, e.g. "0:15"')
-    p.add_argument("--stage", metavar="K/N", help='stage K of N, layers split evenly, e.g. "1/2"')
-    p.add_argument("--device", help="cpu, cuda or cuda:N")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--broker", metavar="ADDR", help="the broker's backend (tcp://HOST:5556)")
-    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p = _role(sub, "worker", "serve a range of the model's layers", cmd_worker)
     p.add_argument(
-        "--batch-threads",
-        type=int,
-        help="torch threads while several sessions are in flight (stages sharing cores)",
+        "--stage", metavar="K/N", help='stage K of N, layers split evenly (--layers "K/N")'
     )
-    p.add_argument(
-        "--cpu-lock",
-        metavar="FILE",
-        help="lock file shared by the workers of one machine: forwards take turns",
-    )
-    p.add_argument("--max-sessions", type=int)
-    p.add_argument("--max-kv-tokens", type=int)
-    p.add_argument("--max-memory-mb", type=int, help="refuse sessions past this memory use")
-    p.add_argument("--prefill-chunk", type=int, metavar="TOKENS")
-    p.add_argument("--name", help="a name for logs and status")
-    _beat_flags(p)
-    p.set_defaults(func=cmd_worker)
 
-    p = sub.add_parser("gateway", help="the HTTP API (/chat, OpenAI-compatible /v1)")
-    _common(p)
-    p.add_argument("--host")
-    p.add_argument("--port", type=int)
-    p.add_argument("--broker", metavar="ADDR", help="the broker's frontend (tcp://HOST:5555)")
-    p.add_argument("--model", help="where the tokenizer and config come from")
-    p.add_argument("--model-name", help="the model name clients ask for")
-    p.add_argument("--max-concurrent", type=int, help="generations at once; more wait in the queue")
-    p.add_argument("--max-queued", type=int, help="requests waiting for a slot; past it: 429")
-    p.add_argument("--queue-timeout", type=float, metavar="S", help="longest wait in the queue")
-    p.add_argument("--first-token-timeout", type=float, metavar="S")
-    p.add_argument("--inter-token-timeout", type=float, metavar="S")
-    _beat_flags(p)
-    p.set_defaults(func=cmd_gateway)
+    _role(sub, "gateway", "the HTTP API (/chat, OpenAI-compatible /v1)", cmd_gateway)
 
-    p = sub.add_parser("status", help="workers, pools, routes and queue of a running broker")
-    _common(p)
-    p.add_argument("--broker", metavar="ADDR", help="the broker's frontend (tcp://HOST:5555)")
+    p = _role(sub, "status", "workers, pools, routes and queue of a running broker", cmd_status)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    p.add_argument("--timeout", type=float, default=3.0)
-    p.set_defaults(func=cmd_status)
+    p.add_argument("--timeout", type=float, default=3.0, metavar="S", help="wait for an answer")
 
-    p = sub.add_parser("up", help="start broker, workers and gateway on this machine")
-    _common(p)
-    p.add_argument("--port", type=int, help="gateway port (default from the config: 8080)")
-    p.add_argument("--model", help='model directory, Hub repo id, "default" or "tiny"')
-    p.add_argument("--log-dir", metavar="DIR", help="where each process writes its log")
-    p.add_argument("--ready-timeout", type=float, default=600.0, metavar="S")
-    p.set_defaults(func=cmd_up)
+    p = _role(sub, "up", "start broker, workers and gateway on this machine", cmd_up)
+    p.add_argument(
+        "--ready-timeout", type=float, default=600.0, metavar="S", help="wait for /ready"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

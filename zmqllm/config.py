@@ -1,11 +1,12 @@
 """Settings for every zmqllm process, read from one TOML file.
 
 A file has one table per section (``[model]``, ``[broker]``, ``[worker]``, ``[gateway]``,
-``[log]``, ``[security]``) plus an array of ``[[stages]]`` tables for the launcher. Every key has a default,
-so a file only names what it changes, and command-line flags override the file through
-``with_overrides``. Mistakes are reported as ``ConfigError`` naming the key, the section
-and the file, because a typo that silently falls back to a default is the hardest kind of
-misconfiguration to spot in a cluster of processes.
+``[log]``, ``[security]``) plus an array of ``[[stages]]`` tables for the launcher. Every
+key has a default, so a file only names what it changes, and every key has a command-line
+flag (settings_flags.py) that overrides the file through ``with_overrides``. Mistakes
+are reported as ``ConfigError`` naming the key, the section and the file, because a typo
+that silently falls back to a default is the hardest kind of misconfiguration to spot in
+a cluster of processes.
 
 This module runs in the broker and the gateway, so it must not import torch.
 """
@@ -18,7 +19,7 @@ import os
 import re
 import sys
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -50,6 +51,7 @@ __all__ = [
     "parse_layers",
     "resolve_model_path",
     "served_model_name",
+    "setting",
     "split_layers",
     "tiny_model_dir",
     "with_overrides",
@@ -66,132 +68,207 @@ class ConfigError(ValueError):
 
 
 # --- sections ---------------------------------------------------------------------------
+#
+# Every setting is declared once, here: its default and the help text of its flag.
+# zmqllm/settings_flags.py makes the command-line flags from these fields, so a new field
+# gets its flag (``--field-name``) without touching the command line.
+
+_T = TypeVar("_T")
+
+
+def setting(
+    default: _T,
+    help: str,
+    *,
+    flag: str | None = None,
+    metavar: str | None = None,
+    choices: Sequence[str] | None = None,
+) -> _T:
+    """A settings field: its default and its flag's help text.
+
+    ``flag`` replaces the generated ``--field-name`` (``--model`` for ``[model] path``);
+    ``metavar`` names the value in ``--help``; ``choices`` lists the values the section's
+    check accepts, so argparse refuses others before anything starts.
+    """
+    metadata = {
+        "help": help,
+        "flag": flag,
+        "metavar": metavar,
+        "choices": tuple(choices) if choices is not None else None,
+    }
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
 class ModelSettings:
-    # "default" and "tiny" are aliases resolved by resolve_model_path; anything else is a
-    # local checkpoint directory or a Hugging Face repo id.
-    path: str = DEFAULT_MODEL
-    revision: str | None = None
-    dtype: str = "float32"
-    device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
-    name: str = ""  # model name served by the OpenAI API; empty = derived from path
+    # "default" and "tiny" are resolved by resolve_model_path.
+    path: str = setting(
+        DEFAULT_MODEL,
+        '"default", "tiny", a checkpoint directory or a Hugging Face repo id',
+        flag="--model",
+        metavar="MODEL",
+    )
+    revision: str | None = setting(None, "Hub revision (branch, tag or commit)", metavar="REV")
+    dtype: str = setting("float32", "dtype of weights and activations", choices=DTYPES)
+    device: str = setting("cpu", '"cpu", "cuda" or "cuda:N"')
+    name: str = setting(
+        "",
+        "model name served by the OpenAI API; empty = derived from the path",
+        flag="--model-name",
+        metavar="NAME",
+    )
 
 
 @dataclass
 class BrokerSettings:
-    frontend: str = "tcp://127.0.0.1:5555"  # gateways and clients connect here
-    backend: str = "tcp://127.0.0.1:5556"  # workers connect here
-    heartbeat_interval: float = 1.0  # seconds
-    heartbeat_liveness: int = 3  # missed intervals before a peer counts as dead
-    queue_size: int = 256  # sessions waiting for a route
-    queue_timeout: float = 30.0  # seconds a session may wait for a route
-    # Seconds a session may go without any message from its route before it is failed
-    # and freed everywhere (a lost message must not hold a slot or a KV reservation).
-    # Longer than the longest forward: a 2048-token prefill of a 7B model on a CPU.
-    session_timeout: float = 120.0
-    # Largest message on the backend: activations of a prefill chunk (prefill_chunk x
-    # hidden x 4 bytes for fp32); a peer sending more is disconnected by ZeroMQ.
-    max_message_bytes: int = 256 << 20
-    # Largest message on the frontend: an OPEN carries 4 bytes per prompt token.
-    frontend_max_message_bytes: int = 16 << 20
-    # Messages queued to one client before it counts as not reading: its sessions fail
-    # (slow_consumer) instead of the broker waiting for it.
-    peer_queue: int = 10000
-    # The same for one worker, which then counts as lost. Larger: a worker takes a burst
-    # of one message per session it serves at every step.
-    worker_queue: int = 100000
-    # Most workers registered at once; a REGISTER past it is refused.
-    max_workers: int = 1024
-    # Most distinct layer ranges (pools) at once; a REGISTER adding one more is refused.
-    max_ranges: int = 512
-    # A model digest (the fingerprint every worker of that model sends in REGISTER): only
-    # workers of that model are admitted, even into an empty cluster. "" = the first
-    # worker to register defines the model until the last one leaves.
-    model_fingerprint: str = ""
+    frontend: str = setting(
+        "tcp://127.0.0.1:5555", "bind address for gateways and clients", metavar="ADDR"
+    )
+    backend: str = setting("tcp://127.0.0.1:5556", "bind address for workers", metavar="ADDR")
+    heartbeat_interval: float = setting(1.0, "seconds between heartbeats")
+    heartbeat_liveness: int = setting(3, "missed heartbeats before a peer counts as dead")
+    queue_size: int = setting(256, "sessions waiting for a route")
+    queue_timeout: float = setting(30.0, "seconds a session may wait for a route")
+    # A lost message must not hold a slot or a KV reservation. Longer than the longest
+    # forward: a 2048-token prefill of a 7B model on a CPU.
+    session_timeout: float = setting(
+        120.0,
+        "seconds a session may go without any message from its route before it is "
+        "failed and freed everywhere",
+    )
+    # The activations of a prefill chunk: prefill_chunk x hidden x 4 bytes for fp32.
+    max_message_bytes: int = setting(
+        256 << 20, "largest message on the backend; ZeroMQ disconnects a peer sending more"
+    )
+    # An OPEN carries 4 bytes per prompt token.
+    frontend_max_message_bytes: int = setting(16 << 20, "largest message on the frontend")
+    # Its sessions fail (slow_consumer) instead of the broker waiting for it.
+    peer_queue: int = setting(
+        10000, "messages queued to one client before it counts as not reading"
+    )
+    # Larger: a worker takes a burst of one message per session it serves at every step.
+    worker_queue: int = setting(100000, "messages queued to one worker before it counts as lost")
+    max_workers: int = setting(1024, "most workers registered at once; past it REGISTER fails")
+    max_ranges: int = setting(
+        512, "most distinct layer ranges (pools) at once; past it REGISTER fails"
+    )
+    model_fingerprint: str = setting(
+        "",
+        "admit only workers of the model with this digest (sent in REGISTER), even into an "
+        "empty cluster; empty = the first worker defines the model until the last leaves",
+        metavar="DIGEST",
+    )
 
 
 @dataclass
 class WorkerSettings:
-    broker: str = "tcp://127.0.0.1:5556"
-    # "0:15" = half-open layer range, "1/2" = stage 1 of 2 split evenly, "" = all layers
-    layers: str = ""
-    threads: int = 0  # torch CPU threads; 0 = torch's default
-    # Threads while several sessions are in flight, when stages share the cores and all
-    # compute at once (oversubscribed OpenMP is far slower); 0 = same as threads.
-    batch_threads: int = 0
-    # A lock file shared by the workers of one machine: each forward holds it, so stages
-    # sharing the cores take turns with all their threads instead of oversubscribing
-    # them. "" = off.
-    cpu_lock: str = ""
-    # Attend batched decode steps with the compiled kernel (zmqllm/engine/csrc; built on
-    # first use, float32 on the CPU only); false, or no compiler, keeps the PyTorch path.
-    native_attention: bool = True
-    # Keep an MKL-packed copy of the shard's weights for batches of 7..packed_rows rows:
-    # ~25% faster batched decode at the cost of about a second copy of the weights in
-    # memory (float32 on the CPU only). 0 = off.
-    packed_rows: int = 16
-    max_sessions: int = 64
-    max_kv_tokens: int = 65536
-    # Refuse a new session when this process's memory (RSS on cpu, allocated GPU memory
-    # on cuda) plus the session's KV cache would pass this many MiB; 0 = no limit.
-    max_memory_mb: int = 0
-    # Prompt tokens per forward (llama.cpp's server batches 2048 too). A long prompt
-    # stalls the other sessions' decode steps one chunk at a time (~1 ms per token for
-    # the default model on 2 cores); a burst of short prompts that fits is prefilled in
-    # one forward (32 chat prompts of ~40 tokens do). Split over two, the streams of the
-    # first start decoding and their next token waits on the second.
-    prefill_chunk: int = 2048
-    name: str = ""
+    broker: str = setting("tcp://127.0.0.1:5556", "the broker's backend address", metavar="ADDR")
+    layers: str = setting(
+        "",
+        'half-open layer range "0:15", stage "1/2" (split evenly) or "" for all layers',
+        metavar="SPEC",
+    )
+    threads: int = setting(0, "torch CPU threads; 0 = torch's default")
+    # Stages sharing the cores all compute at once then, and oversubscribed OpenMP is far
+    # slower.
+    batch_threads: int = setting(
+        0, "torch CPU threads while several sessions are in flight; 0 = threads"
+    )
+    # Stages sharing the cores take turns with all their threads instead of
+    # oversubscribing them.
+    cpu_lock: str = setting(
+        "",
+        "lock file shared by the workers of one machine, held by each forward; empty = off",
+        metavar="FILE",
+    )
+    native_attention: bool = setting(
+        True,
+        "attend batched decode steps with the compiled kernel (zmqllm/engine/csrc, built on "
+        "first use; float32 on the CPU only); off, or no compiler: the PyTorch path",
+    )
+    # ~25% faster batched decode at the cost of about a second copy of the weights.
+    packed_rows: int = setting(
+        16,
+        "keep an MKL-packed copy of the weights for batches of 7 to N rows (float32 on the "
+        "CPU only); 0 = off",
+    )
+    max_sessions: int = setting(64, "sessions served at once")
+    max_kv_tokens: int = setting(
+        65536, "KV cache tokens reserved by all sessions together; past it new ones are refused"
+    )
+    max_memory_mb: int = setting(
+        0,
+        "refuse a new session when this process's memory (RSS on cpu, allocated GPU memory "
+        "on cuda) plus its KV cache would pass this many MiB; 0 = no limit",
+    )
+    # llama.cpp's server batches 2048 too. A long prompt stalls the other sessions'
+    # decode steps one chunk at a time (~1 ms per token for the default model on 2 cores);
+    # a burst of short prompts that fits is prefilled in one forward (32 chat prompts of
+    # ~40 tokens do). Split over two, the streams of the first start decoding and their
+    # next token waits on the second.
+    prefill_chunk: int = setting(2048, "prompt tokens per forward", metavar="TOKENS")
+    name: str = setting("", "a name for logs and status; empty = HOST-PID")
 
 
 @dataclass
 class GatewaySettings:
-    host: str = "127.0.0.1"
-    port: int = 8080  # 0 = pick a free port
-    broker: str = "tcp://127.0.0.1:5555"
-    max_body_bytes: int = 1_000_000
-    default_max_tokens: int = 256
-    # Generations running at once (as many as one route's worker takes by default,
-    # max_sessions); more wait in the gateway's queue, oldest first.
-    max_concurrent: int = 64
-    # Requests waiting for a slot; past this many, 429 with Retry-After.
-    max_queued: int = 1024
-    # Seconds a request may wait in that queue before it is answered 503.
-    queue_timeout: float = 300.0
-    # Seconds from leaving the queue to the first token (the broker's queue, the
-    # prefill): past it the session is cancelled and the client gets 504.
-    first_token_timeout: float = 120.0
-    # Seconds without a token once streaming: the session is cancelled and the stream
-    # ends with an error.
-    inter_token_timeout: float = 60.0
-    request_timeout: float = 600.0  # seconds for a whole generation once out of the queue
-    # HTTP connections plus requests in progress past which uvicorn answers 503; above
-    # max_concurrent + max_queued so the queue, not this, is what a burst meets.
-    limit_concurrency: int = 2048
-    keep_alive_timeout: int = 5  # seconds an idle keep-alive connection stays open
-    # Seconds for a request's line and headers to arrive (slowloris): then the
-    # connection is closed.
-    header_timeout: float = 10.0
-    # Seconds to read a request's whole body: then 408.
-    body_timeout: float = 30.0
-    # A file of API keys, one a line ('#' starts a comment): /chat, /v1/* and /metrics
-    # then need "Authorization: Bearer KEY". Re-read when it changes. "" = the
-    # ZMQLLM_API_KEY environment variable if set, else no keys (open).
-    api_keys_file: str = ""
-    # TLS: serve https with this PEM certificate (chain) and its private key.
-    ssl_certfile: str = ""
-    ssl_keyfile: str = ""
+    host: str = setting("127.0.0.1", "address the HTTP server listens on")
+    port: int = setting(8080, "HTTP port; 0 = pick a free port")
+    broker: str = setting("tcp://127.0.0.1:5555", "the broker's frontend address", metavar="ADDR")
+    max_body_bytes: int = setting(1_000_000, "largest request body; past it 413")
+    default_max_tokens: int = setting(256, "max_tokens of a request that gives none")
+    # As many as one route's worker takes by default (max_sessions).
+    max_concurrent: int = setting(
+        64, "generations running at once; more wait in the queue, oldest first"
+    )
+    max_queued: int = setting(1024, "requests waiting for a slot; past it 429 with Retry-After")
+    queue_timeout: float = setting(300.0, "seconds a request may wait in the queue; then 503")
+    first_token_timeout: float = setting(
+        120.0,
+        "seconds from leaving the queue to the first token (the broker's queue, the "
+        "prefill); then the session is cancelled and the client gets 504",
+    )
+    inter_token_timeout: float = setting(
+        60.0,
+        "seconds without a token once streaming; then the session is cancelled and the "
+        "stream ends with an error",
+    )
+    request_timeout: float = setting(600.0, "seconds for a whole generation once out of the queue")
+    # Above max_concurrent + max_queued so the queue, not this, is what a burst meets.
+    limit_concurrency: int = setting(
+        2048, "HTTP connections plus requests in progress past which uvicorn answers 503"
+    )
+    keep_alive_timeout: int = setting(
+        5, "seconds an idle keep-alive connection stays open", metavar="S"
+    )
+    # Against slowloris.
+    header_timeout: float = setting(
+        10.0, "seconds for a request's line and headers to arrive; then the connection closes"
+    )
+    body_timeout: float = setting(30.0, "seconds to read a request's whole body; then 408")
+    api_keys_file: str = setting(
+        "",
+        "file of API keys, one a line ('#' starts a comment): /chat, /v1/* and /metrics then "
+        "need 'Authorization: Bearer KEY'; re-read when it changes. Empty = the "
+        "ZMQLLM_API_KEY environment variable if set, else no keys (open)",
+        flag="--api-key-file",
+        metavar="FILE",
+    )
+    ssl_certfile: str = setting(
+        "", "serve https with this PEM certificate (chain); empty = http", metavar="FILE"
+    )
+    ssl_keyfile: str = setting("", "the certificate's private key (PEM)", metavar="FILE")
 
 
 @dataclass
 class SecuritySettings:
-    # The CURVE key folder (made by `zmqllm keys init DIR`). "" = $ZMQLLM_HOME/keys if it
-    # exists, else no keys: the bus is then plaintext and the broker binds loopback only.
-    keys: str = ""
-    # Run without CURVE even where keys exist.
-    insecure: bool = False
+    keys: str = setting(
+        "",
+        "CURVE key folder (made by `zmqllm keys init DIR`); empty = $ZMQLLM_HOME/keys if it "
+        "exists, else no keys: the bus is plaintext and the broker binds loopback only",
+        metavar="DIR",
+    )
+    insecure: bool = setting(False, "run without CURVE even where keys exist")
 
 
 @dataclass
@@ -202,9 +279,16 @@ class StageSpec:
 
 @dataclass
 class LogSettings:
-    level: str = "info"
-    format: str = "auto"  # "auto" = console on a TTY else JSON, "json", "console"
-    dir: str = ""  # launcher log folder; empty = $ZMQLLM_HOME/logs
+    level: str = setting("info", "log level", flag="--log-level", choices=tuple(LOG_LEVELS))
+    format: str = setting(
+        "auto",
+        '"auto" = console on a TTY, else JSON',
+        flag="--log-format",
+        choices=LOG_FORMATS,
+    )
+    dir: str = setting(
+        "", "the launcher's log folder; empty = $ZMQLLM_HOME/logs", flag="--log-dir", metavar="DIR"
+    )
 
 
 @dataclass

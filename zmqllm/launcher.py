@@ -39,6 +39,7 @@ from zmqllm.config import (
     with_overrides,
     zmqllm_home,
 )
+from zmqllm.settings_flags import apply_flags, changed_flags, role_settings
 
 DEFAULT_STAGES = (StageSpec("1/2"), StageSpec("2/2"))
 POLL_S = 0.5  # how often readiness and children are checked
@@ -73,11 +74,7 @@ def repo_config() -> Path | None:
 def up_config(ns: argparse.Namespace) -> tuple[Config, Path | None]:
     """The config `zmqllm up` runs (file + flags) and the file the children are given."""
     path = Path(ns.config).expanduser().resolve() if ns.config else repo_config()
-    cfg = load_config(path)
-    cfg = with_overrides(cfg, "model", {"path": getattr(ns, "model", None)})
-    cfg = with_overrides(cfg, "gateway", {"port": getattr(ns, "port", None)})
-    log = {"dir": getattr(ns, "log_dir", None), "level": getattr(ns, "log_level", None)}
-    return with_overrides(cfg, "log", log), path
+    return apply_flags(load_config(path), "up", ns), path
 
 
 def stages_of(cfg: Config) -> list[StageSpec]:
@@ -121,20 +118,24 @@ def plan(cfg: Config, config_path: Path | None, python: str = sys.executable) ->
     """The broker, every stage's replicas, then the gateway, as command lines.
 
     Children read the same config file themselves, so only what differs from that file
-    becomes a flag; connect addresses are derived from the broker's bind addresses because
-    the launcher starts that very broker.
+    becomes a flag: each of `up`'s own settings (--model, --port, --keys, --insecure,
+    --api-key-file, ...) goes to the roles that take it. Connect addresses are derived from
+    the broker's bind addresses because the launcher starts that very broker.
     """
     base = load_config(config_path)
     head = ["--config", str(config_path)] if config_path else []
     last = ["--log-format", "json"]  # one JSON object a line, whatever the terminal is
     if cfg.log.level != base.log.level:
         last += ["--log-level", cfg.log.level]
-    model = ["--model", cfg.model.path] if cfg.model.path != base.model.path else []
+    passed = [s for s in role_settings("up") if s.section != "log"]  # [log]: `last`
 
     def command(role: str, *flags: str) -> tuple[str, ...]:
         return (python, "-m", "zmqllm.cli", role, *head, *flags, *last)
 
-    children = [Child("broker", "broker", command("broker"))]
+    def given(role: str) -> list[str]:
+        return changed_flags(role, cfg, base, passed)
+
+    children = [Child("broker", "broker", command("broker", *given("broker")))]
     backend = connect_address(cfg.broker.backend)
     # Every worker here shares this machine's cores. Unless the config says how, they
     # take turns (cpu_lock): each forward gets every core and batches merge across
@@ -146,13 +147,11 @@ def plan(cfg: Config, config_path: Path | None, python: str = sys.executable) ->
     for stage in stages_of(cfg):
         for replica in range(stage.count):
             name = f"worker-{stage_slug(stage.layers)}-{replica}"
-            flags = [*layer_flags(stage.layers), "--name", name, *model, *share]
+            flags = [*layer_flags(stage.layers), "--name", name, *given("worker"), *share]
             if cfg.worker.broker != backend:
                 flags += ["--broker", backend]
             children.append(Child(name, "worker", command("worker", *flags)))
-    flags = list(model)
-    if cfg.gateway.port != base.gateway.port:
-        flags += ["--port", str(cfg.gateway.port)]
+    flags = given("gateway")
     frontend = connect_address(cfg.broker.frontend)
     if cfg.gateway.broker != frontend:
         flags += ["--broker", frontend]
