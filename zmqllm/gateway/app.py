@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from zmqllm import __version__
 from zmqllm.config import GatewaySettings
 from zmqllm.gateway import openai_routes, plain_routes
+from zmqllm.gateway.api_keys import ApiKeyMiddleware, ApiKeys
 from zmqllm.gateway.backend import BrokerClientLike
 from zmqllm.gateway.errors import RETRY_AFTER_S, install_error_handlers
 from zmqllm.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -48,6 +49,7 @@ def create_app(
     model_name: str,
     context_length: int,
     *,
+    api_keys: ApiKeys | None = None,
     manage_client: bool = True,
     ready_poll_interval: float = 0.5,
     ready_recheck_interval: float = 2.0,
@@ -57,7 +59,14 @@ def create_app(
     With ``manage_client`` the app's lifespan starts and closes the client. Readiness is
     polled every ``ready_poll_interval`` seconds until ready, then every
     ``ready_recheck_interval`` seconds.
+
+    ``api_keys`` (or, without it, the keys in ``settings.api_keys_file``) are required on
+    every path but /health and /ready; with neither the API is open. The environment
+    (``ZMQLLM_API_KEY``) is read by ``serve``, not here: an app built in a test never
+    depends on the shell it runs in.
     """
+    if api_keys is None and settings.api_keys_file:
+        api_keys = ApiKeys.from_file(settings.api_keys_file)
     readiness = Readiness(
         client,
         _warmup_prompt(tokenizer),
@@ -91,11 +100,16 @@ def create_app(
     app.state.gateway = GatewayService(client, settings, tokenizer, model_name, context_length)
     app.state.readiness = readiness
     install_error_handlers(app)
+    app.state.metrics = GatewayMetrics()
+    app.state.api_keys = api_keys
+    if api_keys is not None:
+        # Added first, so it runs inside RequestContextMiddleware (the last added is the
+        # outermost): a refused request still has its id, log line and metrics.
+        app.add_middleware(ApiKeyMiddleware, keys=api_keys, metrics=app.state.metrics)
     app.add_middleware(RequestContextMiddleware)
     app.include_router(plain_routes.router)
     app.include_router(openai_routes.router)
 
-    app.state.metrics = GatewayMetrics()
     app.state.broker_status = StatusCache(lambda: client.status(timeout=METRICS_STATUS_TIMEOUT))
 
     @app.get("/metrics")

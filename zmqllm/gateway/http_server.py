@@ -1,4 +1,4 @@
-"""The gateway's uvicorn settings, and a deadline on request headers (slowloris).
+"""The gateway's uvicorn settings (TLS included), and a deadline on request headers.
 
 uvicorn bounds an idle keep-alive connection but not one that sends its request line and
 headers a byte at a time: every such connection holds a socket, and enough of them stop
@@ -6,22 +6,34 @@ the server from accepting anyone else. The protocol class below closes a connect
 whose request line and headers are not complete ``header_timeout`` seconds after it
 opened, or after the previous response on it ended. (The body has its own deadline,
 checked where it is read: ``zmqllm.gateway.body``.)
+
+TLS files are checked before uvicorn sees them: uvicorn would fail on a missing or bad
+file with a traceback from deep inside its startup, and prompt on the terminal for the
+passphrase of an encrypted key; here each is one clear ConfigError (exit status 2).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
+from pathlib import Path
 from typing import Any
 
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from zmqllm.config import GatewaySettings
+from zmqllm.config import ConfigError, GatewaySettings
 from zmqllm.log import get_logger
 
-__all__ = ["HeaderDeadlineProtocol", "header_deadline_protocol", "uvicorn_config"]
+__all__ = [
+    "HeaderDeadlineProtocol",
+    "base_url",
+    "header_deadline_protocol",
+    "tls_files",
+    "uvicorn_config",
+]
 
 # Seconds uvicorn waits for open streams on SIGINT/SIGTERM before cancelling them (which
 # cancels their sessions); long enough for a short answer to finish.
@@ -84,8 +96,62 @@ def header_deadline_protocol(header_timeout: float) -> type[HeaderDeadlineProtoc
     return Protocol
 
 
+class _EncryptedKeyError(Exception):
+    pass
+
+
+def _no_passphrase() -> bytes:
+    # Called by OpenSSL only for an encrypted key; raising here ends load_cert_chain with
+    # this error instead of an interactive prompt a service would hang on.
+    raise _EncryptedKeyError
+
+
+def tls_files(settings: GatewaySettings) -> tuple[str, str] | None:
+    """(certificate, key) when TLS is configured, after checking that they load and
+    belong together; None for plain HTTP. Anything wrong is a ConfigError naming the file."""
+    cert, key = settings.ssl_certfile, settings.ssl_keyfile
+    if not cert and not key:
+        return None
+    if not cert or not key:
+        given, missing = (
+            ("ssl_certfile", "ssl_keyfile") if cert else ("ssl_keyfile", "ssl_certfile")
+        )
+        raise ConfigError(
+            f"TLS needs both ssl_certfile and ssl_keyfile: {given} given, {missing} not"
+        )
+    paths = {"certificate": Path(cert).expanduser(), "key": Path(key).expanduser()}
+    for what, path in paths.items():
+        try:
+            with path.open("rb"):
+                pass
+        except OSError as exc:
+            raise ConfigError(f"TLS {what} file {path}: cannot read it ({exc.strerror})") from None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(paths["certificate"], paths["key"], password=_no_passphrase)
+    except _EncryptedKeyError:
+        raise ConfigError(
+            f"TLS key file {paths['key']} is encrypted: give the key unencrypted "
+            "(readable by this user only)"
+        ) from None
+    except ssl.SSLError as exc:
+        raise ConfigError(
+            f"TLS certificate {paths['certificate']} with key {paths['key']} cannot be used "
+            f"({exc.reason or exc}): they must be a PEM certificate and its own private key"
+        ) from None
+    return str(paths["certificate"]), str(paths["key"])
+
+
+def base_url(settings: GatewaySettings) -> str:
+    """Where the gateway answers: http(s)://host:port (an IPv6 host in brackets)."""
+    scheme = "https" if settings.ssl_certfile and settings.ssl_keyfile else "http"
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    return f"{scheme}://{host}:{settings.port}"
+
+
 def uvicorn_config(app: Any, settings: GatewaySettings) -> uvicorn.Config:
     """How the gateway runs its app under uvicorn (``serve`` and the tests alike)."""
+    tls = tls_files(settings)
     return uvicorn.Config(
         app,
         host=settings.host,
@@ -98,4 +164,6 @@ def uvicorn_config(app: Any, settings: GatewaySettings) -> uvicorn.Config:
         # once instead of letting memory and file descriptors run out.
         limit_concurrency=settings.limit_concurrency,
         timeout_keep_alive=settings.keep_alive_timeout,
+        ssl_certfile=tls[0] if tls else None,
+        ssl_keyfile=tls[1] if tls else None,
     )

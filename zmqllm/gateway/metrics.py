@@ -194,6 +194,15 @@ class GatewayMetrics:
         self.queued = Gauge(
             "zmqllm_requests_queued", "Generation requests waiting for a slot", registry=r
         )
+        # Requests refused for a missing, malformed or wrong API key (reason: which).
+        self.unauthorized = Counter(
+            "zmqllm_http_unauthorized",
+            "Requests refused with 401 for want of a valid API key, by reason",
+            ["reason"],
+            registry=r,
+        )
+        for reason in ("missing", "malformed", "invalid"):  # at 0 from the start, not absent
+            self.unauthorized.labels(reason)
         self.cluster = ClusterCollector()
         r.register(self.cluster)
 

@@ -15,8 +15,9 @@ from pathlib import Path
 import uvicorn
 
 from zmqllm.config import Config, ConfigError, ModelSettings, resolve_model_path, served_model_name
+from zmqllm.gateway.api_keys import load_api_keys
 from zmqllm.gateway.app import create_app
-from zmqllm.gateway.http_server import uvicorn_config
+from zmqllm.gateway.http_server import base_url, tls_files, uvicorn_config
 from zmqllm.log import configure_logging, get_logger
 from zmqllm.model_args import ModelArgs
 from zmqllm.tokenizer import MODEL_FILES, Tokenizer
@@ -52,6 +53,9 @@ def model_files_dir(model: ModelSettings) -> Path:
 def serve(cfg: Config) -> None:
     """Run the gateway until SIGINT/SIGTERM."""
     configure_logging("gateway", cfg.log.level, cfg.log.format)
+    # Checked before anything slow: a bad key or TLS file fails at once, naming the file.
+    api_keys = load_api_keys(cfg.gateway.api_keys_file)
+    tls_files(cfg.gateway)
     # Imported here: the client pulls in ZeroMQ, which nothing else in this package needs.
     from zmqllm.client import BrokerClient
 
@@ -68,11 +72,15 @@ def serve(cfg: Config) -> None:
         max_streams=settings.max_concurrent + 1,
     )
     name = served_model_name(cfg.model)
-    app = create_app(client, settings, tokenizer, name, context_length)
+    app = create_app(client, settings, tokenizer, name, context_length, api_keys=api_keys)
     log.info(
         "gateway starting",
+        url=base_url(settings),
         host=settings.host,
         port=settings.port,
+        # Where the keys come from and how many; never the keys.
+        api_keys=None if api_keys is None else api_keys.source,
+        api_key_count=0 if api_keys is None else api_keys.count,
         broker=settings.broker,
         model=name,
         context_length=context_length,
