@@ -125,7 +125,10 @@ def main() -> None:
                 for name, root in order if r % 2 == 0 else order[::-1]:
                     ms = run_round(root, a, cache if root == old else None)
                     (before if name == "before" else after).append(ms)
-                print(f"round {r + 1}: before {before[-1]:.2f} ms, after {after[-1]:.2f} ms")
+                print(
+                    f"round {r + 1}: before {before[-1]:.2f} ms, after {after[-1]:.2f} ms",
+                    flush=True,
+                )
         finally:
             subprocess.run(
                 ["git", "-C", str(REPO), "worktree", "remove", "--force", str(old)],

@@ -20,6 +20,7 @@ from zmqllm.config import (
     load_config,
     resolve_model_path,
 )
+from zmqllm.keys_cli import add_keys_command
 from zmqllm.log import configure_logging
 from zmqllm.settings_flags import add_setting_flags, apply_flags
 
@@ -150,7 +151,7 @@ def cmd_broker(ns: argparse.Namespace) -> int:
 
     cfg = _load(ns)
     configure_logging("broker", cfg.log.level, cfg.log.format)
-    serve(cfg.broker)
+    serve(cfg.broker, cfg.security)
     return 0
 
 
@@ -183,12 +184,15 @@ def cmd_gateway(ns: argparse.Namespace) -> int:
 
 
 def cmd_status(ns: argparse.Namespace) -> int:
+    from zmqllm.keys import keys_dir, load_peer_keys
     from zmqllm.messages import SessionError
     from zmqllm.status import fetch_status, format_status
 
     cfg = _load(ns)
+    folder = keys_dir(cfg.security)
+    keys = load_peer_keys(folder, "client") if folder is not None else None
     try:  # --broker is [gateway] broker: the frontend a gateway would connect to
-        status = fetch_status(cfg.gateway.broker, timeout=ns.timeout)
+        status = fetch_status(cfg.gateway.broker, timeout=ns.timeout, keys=keys)
     except (TimeoutError, SessionError) as exc:  # no answer, or an error / unreadable one
         print(f"zmqllm status: {exc}", file=sys.stderr)
         return 1
@@ -244,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_prepare(sub)
     _add_generate(sub)
+    add_keys_command(sub)
     _add_roles(sub)
     return parser
 

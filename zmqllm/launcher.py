@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import stat
 import subprocess
 import sys
@@ -39,6 +40,7 @@ from zmqllm.config import (
     with_overrides,
     zmqllm_home,
 )
+from zmqllm.keys import init_keys, keys_dir, load_peer_keys
 from zmqllm.settings_flags import apply_flags, changed_flags, role_settings
 
 DEFAULT_STAGES = (StageSpec("1/2"), StageSpec("2/2"))
@@ -349,8 +351,10 @@ class _Signals:
 
 def http_status(url: str) -> int | None:
     """The HTTP status of a GET, or None while nothing listens."""
+    # Our own gateway's readiness: over https its certificate may be self-signed.
+    context = ssl._create_unverified_context() if url.startswith("https:") else None
     try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
+        with urllib.request.urlopen(url, timeout=2, context=context) as resp:
             return int(resp.status)
     except urllib.error.HTTPError as err:
         return err.code
@@ -363,7 +367,9 @@ def _workers(cfg: Config) -> list[list[int]] | None:
     from zmqllm.status import fetch_status  # zmq only, no torch
 
     try:
-        st = fetch_status(connect_address(cfg.broker.frontend), timeout=0.5)
+        folder = keys_dir(cfg.security)
+        keys = load_peer_keys(folder, "client") if folder is not None else None
+        st = fetch_status(connect_address(cfg.broker.frontend), timeout=0.5, keys=keys)
     except Exception:  # progress is best-effort: an answer later will do
         return None
     return sorted(w["layers"] for w in st.get("workers", []))
@@ -425,8 +431,23 @@ def wait_ready(cluster: Cluster, cfg: Config, url: str, timeout: float, sig: _Si
         progress.clear()
 
 
+def secure_by_default(cfg: Config) -> tuple[Config, str]:
+    """``cfg`` with the key folder every child is given, made in $ZMQLLM_HOME/keys on
+    first use; and a line saying so. --insecure keeps the bus plaintext."""
+    if cfg.security.insecure:
+        return cfg, "CURVE off (--insecure): the bus is plaintext"
+    folder = keys_dir(cfg.security)
+    note = f"CURVE keys: {folder}"
+    if folder is None:
+        folder = init_keys(zmqllm_home() / "keys")
+        note = f"CURVE keys made in {folder} (add a worker on another host: zmqllm keys add)"
+    return with_overrides(cfg, "security", {"keys": str(folder)}), note
+
+
 def run_up(ns: argparse.Namespace) -> int:
     cfg, config_path = up_config(ns)
+    cfg, keys_note = secure_by_default(cfg)
+    say(keys_note)
     gw = cfg.gateway
     if gw.port == 0:  # "pick a free port": pick it here so the launcher knows where to look
         with socket.socket() as sock:
@@ -457,7 +478,7 @@ def run_up(ns: argparse.Namespace) -> int:
 
 def _supervise(cluster: Cluster, cfg: Config, ns: argparse.Namespace, sig: _Signals) -> int:
     host, port = local_host(cfg.gateway.host), cfg.gateway.port
-    url = f"http://{host}:{port}"
+    url = f"{'https' if cfg.gateway.ssl_certfile else 'http'}://{host}:{port}"
     timeout = float(getattr(ns, "ready_timeout", 600.0))
     state = wait_ready(cluster, cfg, f"{url}/ready", timeout, sig)
     if state == "timeout":

@@ -54,6 +54,9 @@ class Cluster:
     batch_threads: int = 0  # threads while several sessions are in flight (0: same)
     cpu_lock: bool = False  # workers take turns on the cores (a shared lock file)
     queue_timeout: float = 10.0  # seconds a request waits for a route
+    # A CURVE key folder every process uses; None = plaintext (--insecure), whatever
+    # $ZMQLLM_HOME/keys holds.
+    keys: Path | None = None
     procs: list[Proc] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -78,6 +81,9 @@ class Cluster:
         self.procs.append(proc)
         return proc
 
+    def security(self) -> list[str]:
+        return ["--keys", str(self.keys)] if self.keys is not None else ["--insecure"]
+
     def beats(self) -> list[str]:
         return [
             "--heartbeat-interval",
@@ -89,11 +95,15 @@ class Cluster:
     def start_broker(self) -> Proc:
         args = ["broker", "--frontend", self.frontend, "--backend", self.backend]
         args += ["--queue-timeout", str(self.queue_timeout)]
-        return self._start("broker", [*args, *self.beats()])
+        return self._start("broker", [*args, *self.beats(), *self.security()])
 
-    def start_worker(self, layers: str, model: Path | None = None, name: str = "") -> Proc:
+    def start_worker(
+        self, layers: str, model: Path | None = None, name: str = "", broker: str = ""
+    ) -> Proc:
+        """A worker; ``broker`` replaces the backend address (a relay in front of it)."""
         args = ["worker", "--model", str(model or self.model_dir), "--layers", layers]
-        args += ["--broker", self.backend, "--threads", str(self.threads), *self.beats()]
+        args += ["--broker", broker or self.backend, "--threads", str(self.threads)]
+        args += [*self.beats(), *self.security()]
         if name:
             args += ["--name", name]
         if self.batch_threads:
@@ -105,7 +115,7 @@ class Cluster:
     def start_gateway(self, *flags: str) -> Proc:
         """The gateway; ``flags`` are more `zmqllm gateway` flags (--max-queued 3 ...)."""
         args = ["gateway", "--port", str(self.http_port), "--broker", self.frontend]
-        args += ["--model", str(self.model_dir), *self.beats(), *flags]
+        args += ["--model", str(self.model_dir), *self.beats(), *self.security(), *flags]
         return self._start("gateway", args)
 
     def start_all(self, splits: tuple[str, ...] = ("0:2", "2:4")) -> None:
@@ -155,9 +165,11 @@ class Cluster:
         raise TimeoutError(f"cluster not ready in {timeout}s\n{logs}")
 
     def status(self) -> dict[str, Any]:
+        from zmqllm.keys import load_peer_keys
         from zmqllm.status import fetch_status
 
-        return fetch_status(self.frontend, timeout=5)
+        keys = load_peer_keys(self.keys, "client") if self.keys is not None else None
+        return fetch_status(self.frontend, timeout=5, keys=keys)
 
     def wait_for(self, predicate: Any, timeout: float = 15.0, what: str = "") -> Any:
         deadline = time.monotonic() + timeout

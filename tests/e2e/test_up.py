@@ -57,10 +57,10 @@ def alive(pid: int) -> bool:
     importlib.util.find_spec("zmqllm.gateway.server") is None,
     reason="zmqllm gateway is not there yet (zmqllm.gateway.server missing)",
 )
-def test_up_serves_chat_and_stops_on_ctrl_c(tmp_path: Path) -> None:
-    from zmqllm.models import prepare_tiny_model
-
-    model = prepare_tiny_model(tmp_path / "tiny")
+def test_up_serves_chat_and_stops_on_ctrl_c(tmp_path: Path, e2e_model: Path, reference) -> None:
+    model = e2e_model
+    home = tmp_path / "home"  # a fresh $ZMQLLM_HOME: no keys yet
+    env = dict(os.environ, PYTHONUNBUFFERED="1", ZMQLLM_HOME=str(home))
     frontend = f"tcp://127.0.0.1:{free_port()}"
     port = free_port()
     config = tmp_path / "up.toml"
@@ -78,7 +78,7 @@ def test_up_serves_chat_and_stops_on_ctrl_c(tmp_path: Path) -> None:
             [sys.executable, "-m", "zmqllm.cli", "up", "--config", str(config)],
             stdout=stdout,
             stderr=stderr,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            env=env,
             start_new_session=True,
         )
     pids: list[int] = []
@@ -92,23 +92,29 @@ def test_up_serves_chat_and_stops_on_ctrl_c(tmp_path: Path) -> None:
         assert f'curl -N -d "Why is the sky blue?" http://127.0.0.1:{port}/chat' in text
         assert "2 workers (layers 0:2, 2:4)" in text
 
+        assert f"CURVE keys made in {home / 'keys'}" in err.read_text() + text
+        assert (home / "keys" / "broker.key_secret").is_file()
+
         pids = children_of(up.pid)
         assert len(pids) == 4  # broker, 2 workers, gateway
+        # No key flags: status finds the keys `up` made in $ZMQLLM_HOME/keys.
         status = subprocess.run(
             [sys.executable, "-m", "zmqllm.cli", "status", "--broker", frontend, "--json"],
             capture_output=True,
             text=True,
             check=True,
+            env=env,
         )
-        workers = json.loads(status.stdout)["workers"]
-        assert {w["info"]["pid"] for w in workers} <= set(pids)
+        st = json.loads(status.stdout)
+        assert st["curve"] is True
+        assert {w["info"]["pid"] for w in st["workers"]} <= set(pids)
 
         request = urllib.request.Request(
             f"http://127.0.0.1:{port}/chat?max_tokens=8", data=b"Hello", method="POST"
         )
         with urllib.request.urlopen(request, timeout=60) as resp:
             assert resp.status == 200
-            resp.read()
+            assert resp.read().decode() == reference("Hello", 8)
 
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=20) == 0

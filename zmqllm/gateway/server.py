@@ -58,7 +58,10 @@ def serve(cfg: Config) -> None:
     tls_files(cfg.gateway)
     # Imported here: the client pulls in ZeroMQ, which nothing else in this package needs.
     from zmqllm.client import BrokerClient
+    from zmqllm.keys import keys_dir, load_peer_keys
 
+    folder = keys_dir(cfg.security)
+    keys = load_peer_keys(folder, "client") if folder is not None else None
     directory = model_files_dir(cfg.model)
     tokenizer = Tokenizer.from_dir(directory)
     context_length = ModelArgs.from_dir(directory).max_position_embeddings
@@ -67,6 +70,7 @@ def serve(cfg: Config) -> None:
         settings.broker,
         heartbeat_interval=cfg.broker.heartbeat_interval,
         liveness=cfg.broker.heartbeat_liveness,
+        keys=keys,
         # Every admitted request holds one stream (queued ones hold none yet), and the
         # readiness warm-up one more.
         max_streams=settings.max_concurrent + 1,

@@ -1,0 +1,166 @@
+"""CURVE between real processes: what crosses the wire, and the CLI's refusals.
+
+A TCP relay of the test's own sits between a worker and the broker and keeps every byte
+it forwards. With keys, an exact answer comes back while neither the prompt's token ids
+nor the answer's messages appear in those bytes; the same relay on a plaintext cluster
+sees both, which proves the search would find them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+from zmqllm.keys import init_keys
+from zmqllm.local_cluster import Cluster, free_port
+
+pytestmark = [pytest.mark.e2e, pytest.mark.torch]
+
+PROMPT = "The lighthouse keeper opened the bottle and read"
+MAX_TOKENS = 12
+
+
+class Relay:
+    """Accepts on a free port, forwards each connection to ``target`` and keeps a copy
+    of everything forwarded either way."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target = ("127.0.0.1", target_port)
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.seen = bytearray()
+        self.lock = threading.Lock()
+        self.socks: list[socket.socket] = [self.server]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                down, _ = self.server.accept()
+            except OSError:
+                return
+            up = socket.create_connection(self.target)
+            self.socks += [down, up]
+            for a, b in ((down, up), (up, down)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        while True:
+            try:
+                data = src.recv(65536)
+                if not data:
+                    break
+                with self.lock:
+                    self.seen += data
+                dst.sendall(data)
+            except OSError:
+                break
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close()
+
+
+def complete(c: Cluster) -> tuple[str, list[int]]:
+    body = json.dumps(
+        {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    ).encode()
+    req = urllib.request.Request(
+        f"{c.url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())["choices"][0]["text"], []
+
+
+@pytest.fixture
+def relayed(tmp_path: Path, e2e_model: Path, request: pytest.FixtureRequest) -> Iterator:
+    """A one-worker cluster whose worker reaches the broker through a Relay; the
+    parameter says whether it has keys."""
+    keys = init_keys(tmp_path / "keys") if request.param else None
+    c = Cluster(tmp_path / "cluster", e2e_model, keys=keys)
+    relay: Relay | None = None
+    try:
+        c.start_broker()
+        relay = Relay(int(c.backend.rsplit(":", 1)[1]))
+        c.start_worker(":", broker=f"tcp://127.0.0.1:{relay.port}")
+        c.start_gateway()
+        c.wait_ready()
+        yield c, relay
+    finally:
+        c.stop()
+        if relay is not None:
+            relay.close()
+
+
+def markers(ids: list[int], answer: list[int]) -> dict[str, bytes]:
+    """Byte strings a plaintext bus carries: the prompt's token ids as the OPEN's int32
+    payload, and each answer token as its TOKEN header's field."""
+    out = {"prompt ids": np.asarray(ids, dtype=np.int32).tobytes()}
+    for i, t in enumerate(answer):
+        out[f"answer token {i}"] = msgpack.packb("token") + msgpack.packb(t)
+    return out
+
+
+@pytest.mark.parametrize("relayed", [True, False], ids=["curve", "plaintext"], indirect=True)
+def test_the_wire_shows_neither_prompt_nor_answer(relayed, reference, greedy_ids) -> None:
+    c, relay = relayed
+    tok = reference.tokenizer
+    ids = tok.encode(PROMPT)
+    want = greedy_ids(ids, MAX_TOKENS, stop_at_eos=False)
+    text, _ = complete(c)
+    assert text == tok.decode(want)
+    with relay.lock:
+        seen = bytes(relay.seen)
+    assert len(seen) > 1000  # the relay did carry the session
+    found = [name for name, needle in markers(ids, want).items() if needle in seen]
+    if c.keys is not None:
+        assert found == [], f"plaintext on a CURVE bus: {found}"
+        assert c.status()["curve"] is True
+    else:
+        # The control: on a plaintext bus the same search finds them all.
+        assert len(found) == 1 + len(want), found
+
+
+def run_cli(*args: str, home: Path, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = dict(os.environ, ZMQLLM_HOME=str(home))
+    return subprocess.run(
+        [sys.executable, "-m", "zmqllm.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_a_keyless_broker_will_not_bind_beyond_loopback(tmp_path: Path) -> None:
+    done = run_cli("broker", "--frontend", f"tcp://0.0.0.0:{free_port()}", home=tmp_path)
+    assert done.returncode == 2
+    assert "zmqllm keys init" in done.stderr and "--insecure" in done.stderr
+
+
+def test_keys_commands(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    assert run_cli("keys", "init", home=home).returncode == 0
+    assert (home / "keys" / "broker.key_secret").is_file()
+    again = run_cli("keys", "init", home=home)
+    assert again.returncode == 2 and "already has keys" in again.stderr
+    added = run_cli("keys", "add", "worker", "host-2", home=home)
+    assert added.returncode == 0, added.stderr
+    assert (home / "keys" / "issued" / "host-2" / "worker.key_secret").is_file()
+    listed = run_cli("keys", "list", home=home)
+    assert "host-2" in listed.stdout and "workers allowed (2)" in listed.stdout
