@@ -148,7 +148,7 @@ def stream_once(port: int, n: int) -> list[float]:
 
 
 def bench_cluster(
-    model_dir: Path, stages: int, n: int, requests: int, threads: int
+    model_dir: Path, stages: int, n: int, requests: int, threads: int, keys: Path | None = None
 ) -> dict[str, Any]:
     from zmqllm.config import split_layers
     from zmqllm.model_args import ModelArgs
@@ -161,6 +161,7 @@ def bench_cluster(
             heartbeat=1.0,
             threads=threads,
             batch_threads=max(1, (os.cpu_count() or 1) // stages),
+            keys=keys,
         )
         try:
             c.start_all(tuple(f"{a}:{b}" for a, b in layers))
@@ -171,6 +172,33 @@ def bench_cluster(
             c.stop()
 
 
+def curve_cost(model_dir: Path, a: argparse.Namespace) -> None:
+    """ITL p50 of each cluster with and without CURVE, in alternating rounds."""
+    from paired import alternate, compare, describe
+
+    from zmqllm.keys import init_keys
+
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        keys = init_keys(Path(tmp) / "keys")
+        for k in a.stages:
+            print(f"{k} stage(s), ITL p50 ms:", flush=True)
+
+            def run(with_keys: Path | None, k: int = k) -> float:
+                r = bench_cluster(model_dir, k, a.new_tokens, a.requests, a.threads, with_keys)
+                return float(r["itl_ms_p50"])
+
+            values = alternate(
+                a.rounds, ("insecure", lambda: run(None)), ("curve", lambda: run(keys))
+            )
+            results[f"cluster_{k}_stage"] = compare(values, "insecure", "curve")
+            print(describe(results[f"cluster_{k}_stage"], "insecure", "curve", "ms"), flush=True)
+    meta = {k: getattr(a, k) for k in ("threads", "new_tokens", "requests", "rounds")}
+    write_json(
+        Path(a.out).with_name("per_token_latency_curve.json"), {"meta": meta, "results": results}
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
@@ -178,12 +206,21 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="benchmarks/results/per_token_latency.json")
+    ap.add_argument(
+        "--curve",
+        action="store_true",
+        help="instead: each cluster with CURVE keys against --insecure, alternating rounds",
+    )
+    ap.add_argument("--rounds", type=int, default=4, help="--curve: rounds of each")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     model_dir = prepare_default_model(default_model_dir())
     tok = Tokenizer.from_dir(model_dir)
     ids = tok.encode(PROMPT)  # raw completion prompt, as /v1/completions sends it
     n = a.new_tokens
+    if a.curve:
+        curve_cost(model_dir, a)
+        return
 
     rows: dict[str, dict[str, Any]] = {}
     rows["hf_generate"] = bench_hf(model_dir, ids, n, a.requests)

@@ -34,7 +34,6 @@ from zmqllm.config import default_model_dir, split_layers
 from zmqllm.local_cluster import Cluster
 from zmqllm.model_args import ModelArgs
 from zmqllm.models import prepare_default_model
-from zmqllm.status import fetch_status
 from zmqllm.tokenizer import Tokenizer
 
 TOPICS = [
@@ -114,11 +113,8 @@ def stream(port: int, prompt: str, n: int, out: list[float]) -> None:
     conn.close()
 
 
-def stage_stats(frontend: str) -> dict[str, dict[str, float]]:
-    return {
-        f"{w['layers'][0]}:{w['layers'][1]}": w.get("stats", {})
-        for w in fetch_status(frontend)["workers"]
-    }
+def stage_stats(c: Cluster) -> dict[str, dict[str, float]]:
+    return {f"{w['layers'][0]}:{w['layers'][1]}": w.get("stats", {}) for w in c.status()["workers"]}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -128,7 +124,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def burst(c: Cluster, level: int, n: int) -> dict[str, Any]:
-    before = stage_stats(c.frontend)
+    before = stage_stats(c)
     cpu_before = {p.name: cpu_seconds(p.popen.pid) for p in c.procs if p.alive()}
     stamps: list[list[float]] = [[] for _ in range(level)]
     threads = [
@@ -143,7 +139,7 @@ def burst(c: Cluster, level: int, n: int) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     cpu_after = {name: cpu_seconds(p.popen.pid) for p in c.procs if (name := p.name) in cpu_before}
     time.sleep(1.2)  # one heartbeat, so the workers' figures reach the broker
-    after = stage_stats(c.frontend)
+    after = stage_stats(c)
     ttfts = [s[1] - s[0] for s in stamps]
     itls = [float(d) for s in stamps for d in np.diff(s[1:])]
     tokens = sum(len(s) - 1 for s in stamps)
@@ -217,6 +213,68 @@ def hf_baselines(model_dir: Path, tok: Tokenizer, levels: list[int], n: int) -> 
     return out
 
 
+def run_levels(
+    model_dir: Path, layers: list[tuple[int, int]], a: argparse.Namespace, keys: Path | None
+) -> dict[int, dict[str, Any]]:
+    """One cluster (CURVE on with ``keys``), a burst at each concurrency level."""
+    rows: dict[int, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        batch_threads = a.batch_threads or max(1, (os.cpu_count() or 1) // a.stages)
+        if a.cpu_lock:
+            batch_threads = a.batch_threads
+        c = Cluster(
+            Path(tmp),
+            model_dir,
+            heartbeat=1.0,
+            threads=a.threads,
+            batch_threads=batch_threads,
+            cpu_lock=a.cpu_lock,
+            keys=keys,
+        )
+        try:
+            c.start_all(tuple(f"{x}:{y}" for x, y in layers))
+            burst(c, 2, 8)  # warm-up
+            for level in a.levels:
+                rows[level] = burst(c, level, a.new_tokens)
+                print(f"  concurrency {level}: {rows[level]['tokens_per_s']:.1f} tok/s", flush=True)
+        finally:
+            c.stop()
+    return rows
+
+
+def curve_cost(model_dir: Path, layers: list[tuple[int, int]], a: argparse.Namespace) -> None:
+    """Aggregate tokens/s at each level with and without CURVE, in alternating rounds."""
+    from paired import alternate, compare, describe
+
+    from zmqllm.keys import init_keys
+
+    runs: dict[str, list[dict[int, dict[str, Any]]]] = {"insecure": [], "curve": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        keys = init_keys(Path(tmp) / "keys")
+
+        def run(name: str, with_keys: Path | None) -> float:
+            runs[name].append(run_levels(model_dir, layers, a, with_keys))
+            return float(runs[name][-1][a.levels[-1]]["tokens_per_s"])
+
+        alternate(
+            a.rounds,
+            ("insecure", lambda: run("insecure", None)),
+            ("curve", lambda: run("curve", keys)),
+        )
+    results = {}
+    for level in a.levels:
+        values = {name: [r[level]["tokens_per_s"] for r in rs] for name, rs in runs.items()}
+        results[level] = compare(values, "insecure", "curve")
+        print(f"concurrency {level}, tokens/s:")
+        print(describe(results[level], "insecure", "curve", "tok/s"))
+    meta = {
+        "stages": [f"{x}:{y}" for x, y in layers],
+        "rounds": a.rounds,
+        "new_tokens": a.new_tokens,
+    }
+    write_json(Path(a.out).with_name("throughput_curve.json"), {"meta": meta, "results": results})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
@@ -250,6 +308,12 @@ def main() -> None:
         help="per worker while several streams are in flight (default: cores / stages)",
     )
     ap.add_argument("--out", default="benchmarks/results/throughput.json")
+    ap.add_argument(
+        "--curve",
+        action="store_true",
+        help="instead: the cluster with CURVE keys against --insecure, alternating rounds",
+    )
+    ap.add_argument("--rounds", type=int, default=4, help="--curve: rounds of each")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     model_dir = prepare_default_model(default_model_dir())
@@ -264,27 +328,10 @@ def main() -> None:
         layers = split_layers(ModelArgs.from_dir(model_dir).num_layers, a.stages)
     if not a.native:
         os.environ["ZMQLLM_NATIVE"] = "0"  # inherited by the workers
-    rows: dict[int, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        batch_threads = a.batch_threads or max(1, (os.cpu_count() or 1) // a.stages)
-        if a.cpu_lock:
-            batch_threads = a.batch_threads
-        c = Cluster(
-            Path(tmp),
-            model_dir,
-            heartbeat=1.0,
-            threads=a.threads,
-            batch_threads=batch_threads,
-            cpu_lock=a.cpu_lock,
-        )
-        try:
-            c.start_all(tuple(f"{x}:{y}" for x, y in layers))
-            burst(c, 2, 8)  # warm-up
-            for level in a.levels:
-                rows[level] = burst(c, level, n)
-                print(f"  concurrency {level}: {rows[level]['tokens_per_s']:.1f} tok/s", flush=True)
-        finally:
-            c.stop()
+    if a.curve:
+        curve_cost(model_dir, layers, a)
+        return
+    rows = run_levels(model_dir, layers, a, keys=None)
     hf = hf_baselines(model_dir, tok, a.levels, n)
 
     single = rows[a.levels[0]]

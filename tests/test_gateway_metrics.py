@@ -99,6 +99,23 @@ async def test_broker_drops_are_exported_by_reason(tok: Tokenizer) -> None:
     assert f'{name}{{reason="backend:unknown_peer"}} 2.0' in text
 
 
+async def test_failed_handshakes_are_exported(tok: Tokenizer) -> None:
+    fake = FakeBrokerClient(answer_script(tok))
+    app, _clock = await scrape_app(fake, tok)
+    fake.status_extra = {
+        "auth": {
+            "handshake_failures": {"frontend:protocol": 5, "backend:denied": 2},
+            "refused": {"workers": 2},
+        }
+    }
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+        text = (await c.get("/metrics")).text
+    name = "zmqllm_broker_handshake_failures_total"
+    assert f'{name}{{kind="protocol",socket="frontend"}} 5.0' in text
+    assert f'{name}{{kind="denied",socket="backend"}} 2.0' in text
+    assert 'zmqllm_broker_keys_refused_total{domain="workers"} 2.0' in text
+
+
 async def test_the_gateways_own_drops_are_exported_by_reason(tok: Tokenizer) -> None:
     fake = FakeBrokerClient(answer_script(tok))
     app, _clock = await scrape_app(fake, tok)

@@ -73,6 +73,12 @@ def write_config(tmp_path: Path, body: str) -> Path:
 SHARE = ("--cpu-lock", str(cpu_lock_path()))
 
 
+def cfg_with(cfg: Config, section: str, **values: object) -> Config:
+    from zmqllm.config import with_overrides
+
+    return with_overrides(cfg, section, values)
+
+
 def test_local_toml_plan() -> None:
     path = (CONFIGS / "local.toml").resolve()
     cfg, used = up_config(ns(config=str(CONFIGS / "local.toml")))
@@ -159,6 +165,18 @@ def test_up_passes_security_and_gateway_files_to_the_children_that_take_them() -
     for child in children:
         own = child_config(child)
         assert own.model == cfg.model and own.log.level == cfg.log.level
+
+
+def test_up_is_secure_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ZMQLLM_HOME", str(tmp_path / "home"))
+    cfg, note = launcher.secure_by_default(Config())
+    folder = tmp_path / "home" / "keys"
+    assert (folder / "broker.key_secret").is_file() and "made" in note
+    assert cfg.security.keys == str(folder)  # every child is given the folder
+    again, note = launcher.secure_by_default(Config())
+    assert again.security.keys == str(folder) and "made" not in note  # kept, not remade
+    plain, note = launcher.secure_by_default(cfg_with(Config(), "security", insecure=True))
+    assert plain.security.keys == "" and "--insecure" in note
 
 
 def test_up_passes_a_bool_turned_off_as_its_no_flag(tmp_path: Path) -> None:

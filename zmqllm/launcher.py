@@ -490,9 +490,11 @@ def _supervise(cluster: Cluster, cfg: Config, ns: argparse.Namespace, sig: _Sign
     layers = ", ".join(f"{a}:{b}" for a, b in ranges) or ", ".join(s.layers for s in stages_of(cfg))
     count = len(ranges) or len(cluster.children) - 2
     frontend = connect_address(cfg.broker.frontend)
+    keyed = cfg.gateway.api_keys_file or os.environ.get("ZMQLLM_API_KEY")
+    auth = ' -H "Authorization: Bearer $KEY"' if keyed else ""
     print(
         f"zmqllm is up: broker {frontend}, {count} workers (layers {layers}), gateway {url}\n"
-        f'try:  curl -N -d "Why is the sky blue?" {url}/chat\n'
+        f'try:  curl -N{auth} -d "Why is the sky blue?" {url}/chat\n'
         f"logs: {cluster.dir}\n"
         "stop: Ctrl-C",
         flush=True,

@@ -101,6 +101,7 @@ class ClusterCollector(Collector):
             if isinstance(value, int | float):
                 dropped.add_metric([str(reason)], float(value))
         yield dropped
+        yield from _auth_metrics(st.get("auth", {}))
         labels = ["worker", "layers"]
         gauges = {k: GaugeMetricFamily(n, t, labels=labels) for k, n, t in _WORKER_GAUGES}
         counters = {k: CounterMetricFamily(n, t, labels=labels) for k, n, t in _WORKER_COUNTERS}
@@ -127,6 +128,32 @@ class ClusterCollector(Collector):
         yield from counters.values()
         yield draining
         yield faults
+
+
+def _auth_metrics(auth: Any) -> Iterator[Metric]:
+    """The broker's CURVE handshakes that failed: by socket and kind (protocol: no
+    CURVE or a wrong server key; denied: a key not allowed there), and ZAP refusals by
+    domain (clients, workers)."""
+    failed = CounterMetricFamily(
+        "zmqllm_broker_handshake_failures",
+        "CURVE handshakes the broker's sockets failed, by socket and kind",
+        labels=["socket", "kind"],
+    )
+    refused = CounterMetricFamily(
+        "zmqllm_broker_keys_refused",
+        "Handshakes the broker's ZAP handler refused, by domain (clients, workers)",
+        labels=["domain"],
+    )
+    if isinstance(auth, dict):
+        for name, value in sorted(auth.get("handshake_failures", {}).items()):
+            sock, _, kind = str(name).partition(":")
+            if isinstance(value, int | float):
+                failed.add_metric([sock, kind], float(value))
+        for domain, value in sorted(auth.get("refused", {}).items()):
+            if isinstance(value, int | float):
+                refused.add_metric([str(domain)], float(value))
+    yield failed
+    yield refused
 
 
 class StatusCache:

@@ -1,0 +1,58 @@
+"""Two variants measured in alternating rounds, compared round by round.
+
+The cores of a shared machine drift by more than a few percent between runs minutes
+apart, so two single runs cannot show a small difference. Alternating the variants, the
+order flipped every round, and taking each round's ratio cancels most of the drift; the
+median and the range of those ratios are the figures to report. (The benchmark scripts
+run as files, so this is imported as the top-level module ``paired``.)
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+
+def alternate(
+    rounds: int, base: tuple[str, Callable[[], float]], other: tuple[str, Callable[[], float]]
+) -> dict[str, list[float]]:
+    """Run both ``rounds`` times, ``base`` first in even rounds and second in odd ones."""
+    out: dict[str, list[float]] = {base[0]: [], other[0]: []}
+    for r in range(rounds):
+        for name, run in (base, other) if r % 2 == 0 else (other, base):
+            out[name].append(run())
+        print(
+            f"  round {r + 1}: "
+            + ", ".join(f"{name} {values[-1]:.2f}" for name, values in out.items()),
+            flush=True,
+        )
+    return out
+
+
+def spread(xs: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def compare(values: dict[str, list[float]], base: str, other: str) -> dict[str, Any]:
+    """Each variant's median and range, and ``other / base`` per round."""
+    ratios = [b / a for a, b in zip(values[base], values[other], strict=True)]
+    return {
+        base: {"values": values[base], **spread(values[base])},
+        other: {"values": values[other], **spread(values[other])},
+        f"ratio_{other}_vs_{base}": spread(ratios),
+    }
+
+
+def describe(result: dict[str, Any], base: str, other: str, unit: str) -> str:
+    r = result[f"ratio_{other}_vs_{base}"]
+    lines = [
+        f"  {name}: median {result[name]['median']:.2f} {unit} "
+        f"(range {result[name]['min']:.2f}-{result[name]['max']:.2f})"
+        for name in (base, other)
+    ]
+    lines.append(
+        f"  {other}/{base} per round: median {r['median']:.3f} "
+        f"(range {r['min']:.3f}-{r['max']:.3f})"
+    )
+    return "\n".join(lines)
