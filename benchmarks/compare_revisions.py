@@ -20,13 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
+from paired import alternate, compare, describe
 from report import write_json
 
 HERE = Path(__file__).resolve().parent
@@ -73,12 +72,8 @@ def run_round(root: Path, a: argparse.Namespace, cache: Path | None) -> float:
         env["XDG_CACHE_HOME"] = str(cache)
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
-        raise SystemExit(f"measuring {root} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        raise RuntimeError(f"measuring {root} failed:\n{done.stderr[-1500:]}")
     return float(done.stdout.strip().splitlines()[-1])
-
-
-def spread(xs: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
 def main() -> None:
@@ -107,8 +102,6 @@ def main() -> None:
         text=True,
         check=True,
     ).stdout.strip()
-    before: list[float] = []
-    after: list[float] = []
     # Kept between runs: a first build of the kernel must not land inside a round.
     cache = Path(tempfile.gettempdir()) / f"zmqllm-compare-{sha[:12]}"
     with tempfile.TemporaryDirectory() as tmp:
@@ -119,36 +112,22 @@ def main() -> None:
             capture_output=True,
         )
         try:
-            for r in range(a.rounds):
-                # Alternate which goes first, so a drift within a round favours neither.
-                order = [("before", old), ("after", REPO)]
-                for name, root in order if r % 2 == 0 else order[::-1]:
-                    ms = run_round(root, a, cache if root == old else None)
-                    (before if name == "before" else after).append(ms)
-                print(
-                    f"round {r + 1}: before {before[-1]:.2f} ms, after {after[-1]:.2f} ms",
-                    flush=True,
-                )
+            values = alternate(
+                a.rounds,
+                ("before", lambda: run_round(old, a, cache)),
+                ("after", lambda: run_round(REPO, a, None)),
+            )
         finally:
             subprocess.run(
                 ["git", "-C", str(REPO), "worktree", "remove", "--force", str(old)],
                 capture_output=True,
             )
-    ratios = [b / a_ for a_, b in zip(before, after, strict=True)]
-    result: dict[str, Any] = {
-        "before": {"rev": sha, "itl_ms_p50": before, **spread(before)},
-        "after": {"itl_ms_p50": after, **spread(after)},
-        "ratio_after_vs_before": spread(ratios),
-    }
+    result = compare(values, "before", "after")
+    result["before"]["rev"] = sha
     print(
-        f"\nITL p50 over {a.rounds} alternating rounds, {a.stages} stages, "
-        f"{a.new_tokens} tokens x {a.requests} requests each\n"
-        f"before {sha[:10]}: median {result['before']['median']:.2f} ms "
-        f"(range {min(before):.2f}-{max(before):.2f})\n"
-        f"after (working tree): median {result['after']['median']:.2f} ms "
-        f"(range {min(after):.2f}-{max(after):.2f})\n"
-        f"after/before per round: median {statistics.median(ratios):.3f} "
-        f"(range {min(ratios):.3f}-{max(ratios):.3f})"
+        f"\nITL p50 over {len(values['before'])} alternating rounds, {a.stages} stages, "
+        f"{a.new_tokens} tokens x {a.requests} requests each; before = {sha[:10]}, "
+        "after = the working tree\n" + describe(result, "before", "after", "ms")
     )
     meta = {k: getattr(a, k) for k in ("rounds", "stages", "new_tokens", "requests", "threads")}
     write_json(Path(a.out), {"meta": meta, "results": result})

@@ -17,16 +17,25 @@ from typing import Any
 def alternate(
     rounds: int, base: tuple[str, Callable[[], float]], other: tuple[str, Callable[[], float]]
 ) -> dict[str, list[float]]:
-    """Run both ``rounds`` times, ``base`` first in even rounds and second in odd ones."""
+    """Run both ``rounds`` times, ``base`` first in even rounds and second in odd ones.
+    A round in which either run raises is reported and left out, pair and all."""
     out: dict[str, list[float]] = {base[0]: [], other[0]: []}
     for r in range(rounds):
-        for name, run in (base, other) if r % 2 == 0 else (other, base):
-            out[name].append(run())
+        got: dict[str, float] = {}
+        try:
+            for name, run in (base, other) if r % 2 == 0 else (other, base):
+                got[name] = run()
+        except Exception as exc:  # one bad round (a cluster that did not start) costs itself
+            print(f"  round {r + 1} left out: {type(exc).__name__}: {str(exc)[:2000]}")
+            continue
+        for name, value in got.items():
+            out[name].append(value)
         print(
-            f"  round {r + 1}: "
-            + ", ".join(f"{name} {values[-1]:.2f}" for name, values in out.items()),
+            f"  round {r + 1}: " + ", ".join(f"{name} {got[name]:.2f}" for name in out),
             flush=True,
         )
+    if not out[base[0]]:
+        raise SystemExit("every round failed")
     return out
 
 

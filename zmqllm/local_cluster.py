@@ -98,12 +98,19 @@ class Cluster:
         return self._start("broker", [*args, *self.beats(), *self.security()])
 
     def start_worker(
-        self, layers: str, model: Path | None = None, name: str = "", broker: str = ""
+        self,
+        layers: str,
+        model: Path | None = None,
+        name: str = "",
+        broker: str = "",
+        keys: Path | None = None,
     ) -> Proc:
-        """A worker; ``broker`` replaces the backend address (a relay in front of it)."""
+        """A worker; ``broker`` replaces the backend address (a relay in front of it),
+        ``keys`` the cluster's key folder (a worker with a key of its own)."""
         args = ["worker", "--model", str(model or self.model_dir), "--layers", layers]
         args += ["--broker", broker or self.backend, "--threads", str(self.threads)]
-        args += [*self.beats(), *self.security()]
+        security = ["--keys", str(keys)] if keys is not None else self.security()
+        args += [*self.beats(), *security]
         if name:
             args += ["--name", name]
         if self.batch_threads:

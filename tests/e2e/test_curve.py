@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,9 +23,12 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
+import zmq
 
-from zmqllm.keys import init_keys
+from zmqllm.keys import PeerKeys, add_key, as_client, init_keys, load_broker_keys, load_peer_keys
 from zmqllm.local_cluster import Cluster, free_port
+from zmqllm.messages import Heartbeat, Status
+from zmqllm.protocol import encode
 
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 
@@ -164,3 +168,83 @@ def test_keys_commands(tmp_path: Path) -> None:
     assert (home / "keys" / "issued" / "host-2" / "worker.key_secret").is_file()
     listed = run_cli("keys", "list", home=home)
     assert "host-2" in listed.stdout and "workers allowed (2)" in listed.stdout
+
+
+@pytest.fixture
+def keyed_cluster(tmp_path: Path, e2e_model: Path) -> Iterator[Cluster]:
+    """Broker, two whole-model workers (the second with a key of its own) and a gateway,
+    all with CURVE."""
+    keys = init_keys(tmp_path / "keys")
+    add_key(keys, "worker", "second")
+    c = Cluster(tmp_path / "cluster", e2e_model, keys=keys)
+    try:
+        c.start_broker()
+        c.start_worker(":", name="first")
+        c.start_worker(":", name="second", keys=keys / "issued" / "second")
+        c.start_gateway()
+        c.wait_ready()
+        c.wait_for(lambda: len(c.status()["workers"]) == 2, what="both workers registered")
+        yield c
+    finally:
+        c.stop()
+
+
+def test_strangers_reach_nothing_of_a_live_broker(keyed_cluster: Cluster) -> None:
+    c = keyed_cluster
+    before = c.status()
+    server = load_broker_keys(c.keys).public
+    public, secret = zmq.curve_keypair()
+    unknown = PeerKeys(public=public, secret=secret, server=server)
+    worker_keys = load_peer_keys(c.keys, "worker")
+    ctx = zmq.Context()
+    socks = []
+    try:
+        # (address, CURVE pair or None, what it sends): no CURVE, an unknown key, and
+        # each role's key on the other role's socket.
+        tries = [
+            (c.frontend, None, Status(request_id="x")),
+            (c.frontend, unknown, Status(request_id="x")),
+            (c.frontend, worker_keys, Status(request_id="x")),
+            (c.backend, None, Heartbeat()),
+            (c.backend, unknown, Heartbeat()),
+            (c.backend, load_peer_keys(c.keys, "client"), Heartbeat()),
+        ]
+        for address, pair, msg in tries:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            if pair is not None:
+                as_client(sock, pair)
+            sock.connect(address)
+            sock.send_multipart(encode(msg))
+            socks.append(sock)
+        time.sleep(1.5)
+        assert [s.poll(0) for s in socks] == [0] * len(socks)  # nothing came back
+    finally:
+        for s in socks:
+            s.close(linger=0)
+        ctx.term()
+    after = c.status()
+    assert after["dropped"] == before["dropped"]  # no handler saw them
+    assert after["counters"] == before["counters"]
+    failures = after["auth"]["handshake_failures"]
+    for side in ("frontend", "backend"):
+        # The two keys ZAP refused; the peer without CURVE fails as "protocol" or
+        # "failed", as libzmq sees it.
+        assert failures.get(f"{side}:denied", 0) >= 2, failures
+        assert sum(v for k, v in failures.items() if k.startswith(side)) >= 3, failures
+
+
+def test_a_revoked_worker_leaves_while_the_other_serves(
+    keyed_cluster: Cluster, reference, greedy_ids
+) -> None:
+    c = keyed_cluster
+    second = c.by_name("worker")[1]  # started second, with the "second" key
+    (c.keys / "workers" / "second.key").unlink()
+    revoked_at = time.monotonic()
+    c.wait_for(lambda: not second.alive(), timeout=5.0, what="the revoked worker to exit")
+    assert time.monotonic() - revoked_at < 5.0
+    assert second.popen.returncode == 3  # refused by the broker
+    assert len(c.status()["workers"]) == 1
+    text, _ = complete(c)
+    tok = reference.tokenizer
+    assert text == tok.decode(greedy_ids(tok.encode(PROMPT), MAX_TOKENS, stop_at_eos=False))
