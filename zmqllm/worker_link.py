@@ -65,9 +65,7 @@ SESSION_TYPES = (Open, Step, Activation, Close, Cancel)
 
 RECONNECT_MAX_S = 30.0
 MAX_MESSAGES_PER_TURN = 1024
-# Messages either way between the link and the compute loop; past it the link answers
-# the broker "overloaded" for the session instead of queueing more.
-PIPE_HWM = 100_000
+PIPE_HWM = 100_000  # link <-> loop messages; past it a session is answered "overloaded"
 SOCKET_HWM = 10_000
 CLOSE_LINGER_MS = 500  # long enough for the goodbye DISCONNECT, short enough to exit
 JOIN_TIMEOUT_S = 5.0
@@ -84,9 +82,8 @@ def split_key(key: str) -> tuple[str, int]:
 
 
 def named_session(head: dict[str, Any]) -> tuple[str, int, str] | None:
-    """(session, attempt, request id) a header names, if they are valid ids, even when
-    the rest of its message is not: such a message fails that session instead of
-    leaving it to wait for what never comes."""
+    """(session, attempt, request id) a header names if valid, even when the rest of its
+    message is not: that session then fails instead of waiting for what never comes."""
     session, attempt, rid = head.get("session"), head.get("attempt", 0), head.get("request_id")
     if not isinstance(session, str) or not is_valid_id(session):
         return None
@@ -239,7 +236,11 @@ class BrokerLink:
         self._next_beat = now + s.interval
         quiet = now - self._last_broker
         if quiet > s.interval * s.liveness:
-            self._lost(f"no word from the broker for {quiet:.1f}s")
+            why = f"no word from the broker for {quiet:.1f}s"
+            if not self._registered:
+                # Also what a key mismatch looks like from here: CURVE fails silently.
+                why += " (is it up, and do --keys match its CURVE keys?)"
+            self._lost(why)
             return
         if not self._registered or self._refused:
             # Unregistered, a REGISTER is already on its way on this socket. Another
