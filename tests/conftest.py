@@ -6,12 +6,31 @@ the model fixtures import it lazily.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import zmq
+
+
+def _private_home() -> None:
+    """Run the tests under a $ZMQLLM_HOME of their own, so that nothing they make (the
+    CURVE keys `zmqllm up` creates on first use, logs, lock files) lands in the user's,
+    and keys a user made there do not turn on CURVE for the tests' processes. Converted
+    models are shared with the real home (a symlink): they take minutes to make."""
+    real = Path(os.environ.get("ZMQLLM_HOME") or Path.home() / ".cache" / "zmqllm")
+    home = Path(tempfile.mkdtemp(prefix="zmqllm-test-home-"))
+    (real / "models").mkdir(parents=True, exist_ok=True)
+    (home / "models").symlink_to(real / "models", target_is_directory=True)
+    os.environ["ZMQLLM_HOME"] = str(home)
+    atexit.register(shutil.rmtree, home, ignore_errors=True)
+
+
+_private_home()
 
 
 def _build_kernel() -> None:
