@@ -22,6 +22,8 @@ FRONT_END_MODULES = [
     "zmqllm.registry",
     "zmqllm.broker_state",
     "zmqllm.config",
+    "zmqllm.config_load",
+    "zmqllm.layers",
     "zmqllm.log",
     "zmqllm.tokenizer",
     "zmqllm.model_args",

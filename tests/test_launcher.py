@@ -74,7 +74,7 @@ SHARE = ("--cpu-lock", str(cpu_lock_path()))
 
 
 def cfg_with(cfg: Config, section: str, **values: object) -> Config:
-    from zmqllm.config import with_overrides
+    from zmqllm.config_load import with_overrides
 
     return with_overrides(cfg, section, values)
 

@@ -34,12 +34,11 @@ from zmqllm.config import (
     TINY_MODEL,
     Config,
     StageSpec,
-    load_config,
     log_dir,
     resolve_model_path,
-    with_overrides,
     zmqllm_home,
 )
+from zmqllm.config_load import load_config, with_overrides
 from zmqllm.keys import init_keys, keys_dir, load_peer_keys
 from zmqllm.settings_flags import apply_flags, changed_flags, role_settings
 
