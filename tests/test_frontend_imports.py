@@ -29,6 +29,8 @@ FRONT_END_MODULES = [
     "zmqllm.model_args",
     "zmqllm.cli",
     "zmqllm.broker",
+    "zmqllm.broker_main",
+    "zmqllm.auth",
     "zmqllm.client",
     "zmqllm.status",
     "zmqllm.launcher",

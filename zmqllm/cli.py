@@ -147,7 +147,7 @@ def _load(ns: argparse.Namespace) -> Config:
 
 
 def cmd_broker(ns: argparse.Namespace) -> int:
-    from zmqllm.broker import serve
+    from zmqllm.broker_main import serve
 
     cfg = _load(ns)
     configure_logging("broker", cfg.log.level, cfg.log.format)
