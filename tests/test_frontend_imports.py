@@ -34,6 +34,7 @@ FRONT_END_MODULES = [
     "zmqllm.client",
     "zmqllm.status",
     "zmqllm.launcher",
+    "zmqllm.launch_plan",
     "zmqllm.gateway.app",
     "zmqllm.gateway.server",
 ]
