@@ -18,6 +18,7 @@ FRONT_END_MODULES = [
     "zmqllm.sampling_params",
     "zmqllm.bus",
     "zmqllm.fuzz",
+    "zmqllm.fuzz_messages",
     "zmqllm.fuzz_peers",
     "zmqllm.registry",
     "zmqllm.broker_state",
