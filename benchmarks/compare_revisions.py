@@ -38,8 +38,13 @@ def measure(root: Path, stages: int, new_tokens: int, requests: int, threads: in
     import numpy as np
     from per_token_latency import stream_once
 
-    from zmqllm.config import default_model_dir, split_layers
+    from zmqllm.config import default_model_dir
     from zmqllm.local_cluster import Cluster
+
+    try:
+        from zmqllm.layers import split_layers
+    except ImportError:  # a revision from before zmqllm/layers.py
+        from zmqllm.config import split_layers  # type: ignore[attr-defined,no-redef]
 
     text = (default_model_dir() / "config.json").read_text()
     layers = split_layers(json.loads(text)["num_hidden_layers"], stages)

@@ -150,7 +150,7 @@ def stream_once(port: int, n: int) -> list[float]:
 def bench_cluster(
     model_dir: Path, stages: int, n: int, requests: int, threads: int, keys: Path | None = None
 ) -> dict[str, Any]:
-    from zmqllm.config import split_layers
+    from zmqllm.layers import split_layers
     from zmqllm.model_args import ModelArgs
 
     layers = split_layers(ModelArgs.from_dir(model_dir).num_layers, stages)

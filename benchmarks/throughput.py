@@ -30,7 +30,8 @@ import numpy as np
 import torch
 from report import write_json, write_plot
 
-from zmqllm.config import default_model_dir, split_layers
+from zmqllm.config import default_model_dir
+from zmqllm.layers import split_layers
 from zmqllm.local_cluster import Cluster
 from zmqllm.model_args import ModelArgs
 from zmqllm.models import prepare_default_model

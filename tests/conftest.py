@@ -1,4 +1,4 @@
-"""Shared fixtures: the tiny test model and, for slow tests, the default model.
+"""Shared fixtures: the tiny test model, for slow tests the default model, a busy port.
 
 Torch-free test modules must not import anything from here that pulls torch;
 the model fixtures import it lazily.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -91,3 +92,12 @@ def pair(request: pytest.FixtureRequest) -> Iterator[tuple[zmq.Socket[bytes], zm
         a.close(linger=0)
         b.close(linger=0)
         ctx.term()
+
+
+@pytest.fixture()
+def listening() -> Iterator[int]:
+    """A port some other program is listening on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield int(sock.getsockname()[1])

@@ -1,5 +1,4 @@
-"""Key folders: what `keys init` and `keys add` write, how roles find and load keys, and
-the broker's refusal to bind beyond loopback without them."""
+"""Key folders: what `keys init` and `keys add` write, how roles find and load keys."""
 
 from __future__ import annotations
 
@@ -9,8 +8,7 @@ from pathlib import Path
 import pytest
 import zmq.auth
 
-from zmqllm.broker import exposed_endpoints, serve
-from zmqllm.config import BrokerSettings, ConfigError, SecuritySettings
+from zmqllm.config import SecuritySettings
 from zmqllm.keys import (
     KeysError,
     add_key,
@@ -105,22 +103,3 @@ def test_keys_dir_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert keys_dir(SecuritySettings(keys=str(other))) == other
     with pytest.raises(KeysError, match="keys init"):
         keys_dir(SecuritySettings(keys=str(tmp_path / "nope")))
-
-
-def test_exposed_endpoints() -> None:
-    local = BrokerSettings(frontend="tcp://127.0.0.1:5555", backend="tcp://localhost:5556")
-    assert exposed_endpoints(local) == []
-    assert exposed_endpoints(BrokerSettings(frontend="ipc:///tmp/x", backend="tcp://[::1]:1")) == []
-    wide = BrokerSettings(frontend="tcp://0.0.0.0:5555", backend="tcp://*:5556")
-    assert exposed_endpoints(wide) == ["tcp://0.0.0.0:5555", "tcp://*:5556"]
-    lan = BrokerSettings(backend="tcp://198.18.0.1:5556")
-    assert exposed_endpoints(lan) == ["tcp://198.18.0.1:5556"]
-
-
-def test_a_keyless_broker_refuses_to_bind_beyond_loopback(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("ZMQLLM_HOME", str(tmp_path))
-    with pytest.raises(ConfigError) as err:
-        serve(BrokerSettings(frontend="tcp://0.0.0.0:0"), SecuritySettings())
-    assert "zmqllm keys init" in str(err.value) and "--insecure" in str(err.value)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from zmqllm import cli
-from zmqllm.config import Config, ConfigError, load_config
+from zmqllm.config import Config, ConfigError
+from zmqllm.config_load import load_config
 from zmqllm.settings_flags import (
     ROLES,
     SECTIONS,

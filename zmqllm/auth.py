@@ -16,6 +16,10 @@ the broker ties a worker's routing id to the key that registered it.
 :class:`HandshakeMonitor` reads the broker sockets' monitor events and counts failed
 handshakes by socket and kind (a peer without CURVE, with the wrong server key, or with
 a key not allowed).
+
+Without sockets: ``peer_key`` reads that user id off a message's frames, and
+:class:`ClientKeys` keeps the key each client opened its sessions with and says which
+clients lose them when their key is revoked.
 """
 
 from __future__ import annotations
@@ -34,10 +38,18 @@ import zmq.utils.monitor
 import zmq.utils.z85
 
 from zmqllm.bus import Drops
-from zmqllm.keys import allowed_keys
+from zmqllm.keys import ALLOWED_FOLDERS, allowed_keys
 from zmqllm.log import get_logger
 
-__all__ = ["ZAP_ENDPOINT", "Authenticator", "HandshakeMonitor"]
+__all__ = [
+    "CLIENTS",
+    "WORKERS",
+    "ZAP_ENDPOINT",
+    "Authenticator",
+    "ClientKeys",
+    "HandshakeMonitor",
+    "peer_key",
+]
 
 log = get_logger("zmqllm.auth")
 
@@ -45,6 +57,7 @@ ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by RFC 27
 RESCAN_S = 1.0
 POLL_MS = 200  # the handler thread looks at its stop flag this often
 MAX_ZAP_FRAMES = 16
+CLIENTS, WORKERS = ALLOWED_FOLDERS["client"], ALLOWED_FOLDERS["worker"]  # ZAP domains
 
 HANDSHAKE_EVENTS: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "failed",
@@ -207,3 +220,38 @@ class HandshakeMonitor:
                 sock.disable_monitor()
         for monitor in self.monitors:
             monitor.close(linger=0)
+
+
+def peer_key(frames: list[Any]) -> str | None:
+    """The CURVE public key (z85) of the connection a message came on: the ZAP user id
+    libzmq stamps on its frames. None without CURVE."""
+    try:
+        key = frames[-1].get("User-Id")
+    except (zmq.ZMQError, AttributeError):
+        return None
+    return key or None
+
+
+class ClientKeys:
+    """The key each client opened its sessions with (no sockets): ``revoked`` names the
+    clients to end after a key file was removed."""
+
+    def __init__(self) -> None:
+        self.keys: dict[bytes, str] = {}  # client routing id -> its key (z85)
+
+    def opened(self, client: bytes, frames: list[Any]) -> None:
+        """``client`` opened a session; ``frames`` are the OPEN's."""
+        self.keys[client] = peer_key(frames) or ""
+
+    def revoked(self, auth: Authenticator, changed: bool, live: set[bytes]) -> list[bytes]:
+        """The clients whose key ``auth`` no longer allows (looked at only when the allowed
+        keys ``changed``), forgotten; clients with no session left (not in ``live``) are
+        forgotten too."""
+        out = []
+        for client, key in list(self.keys.items()):
+            if changed and not auth.allowed(CLIENTS, key):
+                out.append(client)
+                del self.keys[client]
+            elif client not in live:
+                del self.keys[client]  # keeps the map as small as the live clients
+        return out

@@ -11,8 +11,6 @@ bookkeeping in :class:`~zmqllm.registry.Registry`. It never imports torch.
 
 from __future__ import annotations
 
-import ipaddress
-import signal
 import time
 import uuid
 from collections import deque
@@ -22,11 +20,11 @@ from typing import Any
 import zmq
 
 from zmqllm import __version__
-from zmqllm.auth import Authenticator, HandshakeMonitor
+from zmqllm.auth import CLIENTS, WORKERS, Authenticator, ClientKeys, HandshakeMonitor, peer_key
 from zmqllm.broker_state import Out, SessionTable
 from zmqllm.bus import Drops, recv_bounded
-from zmqllm.config import BrokerSettings, ConfigError, SecuritySettings
-from zmqllm.keys import ALLOWED_FOLDERS, BrokerKeys, as_server, keys_dir, load_broker_keys
+from zmqllm.config import BrokerSettings
+from zmqllm.keys import BrokerKeys, as_server
 from zmqllm.log import get_logger
 from zmqllm.messages import (
     Activation,
@@ -58,9 +56,6 @@ BATCH = 512
 RECV_QUEUE = 1000
 
 
-CLIENTS, WORKERS = ALLOWED_FOLDERS["client"], ALLOWED_FOLDERS["worker"]  # ZAP domains
-
-
 class Broker:
     def __init__(
         self,
@@ -77,8 +72,8 @@ class Broker:
         if keys is not None:
             self.auth = Authenticator(self.ctx, {d: keys.folder / d for d in (CLIENTS, WORKERS)})
             self.auth.start()
-        # Client routing id -> the key it opened sessions with, to end them on revocation.
-        self._client_keys: dict[bytes, str] = {}
+        # The key each client opened sessions with, to end them on revocation.
+        self.client_keys = ClientKeys()
         self.boot = uuid.uuid4().hex[:12]
         self.registry = Registry.from_settings(settings)
         self.table = SessionTable(
@@ -299,13 +294,9 @@ class Broker:
             return
         live = {key[0] for key in self.table.sessions} | {p.key[0] for p in self.table.queue}
         changed = self.auth.refresh()
-        for client, key in list(self._client_keys.items()):
-            if changed and not self.auth.allowed(CLIENTS, key):
-                log.warning("client key revoked; ending its sessions", peer=client.hex()[:32])
-                self.send(self.table.client_lost(client, ErrorCode.CANCELLED, "key revoked", now))
-                del self._client_keys[client]
-            elif client not in live:
-                del self._client_keys[client]  # keeps the map as small as the live clients
+        for client in self.client_keys.revoked(self.auth, changed, live):
+            log.warning("client key revoked; ending its sessions", peer=client.hex()[:32])
+            self.send(self.table.client_lost(client, ErrorCode.CANCELLED, "key revoked", now))
         if not changed:
             return
         for w in list(self.registry.workers.values()):
@@ -359,7 +350,7 @@ class Broker:
         now = time.monotonic()
         if isinstance(msg, Open):
             if self.auth is not None:
-                self._client_keys[client] = peer_key(frames) or ""
+                self.client_keys.opened(client, frames)
             self.send(self.table.open(client, msg, now))
         elif isinstance(msg, Cancel):
             self.send(self.table.cancel(client, msg.session, now))
@@ -493,60 +484,3 @@ class Broker:
                 "handshake_failures": dict(self.monitor.counts) if self.monitor else {},
             },
         }
-
-
-def peer_key(frames: list[Any]) -> str | None:
-    """The CURVE public key (z85) of the connection a message came on: the ZAP user id
-    libzmq stamps on its frames. None without CURVE."""
-    try:
-        key = frames[-1].get("User-Id")
-    except (zmq.ZMQError, AttributeError):
-        return None
-    return key or None
-
-
-def exposed_endpoints(settings: BrokerSettings) -> list[str]:
-    """The broker's endpoints that other machines could reach (not loopback, ipc or
-    inproc; a host name other than localhost counts as reachable)."""
-    out = []
-    for endpoint in (settings.frontend, settings.backend):
-        if not endpoint.startswith("tcp://"):
-            continue
-        host = endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
-        if host == "localhost":
-            continue
-        try:
-            if ipaddress.ip_address(host).is_loopback:
-                continue
-        except ValueError:
-            pass
-        out.append(endpoint)
-    return out
-
-
-def serve(settings: BrokerSettings, security: SecuritySettings | None = None) -> None:
-    """Run a broker until SIGTERM/SIGINT. Without keys it binds loopback only (unless
-    told --insecure): a plaintext bus lets anyone who reaches it read every prompt."""
-    security = security or SecuritySettings()
-    folder = keys_dir(security)
-    keys = load_broker_keys(folder) if folder is not None else None
-    if keys is None:
-        exposed = exposed_endpoints(settings)
-        if exposed and not security.insecure:
-            raise ConfigError(
-                f"refusing to bind {', '.join(exposed)} without CURVE keys: anyone who "
-                "reaches it could join the bus and read every prompt. Make keys with "
-                "`zmqllm keys init DIR` and give --keys DIR (or keep them in "
-                "$ZMQLLM_HOME/keys), or give --insecure to bind it plaintext anyway"
-            )
-        log.warning(
-            "no CURVE keys: the bus is plaintext and any local process may join it",
-            hint="zmqllm keys init DIR, then --keys DIR",
-            insecure=security.insecure,
-        )
-    else:
-        log.info("CURVE on", keys=str(folder))
-    broker = Broker(settings, keys=keys)
-    signal.signal(signal.SIGTERM, broker.stop)
-    signal.signal(signal.SIGINT, broker.stop)
-    broker.run()

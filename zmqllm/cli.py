@@ -17,9 +17,9 @@ from zmqllm.config import (
     Config,
     ConfigError,
     default_model_dir,
-    load_config,
     resolve_model_path,
 )
+from zmqllm.config_load import load_config
 from zmqllm.keys_cli import add_keys_command
 from zmqllm.log import configure_logging
 from zmqllm.settings_flags import add_setting_flags, apply_flags
@@ -51,8 +51,8 @@ def cmd_prepare_model(ns: argparse.Namespace) -> int:
 def cmd_generate(ns: argparse.Namespace) -> int:
     import torch
 
-    from zmqllm.config import split_layers
     from zmqllm.engine.generator import Generator
+    from zmqllm.layers import split_layers
     from zmqllm.sampling_params import SamplingParams
     from zmqllm.tokenizer import Tokenizer
 
@@ -147,7 +147,7 @@ def _load(ns: argparse.Namespace) -> Config:
 
 
 def cmd_broker(ns: argparse.Namespace) -> int:
-    from zmqllm.broker import serve
+    from zmqllm.broker_main import serve
 
     cfg = _load(ns)
     configure_logging("broker", cfg.log.level, cfg.log.format)

@@ -20,7 +20,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from .config import Config, with_overrides
+from .config import Config
+from .config_load import with_overrides
 
 __all__ = [
     "ROLES",

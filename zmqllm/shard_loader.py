@@ -17,12 +17,13 @@ from typing import Any
 import torch
 
 from zmqllm import __version__
-from zmqllm.config import Config, parse_layers, resolve_model_path
+from zmqllm.config import Config, resolve_model_path
 from zmqllm.engine import native
 from zmqllm.engine.cache import rss_bytes
 from zmqllm.engine.generator import load_shard
 from zmqllm.engine.stage import Stage
 from zmqllm.engine.weights import model_fingerprint, resolve_checkpoint
+from zmqllm.layers import parse_layers
 from zmqllm.log import get_logger
 from zmqllm.model_args import ModelArgs
 from zmqllm.protocol import MAX_HEADER_BYTES, Register

@@ -74,8 +74,8 @@ class UpCluster(Cluster):
     def start_up(self) -> None:
         """Start every process; `wait_ready` waits for them (the default model's workers
         take a while to load: the caller may do something else meanwhile)."""
-        from zmqllm.config import load_config
-        from zmqllm.launcher import plan
+        from zmqllm.config_load import load_config
+        from zmqllm.launch_plan import plan
 
         text = (REPO / "configs" / "local.toml").read_text()
         for old, new in (
