@@ -174,6 +174,7 @@ def bench_cluster(
 
 def curve_cost(model_dir: Path, a: argparse.Namespace) -> None:
     """ITL p50 of each cluster with and without CURVE, in alternating rounds."""
+    import curve_hop
     from paired import alternate, compare, describe
 
     from zmqllm.keys import init_keys
@@ -193,6 +194,10 @@ def curve_cost(model_dir: Path, a: argparse.Namespace) -> None:
             )
             results[f"cluster_{k}_stage"] = compare(values, "insecure", "curve")
             print(describe(results[f"cluster_{k}_stage"], "insecure", "curve", "ms"), flush=True)
+    # The hop itself, in microseconds: what the rounds above can only bound.
+    results["hop"] = curve_hop.measure(blocks=10, n=500)
+    for k in a.stages:
+        print(curve_hop.describe(results["hop"], k))
     meta = {k: getattr(a, k) for k in ("threads", "new_tokens", "requests", "rounds")}
     write_json(
         Path(a.out).with_name("per_token_latency_curve.json"), {"meta": meta, "results": results}

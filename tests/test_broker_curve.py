@@ -158,3 +158,28 @@ def test_a_revoked_client_loses_its_sessions(keyed: tuple[Harness, Path]) -> Non
     time.sleep(QUIET_S)
     assert not any(isinstance(m, StatusReply) for m in h.pending(app))
     assert h.status()["dropped"].get("frontend:revoked", 0) >= 1
+
+
+def test_garbage_handshakes_leave_the_broker_serving(keyed: tuple[Harness, Path]) -> None:
+    """Raw TCP junk, and ZMTP greetings that ask for CURVE then send junk, on both
+    sockets: the handshakes fail and the broker goes on serving keyed peers."""
+    import random
+    import socket
+
+    h, _ = keyed
+    rng = random.Random(7)
+    # A ZMTP 3.0 greeting (signature, version 3.0, mechanism "CURVE", as-server 0, filler).
+    greeting = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"CURVE".ljust(20, b"\x00")
+    greeting += b"\x00" + b"\x00" * 31
+    for address in (h.frontend, h.backend):
+        host, port = address.removeprefix("tcp://").rsplit(":", 1)
+        for i in range(40):
+            with socket.create_connection((host, int(port)), timeout=5) as s:
+                junk = rng.randbytes(rng.randrange(1, 600))
+                s.sendall(greeting + junk if i % 2 else junk)
+    w = h.register("w1", 0, 4)
+    client = h.client("c")
+    client.send(open_msg("after-junk"))
+    assert h.expect(w, Open).request_id.startswith("req-after-junk")
+    st = h.status()
+    assert st["dropped"] == {}  # nothing of it reached a handler
