@@ -23,6 +23,7 @@ from tests.test_gateway_support import (
     answer_script,
     eos_id,
     make_app,
+    post_raw,
     running_server,
     sse_json,
     tiny_tokenizer,
@@ -363,10 +364,11 @@ async def test_chat_error_after_streaming_began_is_a_last_line(
     client: Any, fake: FakeBrokerClient, tok: Tokenizer
 ) -> None:
     fake.default_script = Script(answer_script(tok).tokens, fail_after=4)
-    response = await client.post("/chat", content=b"Hi")
-    assert response.status_code == 200
+    status, body, complete = await post_raw(make_app(fake, tok), "/chat", b"Hi")
+    assert status == 200
     text = tok.decode(tok.encode(ANSWER)[:4])
-    assert response.text == f"{text}\n[error: worker w1 stopped answering]\n"
+    assert body == f"{text}\n[error: worker w1 stopped answering]\n"
+    assert not complete  # no terminating chunk: curl exits non-zero
 
 
 async def test_sse_error_after_streaming_began_is_an_error_event(
@@ -377,7 +379,7 @@ async def test_sse_error_after_streaming_began_is_an_error_event(
         "/v1/chat/completions",
         json={"messages": [{"role": "user", "content": "Hi"}], "stream": True},
     )
-    chunks = sse_json(response.text)  # still ends with [DONE]
+    chunks = sse_json(response.text, done=False)  # ends at the error, no [DONE]
     assert chunks[-1] == {
         "error": {
             "message": "worker w1 stopped answering",
@@ -490,9 +492,8 @@ async def test_log_line_of_a_cancelled_and_a_failed_request(
 ) -> None:
     fake.default_script = Script(answer_script(tok).tokens, fail_after=2)
     app = make_app(fake, tok)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
-        await c.post("/chat", content=b"Hi")
-        await c.post("/chat", content=b"")
+    await post_raw(app, "/chat", b"Hi")
+    await post_raw(app, "/chat", b"")
     failed, rejected = log_lines(log_stream, "request finished")
     assert failed["finish_reason"] == "error" and failed["error"] == "worker_lost"
     assert failed["generated_tokens"] == 2

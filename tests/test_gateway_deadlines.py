@@ -12,7 +12,14 @@ from typing import Any
 import pytest
 
 from tests.fake_broker_client import FakeBrokerClient, Script
-from tests.test_gateway_support import ANSWER, answer_script, make_app, sse_json, tiny_tokenizer
+from tests.test_gateway_support import (
+    ANSWER,
+    answer_script,
+    make_app,
+    post_raw,
+    sse_json,
+    tiny_tokenizer,
+)
 from zmqllm.tokenizer import Tokenizer
 
 httpx = pytest.importorskip("httpx")
@@ -66,11 +73,11 @@ async def test_no_first_token_in_time_is_504_and_cancels(
 
 async def test_a_stream_that_stalls_ends_with_an_error_line(tok: Tokenizer) -> None:
     fake = FakeBrokerClient(stuck_after(tok, 4))
-    async with client_for(fake, tok, inter_token_timeout=0.2) as client:
-        response = await client.post("/chat", content=b"Hi")
-    assert response.status_code == 200
+    app = make_app(fake, tok, inter_token_timeout=0.2)
+    status, text, complete = await post_raw(app, "/chat", b"Hi")
+    assert status == 200 and not complete
     sent = tok.decode(tok.encode(ANSWER)[:4])
-    assert response.text == f"{sent}\n[error: no token for 0.2 s (the inter-token timeout)]\n"
+    assert text == f"{sent}\n[error: no token for 0.2 s (the inter-token timeout)]\n"
     (stream,) = fake.request_streams
     assert fake.cancels == [stream.session] and len(stream.produced_at) == 4
 
@@ -79,7 +86,7 @@ async def test_an_sse_stream_that_stalls_ends_with_an_error_event(tok: Tokenizer
     fake = FakeBrokerClient(stuck_after(tok, 4))
     async with client_for(fake, tok, inter_token_timeout=0.2) as client:
         response = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
-    chunks = sse_json(response.text)  # still ends with [DONE]
+    chunks = sse_json(response.text, done=False)  # ends at the error, no [DONE]
     assert chunks[-1] == {
         "error": {
             "message": "no token for 0.2 s (the inter-token timeout)",
@@ -103,10 +110,11 @@ async def test_a_non_streamed_answer_that_stalls_is_504(tok: Tokenizer) -> None:
 async def test_the_whole_request_deadline_cuts_a_slow_but_steady_stream(tok: Tokenizer) -> None:
     # A token every 0.1 s never misses the inter-token deadline, but 40 of them take 4 s.
     fake = FakeBrokerClient(Script([*tok.encode(" ".join([ANSWER] * 5))], delay=0.1))
-    async with client_for(fake, tok, request_timeout=0.5) as client:
-        response = await client.post("/chat", content=b"Hi")
-    assert response.status_code == 200
-    assert response.text.endswith("\n[error: the request timeout of 0.5 s was reached]\n")
+    status, text, complete = await post_raw(
+        make_app(fake, tok, request_timeout=0.5), "/chat", b"Hi"
+    )
+    assert status == 200 and not complete
+    assert text.endswith("\n[error: the request timeout of 0.5 s was reached]\n")
     (stream,) = fake.request_streams
     assert fake.cancels == [stream.session]
     assert len(stream.produced_at) < len(stream.script.tokens)

@@ -78,10 +78,59 @@ def sse_data(body: str) -> list[str]:
     return out
 
 
-def sse_json(body: str) -> list[dict[str, Any]]:
+def sse_json(body: str, done: bool = True) -> list[dict[str, Any]]:
+    """The JSON events; a whole stream ends with ``[DONE]``, a failed one (``done=False``)
+    at its error event without it."""
     data = sse_data(body)
-    assert data[-1] == "[DONE]"
-    return [json.loads(item) for item in data[:-1]]
+    if done:
+        assert data[-1] == "[DONE]"
+        data = data[:-1]
+    else:
+        assert "[DONE]" not in data
+    return [json.loads(item) for item in data]
+
+
+async def post_raw(app: Any, path: str, body: bytes) -> tuple[int, str, bool]:
+    """POST ``body`` to the ASGI app directly: (status, body text, whether the response
+    was completed). httpx's ASGITransport refuses a response left incomplete, which is
+    how /chat ends a stream that failed after its headers went out."""
+    status, chunks, complete = 0, [], False
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()  # the client stays; the app cancels this wait
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal status, complete
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+            complete = complete or not message.get("more_body", False)
+
+    route, _, query = path.partition("?")
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": route,
+        "raw_path": route.encode(),
+        "query_string": query.encode(),
+        "root_path": "",
+        "headers": [(b"host", b"gw"), (b"content-length", str(len(body)).encode())],
+        "client": ("127.0.0.1", 50000),
+        "server": ("gw", 80),
+        "state": {},
+    }
+    await app(scope, receive, send)
+    return status, b"".join(chunks).decode(), complete
 
 
 def wait_for(predicate: Any, timeout: float = 5.0) -> None:

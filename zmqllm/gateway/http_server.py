@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import ssl
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from zmqllm.config import ConfigError, GatewaySettings
+from zmqllm.gateway.responses import INCOMPLETE_RESPONSE_LOG
 from zmqllm.log import get_logger
 
 __all__ = [
@@ -149,8 +151,20 @@ def base_url(settings: GatewaySettings) -> str:
     return f"{scheme}://{host}:{settings.port}"
 
 
+class _DeliberateAborts(logging.Filter):
+    """uvicorn reports a response left incomplete as an error; the gateway leaves one so
+    on purpose (a stream that failed after its headers, see GenerationResponse) and logs
+    it itself, with the request id."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != INCOMPLETE_RESPONSE_LOG
+
+
 def uvicorn_config(app: Any, settings: GatewaySettings) -> uvicorn.Config:
     """How the gateway runs its app under uvicorn (``serve`` and the tests alike)."""
+    uvicorn_errors = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _DeliberateAborts) for f in uvicorn_errors.filters):
+        uvicorn_errors.addFilter(_DeliberateAborts())
     tls = tls_files(settings)
     return uvicorn.Config(
         app,

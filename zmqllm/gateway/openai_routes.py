@@ -3,8 +3,8 @@
 Streamed answers are server-sent events, ``data: {chunk}`` per text piece and ``data:
 [DONE]`` at the end, shaped like OpenAI's ``chat.completion.chunk`` / ``text_completion``
 so the official ``openai`` package parses them unchanged. A failure after the stream began
-is sent as ``data: {"error": {...}}`` (which that package raises as an APIError) before
-``[DONE]``.
+is sent as ``data: {"error": {...}}`` (which that package raises as an APIError) and the
+stream ends there, without ``[DONE]``: a client can tell a whole answer from a cut one.
 """
 
 from __future__ import annotations
@@ -181,6 +181,7 @@ async def _events(
         yield _sse(shapes.closing(generation.finish_reason))
         if include_usage:
             yield _sse(shapes.usage_only(_usage(plan, generation)))
+        yield _DONE  # only after a whole answer: a stream that failed ends at its error
     except GenerationError as exc:
         record.error = exc.code
         log.warning("generation failed mid-stream", code=exc.code, error=exc.message)
@@ -189,7 +190,6 @@ async def _events(
         record.error = "internal"
         log.exception("generation failed mid-stream")
         yield _sse(error_payload("internal error in the gateway", "server_error", None, "internal"))
-    yield _DONE
 
 
 def _plan(

@@ -62,6 +62,7 @@ async def chat(
         generation,
         record,
         media_type="text/plain; charset=utf-8",
+        abort_on_error=True,  # curl exits non-zero: a script can tell
     )
 
 

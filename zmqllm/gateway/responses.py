@@ -20,15 +20,30 @@ from starlette.types import Receive, Scope, Send
 from zmqllm.gateway.request_context import RequestRecord
 from zmqllm.gateway.streaming import TextStream
 
-__all__ = ["STREAM_HEADERS", "GenerationResponse", "collect_unless_disconnected"]
+__all__ = [
+    "INCOMPLETE_RESPONSE_LOG",
+    "STREAM_HEADERS",
+    "GenerationResponse",
+    "collect_unless_disconnected",
+]
 
 # no-cache: nothing in between may store a live answer; X-Accel-Buffering: nginx would
 # otherwise buffer the stream and defeat token-by-token delivery.
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+# What uvicorn logs when a response is left incomplete on purpose (see abort_on_error).
+INCOMPLETE_RESPONSE_LOG = "ASGI callable returned without completing response."
+
+
 class GenerationResponse(StreamingResponse):
-    """A streamed answer that always closes its TextStream (CANCEL if unfinished)."""
+    """A streamed answer that always closes its TextStream (CANCEL if unfinished).
+
+    With ``abort_on_error``, a stream whose generation failed after the headers went out
+    ends without its last (terminating) chunk: the server then closes the connection, and
+    a client such as curl reports the transfer as failed (exit status 18) instead of
+    taking the partial answer and its error line for a whole one.
+    """
 
     def __init__(
         self,
@@ -38,6 +53,7 @@ class GenerationResponse(StreamingResponse):
         *,
         media_type: str,
         headers: Mapping[str, str] | None = None,
+        abort_on_error: bool = False,
     ) -> None:
         super().__init__(
             content, media_type=media_type, headers={**STREAM_HEADERS, **(headers or {})}
@@ -45,6 +61,17 @@ class GenerationResponse(StreamingResponse):
         self._content = content
         self._generation = generation
         self._record = record
+        self._abort_on_error = abort_on_error
+
+    async def stream_response(self, send: Send) -> None:
+        start = {"type": "http.response.start", "status": self.status_code}
+        await send({**start, "headers": self.raw_headers})
+        async for chunk in self.body_iterator:
+            body = chunk if isinstance(chunk, bytes | memoryview) else chunk.encode(self.charset)
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+        if self._abort_on_error and self._record.error not in (None, "cancelled"):
+            return  # no terminating chunk: uvicorn closes the connection
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
