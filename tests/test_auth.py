@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import zmq
 
+from zmqllm import auth as auth_module
 from zmqllm.auth import CLIENTS, WORKERS, Authenticator, ClientKeys, peer_key
 from zmqllm.keys import add_key, init_keys, load_peer_keys
 
@@ -29,29 +31,72 @@ def test_peer_key_is_the_zap_user_id_of_the_last_frame() -> None:
     assert peer_key([b"header"]) is None  # plain bytes: no connection properties
 
 
-def test_revoked_clients_are_named_once_and_forgotten(tmp_path: Path) -> None:
+def authenticator(folder: Path) -> Authenticator:
+    # Not started: refresh(), allowed() and admits() need no thread and no socket.
+    auth = Authenticator(zmq.Context.instance(), {d: folder / d for d in (CLIENTS, WORKERS)})
+    auth.refresh(force=True)
+    return auth
+
+
+def test_revoked_clients_are_named_once_and_forgotten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     folder = init_keys(tmp_path / "keys")
     app = load_peer_keys(add_key(folder, "client", "app"), "client").public.decode()
     ours = load_peer_keys(folder, "client").public.decode()
-    # Not started: refresh() and allowed() need no thread and no socket.
-    auth = Authenticator(zmq.Context.instance(), {d: folder / d for d in (CLIENTS, WORKERS)})
-    auth.refresh(force=True)
+    auth = authenticator(folder)
     keys = ClientKeys()
     keys.opened(b"a", [Frame(ours)])
     keys.opened(b"b", [Frame(app)])
     keys.opened(b"gone", [Frame(app)])
-    keys.opened(b"plain", [b"no curve"])
-    assert keys.keys == {b"a": ours, b"b": app, b"gone": app, b"plain": ""}
+    assert keys.keys == {b"a": ours, b"b": app, b"gone": app}
 
-    # The allowed keys did not change: nobody is revoked, not even a client without a
-    # key; clients without a session left are forgotten.
-    assert keys.revoked(auth, False, {b"a", b"b", b"plain"}) == []
-    assert set(keys.keys) == {b"a", b"b", b"plain"}
+    # Nothing revoked; clients without a session left are forgotten.
+    assert keys.revoked(auth, {b"a", b"b"}) == []
+    assert set(keys.keys) == {b"a", b"b"}
 
     (folder / CLIENTS / "app.key").unlink()
     assert auth.refresh(force=True)
-    assert keys.revoked(auth, True, {b"a", b"b", b"plain"}) == [b"b", b"plain"]
+    assert not auth.allowed(CLIENTS, app)  # new handshakes: refused at once
+    assert keys.revoked(auth, {b"a", b"b"}) == []  # connected: a moment's grace
+    monkeypatch.setattr(auth_module, "GRACE_S", 0.0)
+    assert keys.revoked(auth, {b"a", b"b"}) == [b"b"]
     assert keys.keys == {b"a": ours}
-    assert keys.revoked(auth, True, {b"a"}) == []  # named once
-    assert keys.revoked(auth, False, set()) == []
+    assert keys.revoked(auth, {b"a"}) == []  # named once
+    assert keys.revoked(auth, set()) == []
     assert keys.keys == {}
+
+
+def test_a_key_missing_for_a_moment_is_not_revoked(tmp_path: Path) -> None:
+    folder = init_keys(tmp_path / "keys")
+    worker = load_peer_keys(folder, "worker").public
+    auth = authenticator(folder)
+    path = folder / WORKERS / "worker.key"
+    text = path.read_bytes()
+    path.write_bytes(text[: len(text) // 2])  # rewritten in place: half there
+    auth.refresh(force=True)
+    assert not auth.allowed(WORKERS, worker) and auth.admits(WORKERS, worker)
+    path.write_bytes(text)
+    auth.refresh(force=True)
+    assert auth.allowed(WORKERS, worker)
+    assert auth._removed_at == {}
+
+
+def test_an_unreadable_folder_keeps_the_last_keys(tmp_path: Path) -> None:
+    folder = init_keys(tmp_path / "keys")
+    worker = load_peer_keys(folder, "worker").public
+    auth = authenticator(folder)
+    (folder / WORKERS).rename(tmp_path / "elsewhere")  # a copy under way, say
+    auth.refresh(force=True)
+    assert auth.allowed(WORKERS, worker)
+
+
+def test_junk_key_files_do_not_stop_a_rescan(tmp_path: Path) -> None:
+    folder = init_keys(tmp_path / "keys")
+    (folder / CLIENTS / "broken.key").write_text("curve\n    public-key\n")  # no "="
+    auth = authenticator(folder)
+    ours = load_peer_keys(folder, "client").public
+    assert auth.allowed(CLIENTS, ours)
+    (folder / CLIENTS / "client.key").unlink()
+    auth.refresh(force=True)
+    assert not auth.allowed(CLIENTS, ours)

@@ -109,6 +109,8 @@ def test_a_revoked_worker_is_refused_while_others_serve(
     w2 = h.register("w2", 0, 4, curve=second_keys)
     (folder / "workers" / "second.key").unlink()
     revoked_at = time.monotonic()
+    # A handshake right after (its rescan sees the change first) must not hide it.
+    h.client("probe").send(Status(request_id="probe"))
     refused = h.expect(w2, Refused, timeout=5.0)
     assert "revoked" in refused.reason
     assert time.monotonic() - revoked_at < 5.0

@@ -55,6 +55,9 @@ log = get_logger("zmqllm.auth")
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by RFC 27
 RESCAN_S = 1.0
+# How long a connected peer whose key file went away keeps speaking (see admits): with a
+# rescan a second and a broker tick a second, a revoked peer is cut off within ~4 s.
+GRACE_S = 1.5
 POLL_MS = 200  # the handler thread looks at its stop flag this often
 MAX_ZAP_FRAMES = 16
 CLIENTS, WORKERS = ALLOWED_FOLDERS["client"], ALLOWED_FOLDERS["worker"]  # ZAP domains
@@ -80,6 +83,7 @@ class Authenticator:
         self._allowed: dict[str, frozenset[bytes]] = {d: frozenset() for d in domains}
         self._scanned_at = -RESCAN_S
         self._seen: tuple[int, ...] = ()
+        self._removed_at: dict[tuple[str, bytes], float] = {}  # (domain, key) -> when
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
@@ -97,36 +101,59 @@ class Authenticator:
 
     def refresh(self, force: bool = False) -> bool:
         """Read the folders again when a file was added or removed (the folder's mtime
-        moved) or RESCAN_S has passed; True when a set changed."""
+        moved) or RESCAN_S has passed; True when a set changed. A folder that cannot be
+        read keeps its last set: a copy under way must not refuse every peer."""
         with self._lock:
             now = time.monotonic()
             stamps = self._stamps()
             if not force and stamps == self._seen and now - self._scanned_at < RESCAN_S:
                 return False
+            fresh = {}
+            for d, folder in self.domains.items():
+                keys = allowed_keys(folder)
+                if keys is None:
+                    log.error("cannot read the allowed keys; keeping the last", folder=str(folder))
+                    keys = self._allowed[d]
+                fresh[d] = keys
             self._scanned_at, self._seen = now, stamps
-            fresh = {d: allowed_keys(folder) for d, folder in self.domains.items()}
+            for d, keys in fresh.items():
+                for key in self._allowed[d] - keys:
+                    self._removed_at[(d, key)] = now
+                for key in keys:
+                    self._removed_at.pop((d, key), None)
+                gone = len(self._allowed[d] - keys)
+                if gone or len(keys) != len(self._allowed[d]):
+                    log.info("allowed keys read", domain=d, keys=len(keys), revoked=gone)
             changed = fresh != self._allowed
-            if changed:
-                for d, keys in fresh.items():
-                    gone = len(self._allowed[d] - keys)
-                    if gone or len(keys) != len(self._allowed[d]):
-                        log.info("allowed keys read", domain=d, keys=len(keys), revoked=gone)
             self._allowed = fresh
             return changed
 
     def allowed(self, domain: str, key: str | bytes | None) -> bool:
-        """Whether a public key (z85) is allowed in ``domain`` now."""
+        """Whether a public key (z85) is allowed in ``domain`` now: for new handshakes."""
         if key is None:
             return False
         raw = key.encode() if isinstance(key, str) else key
         return raw in self._allowed.get(domain, frozenset())
+
+    def admits(self, domain: str, key: str | bytes | None) -> bool:
+        """Whether a connected peer with this key may still speak: allowed now, or removed
+        less than GRACE_S ago (a key file rewritten in place, or its folder copied anew,
+        is missing for a moment; cutting a worker off for that could not be undone)."""
+        if self.allowed(domain, key):
+            return True
+        if key is None:
+            return False
+        raw = key.encode() if isinstance(key, str) else key
+        removed = self._removed_at.get((domain, raw))
+        return removed is not None and time.monotonic() - removed < GRACE_S
 
     # -- the handler thread ------------------------------------------------------------
     def start(self) -> None:
         self.refresh(force=True)
         self._thread = threading.Thread(target=self._run, name="zap", daemon=True)
         self._thread.start()
-        self._ready.wait(5.0)
+        if not self._ready.wait(5.0):
+            raise RuntimeError("the ZAP handler did not start within 5 s")
         if self._error is not None:
             raise RuntimeError(f"cannot start the ZAP handler: {self._error}")
 
@@ -243,13 +270,12 @@ class ClientKeys:
         """``client`` opened a session; ``frames`` are the OPEN's."""
         self.keys[client] = peer_key(frames) or ""
 
-    def revoked(self, auth: Authenticator, changed: bool, live: set[bytes]) -> list[bytes]:
-        """The clients whose key ``auth`` no longer allows (looked at only when the allowed
-        keys ``changed``), forgotten; clients with no session left (not in ``live``) are
-        forgotten too."""
+    def revoked(self, auth: Authenticator, live: set[bytes]) -> list[bytes]:
+        """The clients whose key ``auth`` no longer admits, forgotten; clients with no
+        session left (not in ``live``) are forgotten too."""
         out = []
         for client, key in list(self.keys.items()):
-            if changed and not auth.allowed(CLIENTS, key):
+            if not auth.admits(CLIENTS, key):
                 out.append(client)
                 del self.keys[client]
             elif client not in live:

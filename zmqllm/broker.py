@@ -212,7 +212,7 @@ class Broker:
                 self.drops.drop(f"{side}:frames")
                 continue
             identity = frames[0].bytes
-            if self.auth is not None and not self.auth.allowed(
+            if self.auth is not None and not self.auth.admits(
                 WORKERS if side == "backend" else CLIENTS, peer_key(frames)
             ):
                 # Connected before its key was removed: nothing it sends counts now.
@@ -293,14 +293,14 @@ class Broker:
         if self.auth is None:
             return
         live = {key[0] for key in self.table.sessions} | {p.key[0] for p in self.table.queue}
-        changed = self.auth.refresh()
-        for client in self.client_keys.revoked(self.auth, changed, live):
+        # Every tick, not only when a rescan reports a change: the ZAP thread's rescan
+        # may be the one that saw it.
+        self.auth.refresh()
+        for client in self.client_keys.revoked(self.auth, live):
             log.warning("client key revoked; ending its sessions", peer=client.hex()[:32])
             self.send(self.table.client_lost(client, ErrorCode.CANCELLED, "key revoked", now))
-        if not changed:
-            return
         for w in list(self.registry.workers.values()):
-            if not self.auth.allowed(WORKERS, w.key):
+            if not self.auth.admits(WORKERS, w.key):
                 self.send([Out(True, w.identity, Refused(reason="this worker's key was revoked"))])
                 self.remove_worker(
                     w, f"worker {w.worker_id} (layers {w.start}:{w.end}): key revoked"

@@ -163,18 +163,20 @@ def load_broker_keys(folder: Path) -> BrokerKeys:
     return BrokerKeys(public=public, secret=secret, folder=folder)
 
 
-def allowed_keys(folder: Path) -> frozenset[bytes]:
-    """The public keys (z85) of the ``*.key`` files in ``folder``; files that do not
-    hold one are left out. A missing folder allows nobody."""
+def allowed_keys(folder: Path) -> frozenset[bytes] | None:
+    """The public keys (z85) of the ``*.key`` files in ``folder``; a file that does not
+    hold one (junk, half written) is left out. None when the folder cannot be listed."""
     keys = set()
+    if not folder.is_dir():
+        return None
     try:
         entries = sorted(folder.glob("*.key"))
     except OSError:
-        return frozenset()
+        return None
     for path in entries:
         try:
             public, _ = zmq.auth.load_certificate(path)
-        except (OSError, ValueError):
+        except Exception:  # pyzmq raises IndexError, ValueError, OSError on bad files
             continue
         if len(public) == 40:
             keys.add(public)
@@ -187,6 +189,8 @@ def as_server(sock: zmq.Socket[Any], keys: BrokerKeys, domain: str) -> None:
     sock.curve_publickey = keys.public
     sock.curve_server = True
     sock.zap_domain = domain.encode()
+    # Without a ZAP handler answering, refuse every handshake (libzmq would admit all).
+    sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
 
 
 def as_client(sock: zmq.Socket[Any], keys: PeerKeys) -> None:

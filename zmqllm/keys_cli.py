@@ -47,7 +47,7 @@ def cmd_list(ns: argparse.Namespace) -> int:
         raise KeysError(f"{folder} is not a key folder (make one with `zmqllm keys init`)")
     for role, sub in ALLOWED_FOLDERS.items():
         names = sorted(p.stem for p in (folder / sub).glob("*.key"))
-        count = len(allowed_keys(folder / sub))
+        count = len(allowed_keys(folder / sub) or ())
         print(f"{role}s allowed ({count}): {', '.join(names) or '-'}")
     return 0
 
