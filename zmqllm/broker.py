@@ -122,11 +122,12 @@ class Broker:
         sock.setsockopt(zmq.LINGER, 0)
         if self.keys is not None:
             as_server(sock, self.keys, domain)
-        # ZeroMQ's own heartbeats close a connection whose peer went silent (a host cut
-        # off), so that its routing id is free again when the peer comes back.
-        interval_ms = max(1, round(self.s.heartbeat_interval * 1000))
-        sock.setsockopt(zmq.HEARTBEAT_IVL, interval_ms)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, interval_ms * self.s.heartbeat_liveness)
+        if self.keys is not None and domain == WORKERS:
+            # Without handover (see above) a silent connection, a host cut off, would keep its
+            # routing id from the worker's next one: ZeroMQ's own heartbeats close it first.
+            interval_ms = max(1, round(self.s.heartbeat_interval * 1000))
+            sock.setsockopt(zmq.HEARTBEAT_IVL, interval_ms)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, interval_ms * self.s.heartbeat_liveness)
         # Unknown peer -> an error we handle, not a silent drop; with NOBLOCK a full
         # pipe -> EAGAIN instead of the whole broker waiting on one peer.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)

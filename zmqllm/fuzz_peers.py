@@ -321,7 +321,13 @@ class ChatStreams:
             path = f"/chat?max_tokens={self.max_tokens}"
             conn.request("POST", path, body=prompt.encode(), headers=headers)
             resp = conn.getresponse()
-            return resp.status, resp.read().decode(errors="replace")
+            try:
+                body = resp.read()
+            except http.client.IncompleteRead as exc:
+                # A stream cut by an error ends without its last chunk (the gateway does
+                # that on purpose): a result to report, with what came.
+                body = exc.partial + b"\n[stream cut]"
+            return resp.status, body.decode(errors="replace")
         finally:
             conn.close()
 
