@@ -246,7 +246,7 @@ def test_log_names(tmp_path: Path) -> None:
 def test_connect_address() -> None:
     assert connect_address("tcp://*:5555") == "tcp://127.0.0.1:5555"
     assert connect_address("tcp://0.0.0.0:5555") == "tcp://127.0.0.1:5555"
-    assert connect_address("tcp://10.1.2.3:5555") == "tcp://10.1.2.3:5555"
+    assert connect_address("tcp://198.18.0.3:5555") == "tcp://198.18.0.3:5555"
     assert connect_address("ipc:///tmp/broker") == "ipc:///tmp/broker"
 
 
