@@ -7,6 +7,8 @@ the model fixtures import it lazily.
 from __future__ import annotations
 
 import atexit
+import io
+import logging
 import os
 import shutil
 import socket
@@ -101,3 +103,22 @@ def listening() -> Iterator[int]:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         yield int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def log_stream() -> Iterator[io.StringIO]:
+    """Capture the gateway's JSON log lines; restore process-wide logging afterwards."""
+    import structlog
+
+    from zmqllm.log import configure_logging
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    stream = io.StringIO()
+    configure_logging("gateway", fmt="json", stream=stream)
+    yield stream
+    structlog.reset_defaults()
+    structlog.contextvars.clear_contextvars()
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    logging.captureWarnings(False)

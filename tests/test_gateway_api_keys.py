@@ -5,20 +5,16 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import logging
 import os
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import structlog
 
 from zmqllm.config import ConfigError
 from zmqllm.gateway import api_keys as api_keys_module
 from zmqllm.gateway.api_keys import ENV_VAR, ApiKeys, load_api_keys, parse_keys
-from zmqllm.log import configure_logging
 
 KEY_A = "sk-alpha-0123456789"
 KEY_B = "sk-bravo-9876543210"
@@ -30,20 +26,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@pytest.fixture
-def log_stream() -> Iterator[io.StringIO]:
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    stream = io.StringIO()
-    configure_logging("gateway", fmt="json", stream=stream)
-    yield stream
-    structlog.reset_defaults()
-    structlog.contextvars.clear_contextvars()
-    root.handlers[:] = handlers
-    root.setLevel(level)
-    logging.captureWarnings(False)
 
 
 def events(stream: io.StringIO) -> list[dict[str, Any]]:

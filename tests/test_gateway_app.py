@@ -5,15 +5,13 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import logging
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import structlog
 
 from tests.fake_broker_client import FakeBrokerClient, FakeBrokerError, Script
 from tests.test_gateway_support import (
@@ -29,7 +27,6 @@ from tests.test_gateway_support import (
     tiny_tokenizer,
     wait_for,
 )
-from zmqllm.log import configure_logging
 from zmqllm.tokenizer import Tokenizer
 
 httpx = pytest.importorskip("httpx")
@@ -53,21 +50,6 @@ async def client(fake: FakeBrokerClient, tok: Tokenizer) -> AsyncIterator[Any]:
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
         yield http
-
-
-@pytest.fixture
-def log_stream() -> Iterator[io.StringIO]:
-    """Capture the gateway's JSON log lines; restore process-wide logging afterwards."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    stream = io.StringIO()
-    configure_logging("gateway", fmt="json", stream=stream)
-    yield stream
-    structlog.reset_defaults()
-    structlog.contextvars.clear_contextvars()
-    root.handlers[:] = handlers
-    root.setLevel(level)
-    logging.captureWarnings(False)
 
 
 def log_lines(stream: io.StringIO, event: str) -> list[dict[str, Any]]:

@@ -35,7 +35,6 @@ from zmqllm.config import ConfigError, GatewaySettings
 from zmqllm.gateway.api_keys import ApiKeys
 from zmqllm.gateway.app import create_app
 from zmqllm.gateway.http_server import base_url, tls_files, uvicorn_config
-from zmqllm.log import configure_logging
 from zmqllm.tokenizer import Tokenizer
 
 httpx = pytest.importorskip("httpx")
@@ -62,20 +61,6 @@ def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 @pytest.fixture
 def fake(tok: Tokenizer) -> FakeBrokerClient:
     return FakeBrokerClient(answer_script(tok))
-
-
-@pytest.fixture
-def log_stream() -> Iterator[io.StringIO]:
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    stream = io.StringIO()
-    configure_logging("gateway", fmt="json", stream=stream)
-    yield stream
-    structlog.reset_defaults()
-    structlog.contextvars.clear_contextvars()
-    root.handlers[:] = handlers
-    root.setLevel(level)
-    logging.captureWarnings(False)
 
 
 @pytest.fixture
