@@ -106,19 +106,25 @@ def listening() -> Iterator[int]:
 
 
 @pytest.fixture
-def log_stream() -> Iterator[io.StringIO]:
-    """Capture the gateway's JSON log lines; restore process-wide logging afterwards."""
+def restore_logging() -> Iterator[None]:
+    """Put process-wide logging back as it was after a test that configures it."""
     import structlog
-
-    from zmqllm.log import configure_logging
 
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
-    stream = io.StringIO()
-    configure_logging("gateway", fmt="json", stream=stream)
-    yield stream
+    yield
     structlog.reset_defaults()
     structlog.contextvars.clear_contextvars()
     root.handlers[:] = handlers
     root.setLevel(level)
     logging.captureWarnings(False)
+
+
+@pytest.fixture
+def log_stream(restore_logging: None) -> io.StringIO:
+    """Capture the gateway's JSON log lines (logging is restored afterwards)."""
+    from zmqllm.log import configure_logging
+
+    stream = io.StringIO()
+    configure_logging("gateway", fmt="json", stream=stream)
+    return stream

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 import re
 import ssl
 import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import structlog
 
 from tests.fake_broker_client import FakeBrokerClient
 from tests.test_gateway_support import (
@@ -268,17 +266,6 @@ def test_bad_tls_settings_are_config_errors(tmp_path: Path) -> None:
     for given, message in bad_tls_cases(tmp_path):
         with pytest.raises(ConfigError, match=message):
             tls_files(GatewaySettings(**given))
-
-
-@pytest.fixture
-def restore_logging() -> Iterator[None]:
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    structlog.reset_defaults()
-    root.handlers[:] = handlers
-    root.setLevel(level)
-    logging.captureWarnings(False)
 
 
 @pytest.mark.usefixtures("restore_logging")

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import json
-import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import structlog
 
 from tests.fake_broker_client import FakeBrokerClient
 from zmqllm.config import Config, ConfigError, ModelSettings
@@ -29,6 +26,10 @@ CONFIG = {
 }
 
 
+# Each test runs `serve`, which configures logging for the whole process.
+pytestmark = pytest.mark.usefixtures("restore_logging")
+
+
 @pytest.fixture
 def model_dir(tmp_path: Path) -> Path:
     directory = tmp_path / "tiny-model"
@@ -36,17 +37,6 @@ def model_dir(tmp_path: Path) -> Path:
     write_tiny_tokenizer(directory)
     (directory / "config.json").write_text(json.dumps(CONFIG))
     return directory
-
-
-@pytest.fixture(autouse=True)
-def restore_logging() -> Iterator[None]:
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    structlog.reset_defaults()
-    root.handlers[:] = handlers
-    root.setLevel(level)
-    logging.captureWarnings(False)
 
 
 def test_local_directory_is_used_as_is(model_dir: Path) -> None:
