@@ -55,6 +55,7 @@ class GenerateCall:
     max_tokens: int
     sampling: SamplingParams
     stop_ids: list[int]
+    session: str | None = None
 
 
 class FakeTokenStream:
@@ -162,8 +163,9 @@ class FakeBrokerClient:
         max_tokens: int,
         sampling: SamplingParams,
         stop_ids: Sequence[int],
+        session: str | None = None,
     ) -> FakeTokenStream:
-        call = GenerateCall(request_id, list(prompt), max_tokens, sampling, list(stop_ids))
+        call = GenerateCall(request_id, list(prompt), max_tokens, sampling, list(stop_ids), session)
         self.calls.append(call)
         script = self.scripts.get(tuple(prompt))
         if script is None and self.script_for is not None:

@@ -56,6 +56,10 @@ def make_app(
     context_length: int = CONTEXT,
     **settings: Any,
 ) -> FastAPI:
+    """The gateway app on ``fake``. Failover is off unless a test turns it on: a failure
+    the fake scripts is then the stream's end, as the error tests expect (tests of the
+    replay give ``failover_retries``)."""
+    settings.setdefault("failover_retries", 0)
     return create_app(
         fake,
         GatewaySettings(**settings),

@@ -210,6 +210,9 @@ def test_dict_round_trip() -> None:
     assert data == {"temperature": 0.7, "top_p": 0.9, "top_k": 40, "seed": 2**63 - 1}
     assert SamplingParams.from_dict(data) == params
     assert SamplingParams.from_dict({}) == SamplingParams()
+    replayed = SamplingParams(temperature=0.7, seed=5, first_step=12)
+    assert replayed.to_dict()["first_step"] == 12
+    assert SamplingParams.from_dict(replayed.to_dict()) == replayed
     # Integers are fine where a float is expected (JSON clients send 1 for 1.0).
     assert SamplingParams.from_dict({"temperature": 1}).temperature == 1.0
     assert isinstance(SamplingParams.from_dict({"temperature": 1}).temperature, float)
@@ -237,3 +240,22 @@ def test_from_dict_rejects(data: dict[str, object]) -> None:
 def test_from_dict_rejects_non_mapping() -> None:
     with pytest.raises(ValueError):
         SamplingParams.from_dict([("temperature", 1.0)])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("first_step", [-1, 2**31, 1.5, True])
+def test_first_step_must_be_a_step(first_step: object) -> None:
+    with pytest.raises(ValueError, match="first_step"):
+        SamplingParams(first_step=first_step).validate()  # type: ignore[arg-type]
+
+
+def test_a_replay_draws_what_the_lost_session_would_have() -> None:
+    """Step t of a generation draws from (seed, t) whether it is step t of the session
+    that began it or step t - k of a replay that began at first_step k."""
+    rng = np.random.default_rng(3)
+    rows = rng.normal(size=(12, 50))
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=77)
+    whole = [sample(rows[t], params, t) for t in range(12)]
+    replay = SamplingParams(temperature=0.9, top_p=0.95, seed=77, first_step=5)
+    assert [sample(rows[t], replay, t - 5) for t in range(5, 12)] == whole[5:]
+    # ...and the steps really matter: draws at other steps differ somewhere.
+    assert [sample(rows[t], params, t + 1) for t in range(12)] != whole

@@ -220,6 +220,15 @@ class GatewaySettings:
         "stream ends with an error",
     )
     request_timeout: float = setting(600.0, "seconds for a whole generation once out of the queue")
+    failover_timeout: float = setting(
+        30.0,
+        "seconds a stream whose route failed (a worker lost, the broker restarted) has to go "
+        "on from another route, which replays its prompt and tokens so far; then it ends "
+        "with the error",
+    )
+    failover_retries: int = setting(
+        5, "replays one stream may make in its life; 0 = no failover (a lost route ends it)"
+    )
     # Above max_concurrent + max_queued so the queue, not this, is what a burst meets.
     limit_concurrency: int = setting(
         2048, "HTTP connections plus requests in progress past which uvicorn answers 503"

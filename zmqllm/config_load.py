@@ -183,10 +183,11 @@ def _check_gateway(s: GatewaySettings, where: str) -> GatewaySettings:
         ),
         where,
     )
-    _check_positive(s, ("max_queued",), where, minimum=0)
+    _check_positive(s, ("max_queued", "failover_retries"), where, minimum=0)
     _check_positive(
         s,
         (
+            "failover_timeout",
             "queue_timeout",
             "first_token_timeout",
             "inter_token_timeout",

@@ -13,9 +13,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MAX_SEED", "SamplingParams", "is_int"]
+__all__ = ["MAX_FIRST_STEP", "MAX_SEED", "SamplingParams", "is_int"]
 
 MAX_SEED = 2**63 - 1
+MAX_FIRST_STEP = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,10 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    # The generation step of this session's first token. A replay (zmqllm.failover) reopens
+    # a lost session with its tokens so far in the prompt and continues at the step it
+    # reached, so step t still draws from (seed, t) and the replay repeats the lost tokens.
+    first_step: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -43,10 +48,17 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if not is_int(self.seed) or not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {self.seed!r}")
+        if not is_int(self.first_step) or not 0 <= self.first_step <= MAX_FIRST_STEP:
+            raise ValueError(
+                f"first_step must be an integer in [0, {MAX_FIRST_STEP}], got {self.first_step!r}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain types only: this travels in msgpack headers."""
-        return asdict(self)
+        """Plain types only: this travels in msgpack headers (first_step only when set)."""
+        data = asdict(self)
+        if not self.first_step:
+            del data["first_step"]
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SamplingParams:
@@ -71,7 +83,13 @@ class SamplingParams:
         return params
 
 
-_FIELD_KINDS: dict[str, type] = {"temperature": float, "top_p": float, "top_k": int, "seed": int}
+_FIELD_KINDS: dict[str, type] = {
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "seed": int,
+    "first_step": int,
+}
 
 
 def is_int(value: Any) -> bool:

@@ -3,8 +3,8 @@ with the small per-layer steps of a batched decode forward (RMSNorm, rotary
 embedding, silu(gate) * up) fused beside it.
 
 Built on first use with torch's C++ extension loader (a C++ compiler and ninja
-are needed) into ``~/.cache/zmqllm/kernels``, once per source and torch
-version; later loads take well under a second. Where it cannot be built, or
+are needed) into ``~/.cache/zmqllm/kernels``, once per source, torch version and
+environment; later loads take well under a second. Where it cannot be built, or
 with ``ZMQLLM_NATIVE=0``, the engine keeps its pure-PyTorch path: same results
 to float32 rounding, slower when many sessions decode at once.
 """
@@ -60,7 +60,11 @@ def _build() -> ModuleType | None:
     if shutil.which("ninja") is None and (Path(bindir) / "ninja").exists():
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     source = SOURCE.read_bytes()
-    tag = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:12]
+    # One build per source, torch version and torch install: the build embeds the torch
+    # paths, and two environments sharing a directory would rebuild it for each other on
+    # every start (each rebuild holding up every worker that waits for it).
+    installed = f"{torch.__version__}:{os.path.dirname(os.path.abspath(torch.__file__))}"
+    tag = hashlib.sha256(source + installed.encode()).hexdigest()[:12]
     name = f"zmqllm_decode_attention_{tag}"
     directory = build_dir() / name
     directory.mkdir(parents=True, exist_ok=True)

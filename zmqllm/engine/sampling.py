@@ -1,8 +1,9 @@
 """Token sampling on numpy logits: greedy, temperature, top-k, top-p.
 
-The random draw for step t comes from a generator seeded by (seed, t) alone, so a session
-replayed on a fresh route (see DESIGN.md, reliability) reproduces the same tokens, and which
-other sessions share the batch never changes them.
+The random draw for step t comes from a generator seeded by (seed, t) alone, t counted from
+the session's ``first_step``: so a session replayed on a fresh route (see DESIGN.md,
+reliability) reproduces the same tokens, and which other sessions share the batch never
+changes them.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def sample(logits: np.ndarray, params: SamplingParams, step: int) -> int:
     # probabilities and u, never on how the set was found.
     kept = np.sort(_kept_tokens(x, params.top_k, params.top_p))
     cdf = np.cumsum(np.exp(x[kept]))
-    u = np.random.default_rng([params.seed, step]).random()
+    u = np.random.default_rng([params.seed, params.first_step + step]).random()
     pick = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
     return int(kept[min(pick, kept.size - 1)])
 

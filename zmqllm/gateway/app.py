@@ -101,6 +101,7 @@ def create_app(
     app.state.readiness = readiness
     install_error_handlers(app)
     app.state.metrics = GatewayMetrics()
+    app.state.gateway.on_failover = app.state.metrics.failover
     app.state.api_keys = api_keys
     if api_keys is not None:
         # Added first, so it runs inside RequestContextMiddleware (the last added is the
@@ -118,7 +119,11 @@ def create_app(
         status = await request.app.state.broker_status.get()
         service: GatewayService = request.app.state.gateway
         body = request.app.state.metrics.render(
-            status, service.in_flight, service.queued, service.client.dropped
+            status,
+            service.in_flight,
+            service.queued,
+            service.client.dropped,
+            history_tokens=service.history_tokens,
         )
         return Response(body, media_type=METRICS_CONTENT_TYPE)
 

@@ -80,6 +80,7 @@ class BrokerClientLike(Protocol):
         max_tokens: int,
         sampling: SamplingParams,
         stop_ids: Sequence[int],
+        session: str | None = None,
     ) -> TokenStreamLike: ...
 
     async def status(self, timeout: float = 2.0) -> dict[str, Any]: ...

@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from zmqllm.failover import FailoverEvent
     from zmqllm.gateway.request_context import RequestRecord
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -28,6 +29,8 @@ GENERATION_PATHS = ("/chat", "/v1/chat/completions", "/v1/completions")
 # Seconds; decode steps are tens of ms on a CPU, first tokens up to seconds.
 ITL_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# Seconds a stream stood still for a failover: detection (a heartbeat horizon) + prefill.
+FAILOVER_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 30.0)
 # Seconds a broker status is reused: scrapers (several Prometheus replicas, a dashboard,
 # an attacker on an open port) cannot make the gateway ask the broker more often than this.
 STATUS_MAX_AGE = 1.0
@@ -230,8 +233,32 @@ class GatewayMetrics:
         )
         for reason in ("missing", "malformed", "invalid"):  # at 0 from the start, not absent
             self.unauthorized.labels(reason)
+        self.failovers = Counter(
+            "zmqllm_failovers",
+            "Streams whose route failed, by cause (worker_lost, broker_unreachable, timeout) "
+            "and outcome (recovered: continued by replay on another route; failed)",
+            ["cause", "outcome"],
+            registry=r,
+        )
+        self.failover_pause = Histogram(
+            "zmqllm_failover_pause_seconds",
+            "From a recovered stream's last token before its route failed to its next token",
+            buckets=FAILOVER_BUCKETS,
+            registry=r,
+        )
+        self.history = Gauge(
+            "zmqllm_failover_history_tokens",
+            "Token ids held to replay live streams (their prompts and tokens so far)",
+            registry=r,
+        )
         self.cluster = ClusterCollector()
         r.register(self.cluster)
+
+    def failover(self, event: FailoverEvent) -> None:
+        outcome = "recovered" if event.recovered else "failed"
+        self.failovers.labels(event.cause, outcome).inc()
+        if event.recovered:
+            self.failover_pause.observe(event.pause)
 
     def observe(self, record: RequestRecord) -> None:
         path = record.path if record.path in GENERATION_PATHS else "other"
@@ -253,8 +280,10 @@ class GatewayMetrics:
         in_flight: int,
         queued: int = 0,
         client_dropped: Mapping[str, int] | None = None,
+        history_tokens: int = 0,
     ) -> bytes:
         self.cluster.status = status
+        self.history.set(history_tokens)
         self.cluster.client_dropped = client_dropped or {}
         self.in_flight.set(in_flight)
         self.queued.set(queued)

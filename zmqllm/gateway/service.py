@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,8 +17,9 @@ import anyio
 from starlette.requests import Request
 
 from zmqllm.config import GatewaySettings
+from zmqllm.failover import FailoverEvent, FailoverPolicy, ReplayStream
 from zmqllm.gateway.admission import Admission, ClientGone, QueueFull, QueueTimeout
-from zmqllm.gateway.backend import BrokerClientLike, broker_error_fields
+from zmqllm.gateway.backend import BrokerClientLike, TokenStreamLike, broker_error_fields
 from zmqllm.gateway.errors import CLIENT_CLOSED, RETRY_AFTER_S, APIError, broker_failure
 from zmqllm.gateway.request_context import RequestRecord
 from zmqllm.gateway.streaming import GenerationError, TextStream
@@ -55,11 +57,22 @@ class GatewayService:
     model_name: str
     context_length: int
     created: int = field(default_factory=lambda: int(time.time()))
+    # Told of every failover (metrics); set by create_app.
+    on_failover: Callable[[FailoverEvent], None] | None = None
     admission: Admission = field(init=False)
+    failover: FailoverPolicy = field(init=False)
+    _replays: weakref.WeakSet[ReplayStream] = field(init=False)
 
     def __post_init__(self) -> None:
         s = self.settings
         self.admission = Admission(s.max_concurrent, s.max_queued, s.queue_timeout)
+        self.failover = FailoverPolicy(timeout=s.failover_timeout, retries=s.failover_retries)
+        self._replays = weakref.WeakSet()
+
+    @property
+    def history_tokens(self) -> int:
+        """Token ids held to replay live streams (each stream's prompt + its tokens)."""
+        return sum(r.history_tokens for r in list(self._replays))
 
     @property
     def in_flight(self) -> int:
@@ -192,13 +205,7 @@ class GatewayService:
 
         eos = frozenset() if plan.ignore_eos else self.tokenizer.eos_token_ids
         try:
-            stream = self.client.generate(
-                request_id=record.request_id,
-                prompt=plan.prompt_ids,
-                max_tokens=plan.max_tokens,
-                sampling=plan.sampling,
-                stop_ids=sorted(eos),
-            )
+            stream = self._token_stream(record, plan, sorted(eos))
             text_stream = TextStream(
                 stream,
                 self.tokenizer.incremental_decoder(prompt_ids=plan.prompt_ids),
@@ -228,6 +235,32 @@ class GatewayService:
             await text_stream.close()  # already closed, unless the token came as it left
             raise APIError(CLIENT_CLOSED, "the client closed the request before the first token")
         return text_stream
+
+    def _token_stream(
+        self, record: RequestRecord, plan: GenerationPlan, stop_ids: list[int]
+    ) -> TokenStreamLike:
+        """The request's tokens: through a replay that outlives a lost route, unless
+        failover is off."""
+        if not self.failover.enabled:
+            return self.client.generate(
+                request_id=record.request_id,
+                prompt=plan.prompt_ids,
+                max_tokens=plan.max_tokens,
+                sampling=plan.sampling,
+                stop_ids=stop_ids,
+            )
+        replay = ReplayStream(
+            self.client,
+            request_id=record.request_id,
+            prompt=plan.prompt_ids,
+            max_tokens=plan.max_tokens,
+            sampling=plan.sampling,
+            stop_ids=stop_ids,
+            policy=self.failover,
+            on_failover=self.on_failover,
+        )
+        self._replays.add(replay)
+        return replay
 
     async def _first_token(
         self, text_stream: TextStream, record: RequestRecord, request: Request | None

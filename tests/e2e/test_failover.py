@@ -1,0 +1,180 @@
+"""Mid-stream failover with real processes: SIGKILL the worker serving a stream, and the
+stream goes on from a replica, token for token the same as undisturbed.
+
+Two replicas per stage (layers 0:2 and 2:4 of the tiny model). Each test reads a long
+completion until some tokens have arrived, asks the broker which worker of a stage holds
+the session, kills it and reads on: greedy text equals HF's, sampled text (temperature
+0.8, top_p 0.95, a seed) equals the same request's undisturbed text, and a non-streamed
+answer is whole. The killed worker is started again for the next test.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from zmqllm.local_cluster import Cluster
+
+pytestmark = [pytest.mark.e2e, pytest.mark.torch]
+
+PROMPT = "Once upon a time"
+TOKENS = 400  # ignore_eos: long enough to be mid-stream when the kill lands
+# A non-streamed answer shows no progress: it is long enough to outlast the broker's
+# status (cached for a second) showing its session.
+WHOLE_TOKENS = 900
+KILL_AFTER = 8  # SSE text events read before the kill
+SAMPLED = {"temperature": 0.8, "top_p": 0.95, "seed": 1234}
+STAGES = ("0:2", "2:4")
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory: pytest.TempPathFactory, e2e_model: Path) -> Iterator[Cluster]:
+    c = Cluster(tmp_path_factory.mktemp("replicas"), e2e_model)
+    try:
+        c.start_broker()
+        for layers in STAGES * 2:
+            c.start_worker(layers)
+        c.start_gateway()
+        c.wait_ready()
+        c.wait_for(lambda: len(c.status()["workers"]) == 4, timeout=60, what="4 workers")
+        yield c
+    finally:
+        c.stop()
+
+
+def completion(
+    c: Cluster, fields: dict[str, Any], after_tokens: Callable[[], None] | None = None
+) -> tuple[str, str | None, str]:
+    """Stream a completion; call ``after_tokens`` once KILL_AFTER text events arrived.
+    Returns (text, finish_reason, the raw body)."""
+    body = {"prompt": PROMPT, "max_tokens": TOKENS, "ignore_eos": True, "stream": True, **fields}
+    conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=120)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "x/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()
+        text, finish, raw, events = [], None, [], 0
+        while line := resp.readline():
+            raw.append(line.decode())
+            if not line.startswith(b"data: {"):
+                continue
+            event = json.loads(line[len(b"data: ") :])
+            assert "error" not in event, event
+            choice = event["choices"][0]
+            text.append(choice.get("text") or "")
+            finish = choice.get("finish_reason") or finish
+            events += 1
+            if events == KILL_AFTER and after_tokens is not None:
+                after_tokens()
+        return "".join(text), finish, "".join(raw)
+    finally:
+        conn.close()
+
+
+def kill_serving(c: Cluster, layers: str) -> dict[str, Any]:
+    """SIGKILL the worker of ``layers`` that holds a session; its status entry."""
+    start, end = (int(x) for x in layers.split(":"))
+
+    def serving() -> dict[str, Any] | None:
+        for w in c.status()["workers"]:
+            if w["layers"] == [start, end] and w["sessions"] > 0:
+                return w
+        return None
+
+    victim = c.wait_for(serving, timeout=30, what=f"a worker of {layers} with a session")
+    (proc,) = [p for p in c.procs if p.alive() and p.popen.pid == victim["info"]["pid"]]
+    c.kill(proc, signal.SIGKILL)
+    return victim
+
+
+def replace_killed(c: Cluster, layers: str) -> None:
+    c.start_worker(layers)
+    c.wait_for(lambda: len(c.status()["workers"]) == 4, timeout=60, what="4 workers again")
+
+
+def failovers(c: Cluster) -> float:
+    """Streams the gateway healed after a lost worker (and the pauses, printed)."""
+    status, body = c.get("/metrics")
+    assert status == 200
+    found = {}
+    for line in body.decode().splitlines():
+        for name in (
+            'zmqllm_failovers_total{cause="worker_lost",outcome="recovered"}',
+            "zmqllm_failover_pause_seconds_sum",
+            "zmqllm_failover_pause_seconds_count",
+        ):
+            if line.startswith(name + " "):
+                found[name] = float(line.split()[1])
+    count = found.get("zmqllm_failover_pause_seconds_count", 0.0)
+    if count:
+        mean = found["zmqllm_failover_pause_seconds_sum"] / count
+        print(f"failovers so far {count:g}, mean pause {mean:.3f} s")
+    return found.get('zmqllm_failovers_total{cause="worker_lost",outcome="recovered"}', 0.0)
+
+
+@pytest.mark.parametrize("layers", STAGES)
+def test_greedy_stream_survives_its_worker(replicas: Cluster, greedy_ids, layers: str) -> None:
+    c = replicas
+    tok = c_tokenizer(c)
+    expected = tok.decode(greedy_ids(tok.encode(PROMPT), TOKENS, stop_at_eos=False))
+    before = failovers(c)
+    killed: list[dict[str, Any]] = []
+    text, finish, raw = completion(c, {}, lambda: killed.append(kill_serving(c, layers)))
+    assert killed, "the stream ended before the kill"
+    assert finish == "length" and raw.rstrip().endswith("data: [DONE]")
+    assert text == expected
+    assert failovers(c) == before + 1
+    replace_killed(c, layers)
+
+
+@pytest.mark.parametrize("layers", STAGES)
+def test_sampled_stream_survives_its_worker(replicas: Cluster, layers: str) -> None:
+    c = replicas
+    undisturbed, _, _ = completion(c, SAMPLED)
+    again, _, _ = completion(c, SAMPLED)
+    assert again == undisturbed  # seeded: the same request gives the same text
+    before = failovers(c)
+    killed: list[dict[str, Any]] = []
+    text, finish, _ = completion(c, SAMPLED, lambda: killed.append(kill_serving(c, layers)))
+    assert killed and finish == "length"
+    assert text == undisturbed
+    assert failovers(c) == before + 1
+    replace_killed(c, layers)
+
+
+def test_non_streamed_answer_survives_its_worker(replicas: Cluster, greedy_ids) -> None:
+    c = replicas
+    tok = c_tokenizer(c)
+    expected = tok.decode(greedy_ids(tok.encode(PROMPT), WHOLE_TOKENS, stop_at_eos=False))
+    before = failovers(c)
+    out: dict[str, Any] = {}
+
+    def post() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=120)
+        body = {"prompt": PROMPT, "max_tokens": WHOLE_TOKENS, "ignore_eos": True}
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "x/json"})
+        resp = conn.getresponse()
+        out["status"], out["body"] = resp.status, json.loads(resp.read())
+        conn.close()
+
+    t = threading.Thread(target=post, daemon=True)
+    t.start()
+    kill_serving(c, "2:4")  # once the broker shows the session on a worker
+    t.join(timeout=120)
+    assert out["status"] == 200, out
+    assert out["body"]["choices"][0]["text"] == expected
+    assert failovers(c) == before + 1
+    replace_killed(c, "2:4")
+
+
+def c_tokenizer(c: Cluster) -> Any:
+    from zmqllm.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(c.model_dir)
