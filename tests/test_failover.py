@@ -210,12 +210,14 @@ async def test_when_no_route_is_left_the_stream_ends_after_the_retries() -> None
 async def test_a_replay_that_never_answers_is_given_up_at_the_deadline() -> None:
     policy = FailoverPolicy(timeout=0.3, retries=5, backoff=0.01)
     source = Source([Fault(after=3), Fault(hang=True)])
+    events: list[FailoverEvent] = []
     started = time.monotonic()
     with pytest.raises(SessionError) as caught:
-        await run(replay(source, policy))
+        await run(replay(source, policy, events=events))
     assert caught.value.code is ErrorCode.WORKER_LOST
     assert time.monotonic() - started < 5.0  # bounded by the failover timeout, not the hang
     assert source.cancelled == [source.sessions[1].session]  # the stuck session is freed
+    assert [e.recovered for e in events] == [False]  # reported once
 
 
 async def test_a_broker_that_cannot_take_the_open_is_tried_again() -> None:

@@ -213,8 +213,10 @@ class ReplayStream:
 
     def _failed(self, exc: SessionError, failure: _Failure | None) -> _Failure:
         """The route ended with ``exc``: the failure to heal, or ``exc`` raised as final."""
+        if self._done:  # given up already (and reported)
+            raise exc
         codes = WHILE_RECOVERING if failure is not None else ROUTE_FAILURES
-        if self._done or not self.policy.enabled or exc.code not in codes:
+        if not self.policy.enabled or exc.code not in codes:
             if failure is not None:
                 self._report(failure, recovered=False)
             self._end()

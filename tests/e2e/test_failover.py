@@ -14,6 +14,7 @@ import http.client
 import json
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -178,3 +179,63 @@ def c_tokenizer(c: Cluster) -> Any:
     from zmqllm.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(c.model_dir)
+
+
+def test_stream_survives_a_broker_restart(fresh_cluster: Cluster, greedy_ids) -> None:
+    """The broker SIGKILLed mid-stream and started again on its ports: the gateway sees
+    the silence (or the new boot id), the workers register again, the replay goes on."""
+    c = fresh_cluster
+    c.start_all()
+    tok = c_tokenizer(c)
+    expected = tok.decode(greedy_ids(tok.encode(PROMPT), TOKENS, stop_at_eos=False))
+
+    def restart_broker() -> None:
+        c.kill(c.by_name("broker")[0], signal.SIGKILL)
+        c.start_broker()
+
+    text, finish, raw = completion(c, {}, restart_broker)
+    assert finish == "length" and raw.rstrip().endswith("data: [DONE]")
+    assert text == expected
+    _, body = c.get("/metrics")
+    assert 'zmqllm_failovers_total{cause="broker_unreachable",outcome="recovered"} 1.0' in (
+        body.decode()
+    )
+
+
+def test_no_replica_left_is_a_clear_error_within_the_failover_timeout(
+    fresh_cluster: Cluster,
+) -> None:
+    """The only worker of a stage killed: no route can continue the stream. It ends with
+    an error event once failover_timeout has passed, and the gateway holds nothing."""
+    c = fresh_cluster
+    c.start_broker()
+    for layers in STAGES:
+        c.start_worker(layers)
+    c.start_gateway("--failover-timeout", "3")
+    c.wait_ready()
+    killed: list[float] = []
+
+    def kill_last_stage() -> None:
+        kill_serving(c, "2:4")
+        killed.append(time.monotonic())
+
+    body = {"prompt": PROMPT, "max_tokens": TOKENS, "ignore_eos": True, "stream": True}
+    conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "x/json"})
+    resp = conn.getresponse()
+    events: list[dict[str, Any]] = []
+    while line := resp.readline():
+        if line.startswith(b"data: {"):
+            events.append(json.loads(line[len(b"data: ") :]))
+            if len(events) == KILL_AFTER:
+                kill_last_stage()
+    ended = time.monotonic()
+    conn.close()
+    error = events[-1]["error"]
+    assert error["code"] in ("worker_lost", "no_capacity"), error
+    assert "no other route continued the stream" in error["message"]
+    # The failover timeout, plus detection and scheduling slack on 2 shared cores.
+    assert ended - killed[0] < 3 + c.heartbeat * c.liveness + 5
+    text = c.get("/metrics")[1].decode()
+    assert 'zmqllm_failovers_total{cause="worker_lost",outcome="failed"} 1.0' in text
+    assert "zmqllm_failover_history_tokens 0.0" in text

@@ -1,0 +1,172 @@
+"""The pause a failover adds: SIGKILL the worker serving a stream, time until its next token.
+
+A local cluster on the default model (or ``--tiny``) with two replicas per stage. Each
+round streams one greedy completion over HTTP (`POST /v1/completions`, `stream: true`),
+SIGKILLs the worker holding it at stage 0 or the last stage (alternating) after
+``--kill-after`` tokens, and stamps every token's arrival. Reported per round and as
+ranges:
+
+- kill → next token: what the client waits for (detection + reopen + replay prefill);
+- the replay's prefill: the time to first token of an undisturbed request whose prompt
+  is as long as the history replayed (the prompt plus the tokens before the kill);
+- the pause less that prefill: what failover itself costs (the issue's target: ≤ 2 s);
+- the stream's median inter-token time, for scale.
+
+    python benchmarks/failover_pause.py [--rounds 6] [--kill-after 32] [--tiny]
+
+Writes benchmarks/results/failover_pause.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import itertools
+import json
+import signal
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from report import write_json, write_plot
+
+from zmqllm.config import default_model_dir
+from zmqllm.local_cluster import Cluster
+from zmqllm.model_args import ModelArgs
+from zmqllm.models import prepare_default_model, prepare_tiny_model
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def stream(c: Cluster, prompt: str, tokens: int, kill_after: int, kill: Any) -> dict[str, Any]:
+    """One streamed completion: token arrival stamps, the text, and when the kill was."""
+    body = {"prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "stream": True}
+    conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=300)
+    started = time.perf_counter()
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "x/json"})
+    resp = conn.getresponse()
+    stamps: list[float] = []
+    text: list[str] = []
+    killed_at = None
+    while line := resp.readline():
+        if not line.startswith(b"data: {"):
+            continue
+        event = json.loads(line[len(b"data: ") :])
+        if "error" in event:
+            raise RuntimeError(f"the stream failed: {event['error']}")
+        stamps.append(time.perf_counter())
+        text.append(event["choices"][0].get("text") or "")
+        if len(stamps) == kill_after and kill is not None:
+            kill()
+            killed_at = time.perf_counter()
+    conn.close()
+    return {"started": started, "stamps": stamps, "text": text, "killed_at": killed_at}
+
+
+def kill_serving(c: Cluster, layers: tuple[int, int]) -> None:
+    def serving() -> dict[str, Any] | None:
+        for w in c.status()["workers"]:
+            if tuple(w["layers"]) == layers and w["sessions"] > 0:
+                return w
+        return None
+
+    victim = c.wait_for(serving, timeout=60, what=f"a worker of {layers} with a session")
+    (proc,) = [p for p in c.procs if p.alive() and p.popen.pid == victim["info"]["pid"]]
+    c.kill(proc, signal.SIGKILL)
+
+
+def run_round(c: Cluster, stage: tuple[int, int], args: argparse.Namespace) -> dict[str, Any]:
+    disturbed = stream(c, PROMPT, args.new_tokens, args.kill_after, lambda: kill_serving(c, stage))
+    stamps, killed_at = disturbed["stamps"], disturbed["killed_at"]
+    after = [t for t in stamps if t > killed_at]
+    if not after:
+        raise RuntimeError("the stream ended before the kill took effect; raise --new-tokens")
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
+    # The replay prefills the prompt plus what was streamed up to the failure.
+    done = len(stamps) - len(after)
+    history = PROMPT + "".join(disturbed["text"][:done])
+    cold = stream(c, history, 1, 0, None)
+    return {
+        "stage": f"{stage[0]}:{stage[1]}",
+        "replayed_tokens": done,
+        "kill_to_next_s": after[0] - killed_at,
+        "gap_s": after[0] - stamps[done - 1],
+        "replay_prefill_s": cold["stamps"][0] - cold["started"],
+        "itl_median_s": statistics.median(gaps),
+    }
+
+
+def spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--kill-after", type=int, default=32, help="tokens streamed before the kill")
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--tiny", action="store_true", help="the tiny random model (quick check)")
+    ap.add_argument("--out", default="benchmarks/results/failover_pause.json")
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="zmqllm-failover-") as tmp:
+        if args.tiny:
+            model = prepare_tiny_model(Path(tmp) / "tiny")
+        else:
+            model = prepare_default_model(default_model_dir())
+        layers = ModelArgs.from_dir(model).num_layers
+        half = layers // 2
+        stages = [(0, half), (half, layers)]
+        c = Cluster(Path(tmp) / "cluster", model)
+        rounds = []
+        try:
+            c.start_broker()
+            for start, end in stages * 2:
+                c.start_worker(f"{start}:{end}")
+            c.start_gateway()
+            c.wait_ready(300)
+            c.wait_for(lambda: len(c.status()["workers"]) == 4, timeout=300, what="4 workers")
+            stream(c, PROMPT, 8, 0, None)  # warm-up
+            for r in range(args.rounds):
+                stage = stages[r % 2]
+                row = run_round(c, stage, args)
+                rounds.append(row)
+                print(
+                    f"round {r + 1}: stage {row['stage']}  kill->next {row['kill_to_next_s']:.3f} s"
+                    f"  replay prefill {row['replay_prefill_s']:.3f} s"
+                    f"  ITL {row['itl_median_s'] * 1e3:.1f} ms"
+                )
+                c.start_worker(f"{stage[0]}:{stage[1]}")
+                c.wait_for(lambda: len(c.status()["workers"]) == 4, timeout=300, what="4 again")
+        finally:
+            c.stop()
+
+    kill = [r["kill_to_next_s"] for r in rounds]
+    prefill = [r["replay_prefill_s"] for r in rounds]
+    net = [k - p for k, p in zip(kill, prefill, strict=True)]
+    itl = [r["itl_median_s"] for r in rounds]
+    print(f"\nmodel {'tiny' if args.tiny else 'default'}, {len(rounds)} rounds: median (range)")
+    print(f"  kill -> next token        {spread(kill)} s")
+    print(f"  replay prefill            {spread(prefill)} s")
+    print(f"  pause less the prefill    {spread(net)} s")
+    print(f"  inter-token (undisturbed) {spread([x * 1e3 for x in itl])} ms")
+    out = Path(args.out)
+    write_json(out, {"model": "tiny" if args.tiny else "default", "rounds": rounds})
+
+    def draw(plt: Any) -> Any:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        xs = range(1, len(rounds) + 1)
+        ax.bar(xs, prefill, label="replay prefill")
+        ax.bar(xs, net, bottom=prefill, label="detection + reopen")
+        ax.set_xlabel("round (stage killed alternates)")
+        ax.set_ylabel("kill to next token (s)")
+        ax.legend()
+        return fig
+
+    write_plot(out, draw)
+
+
+if __name__ == "__main__":
+    main()
