@@ -249,3 +249,19 @@ def test_backoff_starts_at_once_then_doubles_to_its_cap() -> None:
     policy = FailoverPolicy(backoff=0.25, max_backoff=2.0)
     assert [policy.delay(n) for n in range(1, 7)] == [0.0, 0.25, 0.5, 1.0, 2.0, 2.0]
     assert FailoverPolicy(retries=0).enabled is False
+
+
+async def test_a_client_gone_during_a_replay_cancels_the_replayed_session() -> None:
+    source = Source([Fault(after=3), Fault(hang=True)])
+
+    async def consume() -> None:
+        await run(replay(source, FailoverPolicy(timeout=60.0)))
+
+    task = asyncio.create_task(consume())
+    while len(source.sessions) < 2:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)  # the replay now waits for its first token
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert source.cancelled == [source.sessions[1].session] and source.open == set()

@@ -244,14 +244,15 @@ class ReplayStream:
             await asyncio.sleep(wait)
             failure.attempts += 1
             self.reopens += 1
-            stream = self._new_session()
+            # The new session is ours before its OPEN goes: a cancel from here on (the
+            # client hanging up) reaches it through __aexit__, whatever is in flight.
+            old, self._inner = self._inner, self._new_session()
+            await old.__aexit__(None, None, None)  # it failed: only forgotten
             try:
-                await stream.__aenter__()
+                await self._inner.__aenter__()
             except SessionError as exc:
                 self._failed(exc, failure)  # raises unless worth another try
                 continue
-            old, self._inner = self._inner, stream
-            await old.__aexit__(None, None, None)
             return
 
     async def _first_after(self, failure: _Failure, events: AsyncIterator[Any]) -> Any:
