@@ -12,7 +12,8 @@ ranges and the ratio of every round's pair.
 
 Writes benchmarks/results/compare_revisions.json. Each round runs in a fresh process
 whose `zmqllm` is imported from the tree under test; the older tree must have
-`zmqllm.local_cluster.Cluster` (every revision since the benchmarks were added does).
+`testbed.cluster.Cluster` or, before testbed/ existed, `zmqllm.local_cluster.Cluster`
+(every revision since the benchmarks were added has one of them).
 """
 
 from __future__ import annotations
@@ -39,7 +40,11 @@ def measure(root: Path, stages: int, new_tokens: int, requests: int, threads: in
     from per_token_latency import stream_once
 
     from zmqllm.config import default_model_dir
-    from zmqllm.local_cluster import Cluster
+
+    if (root / "testbed").is_dir():
+        from testbed.cluster import Cluster
+    else:  # a revision from before testbed/: the cluster lived in the runtime package
+        from zmqllm.local_cluster import Cluster  # type: ignore[import-not-found,no-redef]
 
     try:
         from zmqllm.layers import split_layers

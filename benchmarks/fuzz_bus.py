@@ -21,13 +21,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import repo_root  # noqa: F401  (testbed is imported from the checkout)
 import torch
 import zmq
 from report import write_json
 from transformers import MistralForCausalLM
 
+from testbed.cluster import Cluster
 from zmqllm.fuzz_peers import ChatStreams, StatusPoller, VictimStreams, blast
-from zmqllm.local_cluster import Cluster
 from zmqllm.models import prepare_tiny_model
 from zmqllm.tokenizer import Tokenizer
 

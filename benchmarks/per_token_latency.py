@@ -32,7 +32,6 @@ from report import write_json, write_plot
 
 from zmqllm.config import default_model_dir
 from zmqllm.engine.generator import Generator
-from zmqllm.local_cluster import Cluster
 from zmqllm.models import prepare_default_model
 from zmqllm.tokenizer import Tokenizer
 
@@ -150,6 +149,11 @@ def stream_once(port: int, n: int) -> list[float]:
 def bench_cluster(
     model_dir: Path, stages: int, n: int, requests: int, threads: int, keys: Path | None = None
 ) -> dict[str, Any]:
+    # Imported here, not at the top: compare_revisions.py loads this module's stream_once
+    # into older trees, which have no testbed/ (and must keep their own zmqllm first).
+    import repo_root  # noqa: F401
+
+    from testbed.cluster import Cluster
     from zmqllm.layers import split_layers
     from zmqllm.model_args import ModelArgs
 

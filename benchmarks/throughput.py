@@ -27,12 +27,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import repo_root  # noqa: F401  (testbed is imported from the checkout)
 import torch
 from report import write_json, write_plot
 
+from testbed.cluster import Cluster
 from zmqllm.config import default_model_dir
 from zmqllm.layers import split_layers
-from zmqllm.local_cluster import Cluster
 from zmqllm.model_args import ModelArgs
 from zmqllm.models import prepare_default_model
 from zmqllm.tokenizer import Tokenizer

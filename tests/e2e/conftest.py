@@ -12,7 +12,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("fastapi")
 
-from zmqllm.local_cluster import Cluster, Proc
+from testbed.cluster import Cluster
+from zmqllm.child_process import ChildProcess
 
 
 @pytest.fixture(scope="session")
@@ -88,7 +89,7 @@ class ConfiguredCluster(Cluster):
 
     config: str = ""
 
-    def _start(self, name: str, args: list[str]) -> Proc:
+    def _start(self, name: str, args: list[str]) -> ChildProcess:
         if self.config:
             path = self.root / "cluster.toml"
             path.write_text(self.config)

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from zmqllm.local_cluster import Cluster
+from testbed.cluster import Cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 

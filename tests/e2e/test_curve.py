@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 import zmq
 
+from testbed.cluster import Cluster, free_port
 from zmqllm.keys import PeerKeys, add_key, as_client, init_keys, load_broker_keys, load_peer_keys
-from zmqllm.local_cluster import Cluster, free_port
 from zmqllm.messages import Heartbeat, Status
 from zmqllm.protocol import encode
 

@@ -17,9 +17,9 @@ import time
 import pytest
 import zmq
 
+from testbed.cluster import Cluster
 from tests.e2e.test_cluster import PROMPTS
 from zmqllm.fuzz_peers import ChatStreams, StatusPoller, VictimStreams, blast
-from zmqllm.local_cluster import Cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
+from testbed.cluster import Cluster, free_port
 from tests.tls_support import self_signed
-from zmqllm.local_cluster import Cluster, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 

@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 import zmq
 
+from testbed.cluster import Cluster
 from tests.e2e.conftest import ConfiguredCluster
 from tests.e2e.test_cluster import post_chat
-from zmqllm.local_cluster import Cluster
 from zmqllm.messages import Open, Status
 from zmqllm.protocol import PROTOCOL_VERSION, Payload, encode
 

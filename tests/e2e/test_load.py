@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from testbed.cluster import Cluster
 from tests.e2e.test_cluster import open_long_stream
-from zmqllm.local_cluster import Cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from testbed.cluster import Cluster
 from tests.e2e.test_cluster import PROMPTS, post_chat
-from zmqllm.local_cluster import Cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 

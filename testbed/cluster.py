@@ -1,10 +1,14 @@
-"""A local cluster of real processes on 127.0.0.1 with free ports (tests, benchmarks)."""
+"""A local cluster of real processes on 127.0.0.1 with free ports (tests, benchmarks).
+
+Each process is started the way `zmqllm up` starts its children
+(``zmqllm.child_process.spawn``: a process group of its own, a log file, dying with the
+test run), but one by one, with any flags a test needs, and stopped with SIGKILL.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -15,6 +19,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from zmqllm.child_process import ChildProcess, spawn
+
+__all__ = ["Cluster", "free_port"]
 
 _handed_out: set[int] = set()
 
@@ -32,19 +40,6 @@ def free_port() -> int:
 
 
 @dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen[bytes]
-    log: Path
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-
-@dataclass
 class Cluster:
     root: Path
     model_dir: Path
@@ -57,7 +52,7 @@ class Cluster:
     # A CURVE key folder every process uses; None = plaintext (--insecure), whatever
     # $ZMQLLM_HOME/keys holds.
     keys: Path | None = None
-    procs: list[Proc] = field(default_factory=list)
+    procs: list[ChildProcess] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.frontend = f"tcp://127.0.0.1:{free_port()}"
@@ -68,16 +63,11 @@ class Cluster:
         self._n = 0
 
     # -- processes -------------------------------------------------------------
-    def _start(self, name: str, args: list[str]) -> Proc:
+    def _start(self, name: str, args: list[str]) -> ChildProcess:
         self._n += 1
         log = self.root / f"{self._n:02d}-{name}.log"
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
         cmd = [sys.executable, "-m", "zmqllm.cli", *args, "--log-format", "json"]
-        with log.open("wb") as out:
-            popen = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-        proc = Proc(name, popen, log)
+        proc = spawn(name, cmd, log)
         self.procs.append(proc)
         return proc
 
@@ -92,7 +82,7 @@ class Cluster:
             str(self.liveness),
         ]
 
-    def start_broker(self) -> Proc:
+    def start_broker(self) -> ChildProcess:
         args = ["broker", "--frontend", self.frontend, "--backend", self.backend]
         args += ["--queue-timeout", str(self.queue_timeout)]
         return self._start("broker", [*args, *self.beats(), *self.security()])
@@ -104,7 +94,7 @@ class Cluster:
         name: str = "",
         broker: str = "",
         keys: Path | None = None,
-    ) -> Proc:
+    ) -> ChildProcess:
         """A worker; ``broker`` replaces the backend address (a relay in front of it),
         ``keys`` the cluster's key folder (a worker with a key of its own)."""
         args = ["worker", "--model", str(model or self.model_dir), "--layers", layers]
@@ -119,7 +109,7 @@ class Cluster:
             args += ["--cpu-lock", str(self.root / "cpu.lock")]
         return self._start(f"worker-{layers.replace(':', '-')}", args)
 
-    def start_gateway(self, *flags: str) -> Proc:
+    def start_gateway(self, *flags: str) -> ChildProcess:
         """The gateway; ``flags`` are more `zmqllm gateway` flags (--max-queued 3 ...)."""
         args = ["gateway", "--port", str(self.http_port), "--broker", self.frontend]
         args += ["--model", str(self.model_dir), *self.beats(), *self.security(), *flags]
@@ -135,16 +125,16 @@ class Cluster:
     def stop(self) -> None:
         for p in self.procs:
             if p.alive():
-                os.killpg(p.popen.pid, signal.SIGKILL)
+                p.signal(signal.SIGKILL)
         for p in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                p.popen.wait(timeout=10)
+                p.wait(timeout=10)
 
-    def kill(self, proc: Proc, sig: int = signal.SIGKILL) -> None:
-        os.killpg(proc.popen.pid, sig)
-        proc.popen.wait(timeout=20)
+    def kill(self, proc: ChildProcess, sig: int = signal.SIGKILL) -> None:
+        proc.signal(sig)
+        proc.wait(timeout=20)
 
-    def by_name(self, prefix: str) -> list[Proc]:
+    def by_name(self, prefix: str) -> list[ChildProcess]:
         return [p for p in self.procs if p.name.startswith(prefix) and p.alive()]
 
     # -- observing -------------------------------------------------------------
@@ -188,7 +178,7 @@ class Cluster:
             time.sleep(0.1)
         raise TimeoutError(f"timed out waiting for {what or predicate}; last: {last!r}")
 
-    def log_lines(self, proc: Proc) -> list[dict[str, Any]]:
+    def log_lines(self, proc: ChildProcess) -> list[dict[str, Any]]:
         out = []
         for line in proc.text().splitlines():
             try:
