@@ -36,6 +36,8 @@ FRONT_END_MODULES = [
     "zmqllm.status",
     "zmqllm.launcher",
     "zmqllm.launch_plan",
+    "zmqllm.child_process",
+    "zmqllm.supervision",
     "zmqllm.gateway.app",
     "zmqllm.gateway.server",
 ]

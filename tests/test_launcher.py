@@ -1,9 +1,11 @@
 """`zmqllm up` without the ML stack: keys by default, the refusal of a busy port, and the
 supervision loop run against stand-in children (tiny Python processes), so nothing here
-needs torch. What it plans (command lines, ports, log names): test_launch_plan.py."""
+needs torch. What it plans (command lines, ports, log names): test_launch_plan.py; when
+it restarts a child: test_supervision.py."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import stat
@@ -12,6 +14,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,7 +23,8 @@ from tests.test_launch_plan import CONFIGS, free_port, ns, write_config
 from zmqllm import launcher
 from zmqllm.config import Config
 from zmqllm.launch_plan import Child
-from zmqllm.launcher import Cluster, open_private_log, private_log_dir
+from zmqllm.launcher import Cluster
+from zmqllm.supervision import GiveUp, Restart, RestartPolicy
 
 
 def cfg_with(cfg: Config, section: str, **values: object) -> Config:
@@ -78,8 +82,8 @@ except KeyboardInterrupt:
 """
 # Runs until SIGINT, then says so: the log shows the stop was clean and in order.
 SLEEPER = """
-import sys, time
-print("started", flush=True)
+import os, time
+print("started", os.getpid(), flush=True)
 try:
     time.sleep(600)
 except KeyboardInterrupt:
@@ -172,17 +176,6 @@ def test_logs_are_private_whatever_the_umask(tmp_path: Path) -> None:
         os.umask(old_umask)
 
 
-def test_a_shared_sticky_folder_is_left_as_it_is(tmp_path: Path) -> None:
-    sticky = tmp_path / "tmp"
-    sticky.mkdir()
-    sticky.chmod(0o1777)
-    private_log_dir(sticky)
-    assert stat.S_IMODE(sticky.stat().st_mode) == 0o1777
-    with open_private_log(sticky / "gateway.log") as out:
-        out.write(b"x")
-    assert stat.S_IMODE((sticky / "gateway.log").stat().st_mode) == 0o600
-
-
 def stand_in_config(tmp_path: Path) -> tuple[Path, int]:
     port = free_port()
     path = write_config(
@@ -239,26 +232,133 @@ def test_run_up_reports_ready_and_stops_on_sigint(
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_run_up_stops_everything_when_a_child_dies_early(
+def pids_started(log: Path) -> list[int]:
+    """The pid of each run a stand-in's log shows (SLEEPER prints one as it starts)."""
+    text = log.read_text() if log.exists() else ""
+    return [int(line.split()[1]) for line in text.splitlines() if line.startswith("started ")]
+
+
+def wait_until(predicate: Callable[[], object], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def ready(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def then_ctrl_c(action: Callable[[], None]) -> list[BaseException]:
+    """Run ``action`` in a thread while run_up runs, then SIGINT this process as a Ctrl-C
+    would; what the action raised lands in the list returned."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            action()
+        except BaseException as err:
+            errors.append(err)
+        # Only while run_up's handler is in place: a stray SIGINT would end pytest itself.
+        if isinstance(signal.getsignal(signal.SIGINT), launcher._Signals):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=run, daemon=True).start()
+    return errors
+
+
+def test_run_up_restarts_a_child_that_dies_and_its_log_goes_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path, port = stand_in_config(tmp_path)
-    # The crash comes a moment after start, so the other stand-ins are up (a SIGINT during
-    # interpreter start-up kills before any handler exists, and their logs stay empty).
-    crash = py(
-        "import sys, time; time.sleep(1.5); print('loading weights'); "
-        "print('boom: no such file'); sys.exit(3)"
-    )
-    gateway_never_ready = py(SLEEPER)
+    monkeypatch.setattr(launcher, "plan", lambda cfg, config_path: fake_cluster(port))
+    log = tmp_path / "logs" / "broker.log"
+
+    def kill_the_broker() -> None:
+        wait_until(lambda: ready(port) and pids_started(log), "the stand-ins to be up")
+        os.kill(pids_started(log)[0], signal.SIGKILL)
+        wait_until(lambda: len(pids_started(log)) == 2, "the broker to start again")
+
+    errors = then_ctrl_c(kill_the_broker)
+    assert launcher.run_up(ns(config=str(path))) == 0
+    assert errors == []
+    out, err = capsys.readouterr()
+    assert out.count("zmqllm is up") == 1
+    first, second = pids_started(log)
+    assert first != second
+    assert (
+        "[zmqllm] broker killed by SIGKILL; restarting it in 0.5 s "
+        "(1st exit within 60 s; the 5th stops everything)"
+    ) in err
+    assert f"broker started again (pid {second})" in err
+    assert "Traceback" not in err
+    # One log across the restart; the second run was stopped cleanly by the Ctrl-C.
+    assert log.read_text().count("stopped by SIGINT") == 1
+    assert not log.with_name("broker.log.1").exists()
+
+
+def test_run_up_stops_everything_when_a_child_keeps_exiting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, port = stand_in_config(tmp_path)
+    # Shorter backoffs than 0.5 s doubling, so the test takes seconds; still long enough
+    # that the other stand-ins are up (a SIGINT during interpreter start-up kills before
+    # any handler exists, and their logs would not say they stopped cleanly).
+    monkeypatch.setattr(launcher, "RestartPolicy", functools.partial(RestartPolicy, first=0.2))
+    crash = py("import sys; print('loading weights'); print('boom: no such file'); sys.exit(3)")
+    gateway_never_ready = py(SLEEPER)  # it crashes while `up` still waits for /ready
     children = [
         *fake_cluster(port, worker=crash)[:2],
         Child("gateway", "gateway", gateway_never_ready),
     ]
     monkeypatch.setattr(launcher, "plan", lambda cfg, config_path: children)
     assert launcher.run_up(ns(config=str(path))) == 1
-    err = capsys.readouterr().err
-    assert "worker-1of1-0 exited with code 3" in err
-    assert "boom: no such file" in err  # the tail of its log
+    out, err = capsys.readouterr()
+    assert "zmqllm is up" not in out
     logs = tmp_path / "logs"
+    for n, delay in enumerate(["0.2", "0.4", "0.8", "1.6"], start=1):
+        assert f"worker-1of1-0 exited with code 3; restarting it in {delay} s ({n}" in err
+    assert err.count("worker-1of1-0 started again") == 4
+    assert (
+        "worker-1of1-0 exited with code 3, its 5th exit within 60 s: it does not stay up, "
+        f"so `zmqllm up` stops everything\nlast lines of {logs / 'worker-1of1-0.log'}:\n"
+    ) in err
+    assert err.rstrip().endswith("[zmqllm] stopped")
+    assert "boom: no such file" in err  # the tail of its log
+    assert (logs / "worker-1of1-0.log").read_text().count("loading weights") == 5
     assert "stopped by SIGINT" in (logs / "gateway.log").read_text()
     assert "stopped by SIGINT" in (logs / "broker.log").read_text()
+
+
+def test_a_stop_during_a_backoff_starts_nothing_more(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, port = stand_in_config(tmp_path)
+    told = threading.Event()
+
+    class Watched(RestartPolicy):
+        def exited(self, name: str, code: int, now: float) -> Restart | GiveUp:
+            decision = super().exited(name, code, now)
+            told.set()
+            return decision
+
+    # A backoff far longer than the test: the restart is still pending at the Ctrl-C.
+    monkeypatch.setattr(launcher, "RestartPolicy", lambda: Watched(first=3600, most=3600))
+    quits = py("import os; print('started', os.getpid()); raise SystemExit(1)")
+    monkeypatch.setattr(launcher, "plan", lambda cfg, config_path: fake_cluster(port, quits))
+    broker = tmp_path / "logs" / "broker.log"
+    errors = then_ctrl_c(
+        lambda: wait_until(lambda: told.is_set() and pids_started(broker), "the worker's exit")
+    )
+    assert launcher.run_up(ns(config=str(path))) == 0
+    assert errors == []
+    err = capsys.readouterr().err
+    assert "worker-1of1-0 exited with code 1; restarting it in 3600 s" in err
+    assert "started again" not in err
+    assert len(pids_started(tmp_path / "logs" / "worker-1of1-0.log")) == 1
+    assert "stopped by SIGINT" in broker.read_text()

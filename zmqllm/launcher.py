@@ -6,18 +6,22 @@ by a ``zmqllm prepare-model`` subprocess. Children get their own session (proces
 so a Ctrl-C in the terminal reaches the launcher alone; it then stops them in order
 (gateway, workers, broker) instead of every process racing to shut down at once.
 
-What it starts (command lines, ports, log names) is planned in ``launch_plan.py``.
+A child that exits while the cluster runs (or while it starts) is started again with the
+same command line after a backoff; one that keeps exiting stops everything with its last
+log lines (``supervision.py`` decides which). A restarted broker binds the same ports, and
+the workers and the gateway find it again by themselves.
+
+What it starts (command lines, ports, log names) is planned in ``launch_plan.py``; how a
+child is started, signalled and read back is ``child_process.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import signal
 import socket
 import ssl
-import stat
 import subprocess
 import sys
 import time
@@ -26,8 +30,14 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import BinaryIO
 
+from zmqllm.child_process import (
+    LOG_FILE_MODE,
+    ChildProcess,
+    private_log_dir,
+    spawn,
+    tail,
+)
 from zmqllm.config import (
     DEFAULT_MODEL,
     TINY_MODEL,
@@ -48,50 +58,14 @@ from zmqllm.launch_plan import (
     stages_of,
     up_config,
 )
+from zmqllm.supervision import GiveUp, RestartPolicy
 
 POLL_S = 0.5  # how often readiness and children are checked
 STOP_GRACE_S = 10.0  # after this, children still running get SIGKILL
-TAIL_LINES = 20
-LOG_DIR_MODE = 0o700  # owner only: see private_log_dir
-LOG_FILE_MODE = 0o600
 
 
 class UpError(RuntimeError):
     """Something that stops `zmqllm up` before it starts, told in one message."""
-
-
-# --- log files ---------------------------------------------------------------------------
-
-
-def private_log_dir(directory: Path) -> None:
-    """Make the log folder, readable by its owner only.
-
-    Logs name requests, routes and errors (at debug level, more): other users of the
-    machine have no business reading them. A shared folder (sticky, like /tmp) is left as
-    it is; the files in it are private anyway.
-    """
-    directory.mkdir(parents=True, exist_ok=True, mode=LOG_DIR_MODE)
-    mode = directory.stat().st_mode
-    if not mode & stat.S_ISVTX and stat.S_IMODE(mode) & (stat.S_IRWXG | stat.S_IRWXO):
-        directory.chmod(LOG_DIR_MODE)
-
-
-def open_private_log(path: Path) -> BinaryIO:
-    """A fresh log file for writing, created 0600 whatever the umask."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, LOG_FILE_MODE)
-    os.fchmod(fd, LOG_FILE_MODE)  # the file may have existed with a wider mode
-    return os.fdopen(fd, "wb")
-
-
-def tail(path: Path, lines: int = TAIL_LINES) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return "(no log)"
-    return "\n".join(text.splitlines()[-lines:]) or "(empty log)"
-
-
-# --- processes -------------------------------------------------------------------------
 
 
 def say(msg: str) -> None:
@@ -115,42 +89,35 @@ def prepare_model(cfg: Config) -> None:
         raise UpError(f"could not prepare the {alias} model: {' '.join(cmd)} failed")
 
 
-def _die_with_parent() -> None:
-    # Runs in the child before exec: if the launcher is SIGKILLed, the kernel sends
-    # SIGTERM to the child, so no orphan keeps holding the ports (Linux only).
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class Cluster:
+    """The children of one `zmqllm up`: started, restarted one by one, stopped together."""
+
     def __init__(self, children: list[Child], directory: Path) -> None:
         self.children = children
         self.dir = directory
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.reported: set[str] = set()
+        self.procs: dict[str, ChildProcess] = {}
+        self.reported: set[str] = set()  # exited, and told so by newly_exited
 
     def start(self) -> None:
         private_log_dir(self.dir)
-        env = dict(os.environ, PYTHONUNBUFFERED="1")  # lines reach the log as they happen
-        linux = sys.platform.startswith("linux")
         for child in self.children:
-            path = log_path(self.dir, child)
+            path = self.log_of(child)
             if path.exists():  # keep one previous run for a look after a restart
                 older = path.with_name(path.name + ".1")
                 path.replace(older)
                 older.chmod(LOG_FILE_MODE)  # a log from before logs were private
-            with open_private_log(path) as out:
-                self.procs[child.name] = subprocess.Popen(
-                    child.argv,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    start_new_session=True,
-                    preexec_fn=_die_with_parent if linux else None,
-                )
+            self.procs[child.name] = spawn(child.name, child.argv, path)
+
+    def restart(self, name: str) -> ChildProcess:
+        """Start an exited child again with the same command line (so a broker binds the
+        same ports); its output goes on in the same log, after the last run's last words."""
+        child = next(c for c in self.children if c.name == name)
+        self.procs[name] = spawn(name, child.argv, self.log_of(child), append=True)
+        self.reported.discard(name)
+        return self.procs[name]
+
+    def log_of(self, child: Child) -> Path:
+        return log_path(self.dir, child)
 
     def newly_exited(self) -> list[tuple[Child, int]]:
         out = []
@@ -161,38 +128,27 @@ class Cluster:
                 out.append((child, code))
         return out
 
-    def report(self, child: Child, code: int) -> None:
-        path = log_path(self.dir, child)
-        say(f"{child.name} exited with code {code}; last lines of {path}:\n{tail(path)}")
-
-    def _signal(self, child: Child, sig: int) -> None:
-        # The whole group: a child is its session's leader, so this reaches anything it
-        # started too, as the terminal would.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.procs[child.name].pid, sig)
-
     def stop(self, hurry: Callable[[], bool] = lambda: False) -> None:
         """SIGINT tier by tier (gateway, workers, broker), then SIGKILL what is left."""
         deadline = time.monotonic() + STOP_GRACE_S
         tiers = [[c for c in self.children if c.role == r] for r in ("gateway", "worker", "broker")]
         for index, tier in enumerate(tiers):
-            alive = [c for c in tier if c.name in self.procs and self.procs[c.name].poll() is None]
-            for child in alive:
-                self._signal(child, signal.SIGINT)
+            procs = (self.procs.get(c.name) for c in tier)
+            alive = [proc for proc in procs if proc is not None and proc.alive()]
+            for proc in alive:
+                proc.signal(signal.SIGINT)
             # Each tier gets a share of the grace left, so a gateway finishing a long
             # stream cannot use it all and leave the broker no time to close cleanly.
             share = time.monotonic() + (deadline - time.monotonic()) / (len(tiers) - index)
             while time.monotonic() < share and not hurry():
-                if all(self.procs[c.name].poll() is not None for c in alive):
+                if not any(proc.alive() for proc in alive):
                     break
                 time.sleep(0.05)
-        for child in self.children:
-            proc = self.procs.get(child.name)  # None if start() failed before it
-            if proc and proc.poll() is None:
-                say(f"{child.name} did not stop in time; killing it")
-                self._signal(child, signal.SIGKILL)
-            if proc:
-                proc.wait()
+        for name, proc in self.procs.items():  # not all children if start() failed
+            if proc.alive():
+                say(f"{name} did not stop in time; killing it")
+                proc.signal(signal.SIGKILL)
+            proc.wait()
 
 
 # --- run ------------------------------------------------------------------------------
@@ -259,37 +215,6 @@ class _Progress:
             self.shown = False
 
 
-def wait_ready(cluster: Cluster, cfg: Config, url: str, timeout: float, sig: _Signals) -> str:
-    """Poll the gateway's /ready: "ready", "signal", "exited" (a child died) or "timeout"."""
-    start = time.monotonic()
-    expected = sum(s.count for s in stages_of(cfg))
-    progress = _Progress()
-    try:
-        while not sig.count:
-            exited = cluster.newly_exited()
-            if exited:
-                progress.clear()
-                for child, code in exited:
-                    cluster.report(child, code)
-                return "exited"
-            status = http_status(url)
-            if status == 200:
-                return "ready"
-            waited = time.monotonic() - start
-            if waited > timeout:
-                return "timeout"
-            if progress.due(waited):  # not every poll: asking the broker takes up to 0.5 s
-                workers = _workers(cfg)
-                known = "?" if workers is None else str(len(workers))
-                gateway = "not listening yet" if status is None else f"/ready {status}"
-                text = f"{known}/{expected} workers registered, gateway {gateway}"
-                progress.note(waited, f"waiting ({waited:.0f}s): {text}")
-            time.sleep(POLL_S)
-        return "signal"
-    finally:
-        progress.clear()
-
-
 def secure_by_default(cfg: Config) -> tuple[Config, str]:
     """``cfg`` with the key folder every child is given, made in $ZMQLLM_HOME/keys on
     first use; and a line saying so. --insecure keeps the bus plaintext."""
@@ -322,12 +247,15 @@ def run_up(ns: argparse.Namespace) -> int:
         return 1
     directory = log_dir(cfg.log)
     cluster = Cluster(plan(cfg, config_path), directory)
+    policy = RestartPolicy()
     sig = _Signals()
     previous = {s: signal.signal(s, sig) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         cluster.start()
+        for child in cluster.children:
+            policy.started(child.name, time.monotonic())
         say(f"starting {len(cluster.children)} processes; logs in {directory}")
-        return _supervise(cluster, cfg, ns, sig)
+        return _supervise(cluster, cfg, ns, sig, policy)
     finally:
         cluster.stop(hurry=lambda: sig.count > 1)  # a second Ctrl-C: kill at once
         for s, handler in previous.items():
@@ -335,16 +263,76 @@ def run_up(ns: argparse.Namespace) -> int:
         say("stopped")
 
 
-def _supervise(cluster: Cluster, cfg: Config, ns: argparse.Namespace, sig: _Signals) -> int:
+def _supervise(
+    cluster: Cluster, cfg: Config, ns: argparse.Namespace, sig: _Signals, policy: RestartPolicy
+) -> int:
+    """Until a signal: wait for /ready and say the cluster is up, and all along start again
+    every child that exits (``policy`` says when, or that it is time to give up)."""
     host, port = local_host(cfg.gateway.host), cfg.gateway.port
     url = f"{'https' if cfg.gateway.ssl_certfile else 'http'}://{host}:{port}"
     timeout = float(getattr(ns, "ready_timeout", 600.0))
-    state = wait_ready(cluster, cfg, f"{url}/ready", timeout, sig)
-    if state == "timeout":
-        say(f"not ready after {timeout:g}s (--ready-timeout); logs in {cluster.dir}")
-    if state != "ready":
-        say("stopping")
-        return 0 if state == "signal" else 1
+    begun = time.monotonic()
+    progress = _Progress()
+    ready = False
+    try:
+        while not sig.count:
+            now = time.monotonic()
+            for child, code in cluster.newly_exited():
+                progress.clear()
+                decision = policy.exited(child.name, code, now)
+                path = cluster.log_of(child)
+                if isinstance(decision, GiveUp):
+                    say(f"{decision.message()}\nlast lines of {path}:\n{tail(path)}")
+                    return 1
+                say(f"{decision.message()}; its log: {path}")
+            for name in policy.due(now):
+                # Once a stop is asked nothing more starts. A signal during a start only
+                # counts (nothing unwinds), so that child is in cluster.procs and the stop
+                # that follows stops it with the rest.
+                if sig.count:
+                    break
+                policy.started(name, time.monotonic())
+                say(f"{name} started again (pid {cluster.restart(name).pid})")
+            if not ready:
+                waited = time.monotonic() - begun
+                state = _check_ready(cfg, f"{url}/ready", waited, progress)
+                if state == "ready":
+                    ready = True
+                    _say_up(cluster, cfg, url)
+                elif waited > timeout:
+                    progress.clear()
+                    say(f"not ready after {timeout:g}s (--ready-timeout); logs in {cluster.dir}")
+                    say("stopping")
+                    return 1
+            pause = POLL_S
+            due = policy.next_due()
+            if due is not None:  # a restart's backoff may end before the next poll
+                pause = min(pause, max(0.0, due - time.monotonic()))
+            time.sleep(pause)
+    finally:
+        progress.clear()
+    say("stopping")
+    return 0
+
+
+def _check_ready(cfg: Config, url: str, waited: float, progress: _Progress) -> str:
+    """One look at the gateway's /ready: "ready", or "waiting" after noting progress."""
+    status = http_status(url)
+    if status == 200:
+        progress.clear()
+        return "ready"
+    if progress.due(waited):  # not every poll: asking the broker takes up to 0.5 s
+        expected = sum(s.count for s in stages_of(cfg))
+        workers = _workers(cfg)
+        known = "?" if workers is None else str(len(workers))
+        gateway = "not listening yet" if status is None else f"/ready {status}"
+        text = f"{known}/{expected} workers registered, gateway {gateway}"
+        progress.note(waited, f"waiting ({waited:.0f}s): {text}")
+    return "waiting"
+
+
+def _say_up(cluster: Cluster, cfg: Config, url: str) -> None:
+    """The lines that tell a person the cluster serves, and how to try it."""
     ranges = _workers(cfg) or []
     layers = ", ".join(f"{a}:{b}" for a, b in ranges) or ", ".join(s.layers for s in stages_of(cfg))
     count = len(ranges) or len(cluster.children) - 2
@@ -358,13 +346,3 @@ def _supervise(cluster: Cluster, cfg: Config, ns: argparse.Namespace, sig: _Sign
         "stop: Ctrl-C",
         flush=True,
     )
-    while not sig.count:
-        for child, code in cluster.newly_exited():
-            cluster.report(child, code)
-            if child.role != "worker":  # without the broker or the gateway nothing serves
-                say(f"the {child.role} is gone; stopping everything")
-                return 1
-            say("the other processes keep serving")
-        time.sleep(POLL_S)
-    say("stopping")
-    return 0
