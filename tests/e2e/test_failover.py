@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from zmqllm.local_cluster import Cluster
+from testbed.cluster import Cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 
