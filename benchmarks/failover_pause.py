@@ -30,10 +30,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import repo_root  # noqa: F401  (testbed is imported from the checkout)
 from report import write_json, write_plot
 
+from testbed.cluster import Cluster
 from zmqllm.config import default_model_dir
-from zmqllm.local_cluster import Cluster
 from zmqllm.model_args import ModelArgs
 from zmqllm.models import prepare_default_model, prepare_tiny_model
 
