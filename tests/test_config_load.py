@@ -201,6 +201,7 @@ def test_section_must_be_a_table(tmp_path: Path) -> None:
         ('[broker]\nfrontend = "127.0.0.1:5555"\n', "frontend"),
         ("[worker]\nthreads = -1\n", "threads"),
         ("[worker]\nprefill_chunk = 0\n", "prefill_chunk"),
+        ('[worker]\nwire_dtype = "int8"\n', "wire_dtype"),
         ('[worker]\nlayers = "3/2"\n', "layers"),
         ('[worker]\nlayers = "half"\n', "layers"),
         ('[log]\nlevel = "loud"\n', "level"),

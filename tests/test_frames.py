@@ -12,7 +12,13 @@ import zmq
 
 torch = pytest.importorskip("torch")
 
-from zmqllm.engine.frames import payload_to_tensor, tensor_to_payload  # noqa: E402
+from zmqllm.engine.frames import (  # noqa: E402
+    FLOAT16_MAX,
+    activation_dtype,
+    cast_for_wire,
+    payload_to_tensor,
+    tensor_to_payload,
+)
 from zmqllm.protocol import (  # noqa: E402
     Activation,
     Open,
@@ -147,6 +153,36 @@ def test_unsupported_dtype() -> None:
         tensor_to_payload(torch.ones(2, dtype=torch.float64))
     with pytest.raises(ProtocolError):
         payload_to_tensor(Payload(np.zeros(2, np.float32), "int32"))
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16", "float16"])
+def test_a_wire_dtype_travels_as_its_name_in_half_the_bytes(name: str) -> None:
+    dtype = activation_dtype(name)
+    src = _sample(torch.float32, (16, 512))
+    sent = cast_for_wire(src, dtype)
+    p = tensor_to_payload(sent)
+    assert p.dtype == name
+    assert p.array.nbytes == src.numel() * (4 if name == "float32" else 2)
+    got = payload_to_tensor(_hidden(encode(_activation(p))))
+    assert got.dtype == dtype
+    # What arrives is float32's value rounded once to the wire dtype, nothing else.
+    assert torch.equal(got, src.to(dtype))
+
+
+def test_no_wire_dtype_sends_the_tensor_itself() -> None:
+    src = _sample(torch.float32)
+    assert cast_for_wire(src, None) is src
+    assert cast_for_wire(src, torch.float32) is src
+
+
+def test_float16_saturates_instead_of_overflowing() -> None:
+    src = torch.tensor([[1e6, -1e6, 70000.0, 1.5, float("nan")]])
+    sent = cast_for_wire(src, torch.float16)
+    assert sent.dtype == torch.float16
+    assert sent[0, :3].tolist() == [FLOAT16_MAX, -FLOAT16_MAX, FLOAT16_MAX]
+    assert sent[0, 3].item() == 1.5
+    assert torch.isnan(sent[0, 4])  # a NaN stays one: it was already poison
+    assert not torch.isinf(cast_for_wire(src, torch.bfloat16)[0, :3]).any()  # float32's range
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

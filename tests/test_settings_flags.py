@@ -65,7 +65,8 @@ KEPT = {
 }
 NEW = {
     "broker": "--keys --insecure --no-insecure --max-message-bytes --session-timeout",
-    "worker": "--keys --insecure --native-attention --no-native-attention --packed-rows",
+    "worker": "--keys --insecure --native-attention --no-native-attention --packed-rows "
+    "--wire-dtype",
     "gateway": "--keys --insecure --api-key-file --ssl-certfile --ssl-keyfile "
     "--request-timeout --max-body-bytes --default-max-tokens",
     "status": "--keys --insecure",

@@ -498,7 +498,7 @@ def test_a_prompt_outside_the_vocabulary_is_refused(
         (9, 64, torch.float32, "rows"),  # past this stage's prefill_chunk of 8
         (1, 63, torch.float32, "expected"),
         (1, 128, torch.float32, "expected"),
-        (1, 64, torch.float16, "float16"),
+        (1, 64, torch.float64, "float64"),
     ],
 )
 def test_a_bad_activation_is_refused_before_any_tensor_op(
@@ -515,6 +515,25 @@ def test_a_bad_activation_is_refused_before_any_tensor_op(
         stage.activation("a", 0, torch.zeros(rows, width, dtype=dtype), True)
     stage.activation("b", 0, torch.zeros(3, 64), True)
     assert [o.session for o in stage.run()] == ["b"]
+
+
+@pytest.mark.parametrize("wire", [torch.bfloat16, torch.float16], ids=str)
+def test_a_narrower_activation_is_cast_to_the_stage_dtype(
+    shards: dict[tuple[int, int], MistralShard], wire: torch.dtype
+) -> None:
+    """What a float32 stage makes of a bf16/fp16 activation is what it makes of the
+    same values in float32: the wire dtype rounds them, the stage adds nothing."""
+    hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+    stage = Stage(shards[(2, 4)], prefill_chunk=8)
+    stage.open("a", "", 20, 5, GREEDY, frozenset())
+    stage.open("b", "", 20, 5, GREEDY, frozenset())
+    stage.activation("a", 0, hidden.to(wire), True)
+    stage.activation("b", 0, hidden.to(wire).float(), True)
+    queued = [w.inputs for w in stage._ready]
+    assert [x.dtype for x in queued] == [torch.float32, torch.float32]
+    assert torch.equal(queued[0], queued[1])
+    tokens = {o.session: o.token for _ in range(2) for o in stage.run()}
+    assert tokens["a"] == tokens["b"]
 
 
 def test_activation_steps_follow_the_prompt_in_order(

@@ -24,6 +24,7 @@ torch = pytest.importorskip("torch")
 
 from zmqllm import __version__  # noqa: E402
 from zmqllm.config import Config  # noqa: E402
+from zmqllm.engine.frames import payload_to_tensor  # noqa: E402
 from zmqllm.engine.generator import Generator  # noqa: E402
 from zmqllm.engine.stage import Output  # noqa: E402
 from zmqllm.messages import Finish  # noqa: E402
@@ -393,6 +394,36 @@ def test_two_workers_make_a_pipeline(setup: Setup, generator: Generator) -> None
             assert tok.group is None  # no STEP follows a last token
     assert tok.finish is Finish.LENGTH
     assert tokens == list(generator.generate(PROMPT, 4))
+
+
+@pytest.mark.parametrize("wire", ["bfloat16", "float16"])
+def test_activations_leave_in_the_wire_dtype_and_the_next_stage_takes_them(
+    setup: Setup, wire: str
+) -> None:
+    def stage_zero(wire_dtype: str) -> FakeBroker:
+        broker = FakeBroker(setup.ctx)
+        setup.brokers.append(broker)
+        cfg = setup.config(broker, "0:2", INTERVAL, 30)
+        cfg.worker.wire_dtype = wire_dtype
+        setup.run(Worker(cfg, load_stage(cfg), context=setup.ctx))
+        broker.register()
+        broker.send(open_msg("s1", stage=0, stages=2, max_tokens=2, next_hop="w-b"))
+        return broker
+
+    plain, narrow = stage_zero("auto"), stage_zero(wire)
+    full, _ = plain.expect(Activation)
+    cast, got = narrow.expect(Activation)
+    assert (full.hidden.dtype, cast.hidden.dtype) == ("float32", wire)
+    assert cast.hidden.array.nbytes * 2 == full.hidden.array.nbytes
+    # The same forward's hidden states, rounded once to the wire dtype.
+    want = torch.from_numpy(full.hidden.array.copy()).to(getattr(torch, wire))
+    assert torch.equal(payload_to_tensor(cast.hidden), want)
+    b1, _ = setup.start("2:4")  # a float32 stage: it casts what comes back to its dtype
+    b1.register()
+    b1.send(open_msg("s1", stage=1, stages=2, max_tokens=2, tokens=None, next_hop="w-a"))
+    b1.send_raw(got.frames)
+    tok, _ = b1.expect(Token)
+    assert (tok.session, tok.step, tok.finish) == ("s1", 0, None)
 
 
 def test_results_are_tagged_with_their_group_per_next_worker(setup: Setup) -> None:

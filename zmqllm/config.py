@@ -45,6 +45,7 @@ __all__ = [
 ]
 
 DTYPES = ("float32", "bfloat16", "float16")
+WIRE_DTYPE_CHOICES = ("auto", *DTYPES)  # "auto": activations travel in the model's dtype
 DEFAULT_MODEL = "default"
 TINY_MODEL = "tiny"
 
@@ -193,6 +194,14 @@ class WorkerSettings:
     # ~40 tokens do). Split over two, the streams of the first start decoding and their
     # next token waits on the second.
     prefill_chunk: int = setting(2048, "prompt tokens per forward", metavar="TOKENS")
+    # bfloat16 or float16 halves the bytes of a float32 model's activations on a slow
+    # link, at the cost of rounding them once per stage boundary.
+    wire_dtype: str = setting(
+        "auto",
+        'dtype of the activations this worker sends; "auto" = the model\'s dtype. A worker '
+        "takes activations of any of float32, bfloat16 and float16 and casts them to its own",
+        choices=WIRE_DTYPE_CHOICES,
+    )
     name: str = setting("", "a name for logs and status; empty = HOST-PID")
 
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, Union, get_args, get_origin, get
 
 from zmqllm.config import (
     DTYPES,
+    WIRE_DTYPE_CHOICES,
     BrokerSettings,
     Config,
     ConfigError,
@@ -163,6 +164,8 @@ def _check_worker(s: WorkerSettings, where: str) -> WorkerSettings:
         s, ("threads", "batch_threads", "max_memory_mb", "packed_rows"), where, minimum=0
     )
     _check_positive(s, ("max_sessions", "max_kv_tokens", "prefill_chunk"), where)
+    if s.wire_dtype not in WIRE_DTYPE_CHOICES:
+        raise _fail("wire_dtype", where, f"one of {', '.join(WIRE_DTYPE_CHOICES)}", s.wire_dtype)
     return s
 
 

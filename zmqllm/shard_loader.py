@@ -83,10 +83,10 @@ def load_stage(cfg: Config) -> Loaded:
 
 
 def max_frame_bytes(stage: Stage, context: int) -> int:
-    """The largest frame this worker can be sent: a prefill chunk's activation or a
-    whole prompt's token ids, plus room for a header."""
-    itemsize = torch.empty((), dtype=stage.shard.dtype).element_size()
-    activation = stage.prefill_chunk * stage.shard.args.hidden_size * itemsize
+    """The largest frame this worker can be sent: a prefill chunk's activation (in
+    float32, the widest wire dtype a previous stage may send) or a whole prompt's token
+    ids, plus room for a header."""
+    activation = stage.prefill_chunk * stage.shard.args.hidden_size * 4
     return max(activation, context * 4) + MAX_HEADER_BYTES
 
 

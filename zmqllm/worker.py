@@ -27,7 +27,12 @@ import zmq
 from zmqllm.config import Config
 from zmqllm.cpu_turns import CpuTurns
 from zmqllm.engine.cache import CacheFullError
-from zmqllm.engine.frames import payload_to_tensor, tensor_to_payload
+from zmqllm.engine.frames import (
+    activation_dtype,
+    cast_for_wire,
+    payload_to_tensor,
+    tensor_to_payload,
+)
 from zmqllm.engine.stage import BadWork, BatchFailed, Output
 from zmqllm.keys import PeerKeys, keys_dir, load_peer_keys
 from zmqllm.log import bind_request, get_logger
@@ -101,6 +106,9 @@ class Worker:
         self._batch_threads = cfg.worker.batch_threads
         self._threads_now = torch.get_num_threads()
         self.turns = CpuTurns(cfg.worker.cpu_lock, self.stage) if cfg.worker.cpu_lock else None
+        wire = cfg.worker.wire_dtype
+        # None: activations leave in the model's dtype, uncast.
+        self.wire_dtype = None if wire in ("auto", cfg.model.dtype) else activation_dtype(wire)
         self.faults = Faults(log)
         settings = LinkSettings(
             address=cfg.worker.broker,
@@ -380,7 +388,7 @@ class Worker:
             step=o.step,
             final=o.final,
             group=group,
-            hidden=tensor_to_payload(o.hidden),
+            hidden=tensor_to_payload(cast_for_wire(o.hidden, self.wire_dtype)),
         )
 
     def _fail_key(self, key: str, why: str) -> None:

@@ -23,6 +23,31 @@ _WIRE_NAMES: dict[torch.dtype, str] = {
     torch.bool: "bool",
 }
 
+# The dtypes activations may travel in (what messages.Activation accepts), by wire name.
+ACTIVATION_DTYPES: dict[torch.dtype, str] = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+}
+_BY_NAME = {name: dtype for dtype, name in ACTIVATION_DTYPES.items()}
+FLOAT16_MAX = float(torch.finfo(torch.float16).max)
+
+
+def activation_dtype(name: str) -> torch.dtype:
+    """The torch dtype of an activation wire dtype name ("float32", "bfloat16", "float16")."""
+    return _BY_NAME[name]
+
+
+def cast_for_wire(hidden: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """Hidden states as they are sent: ``dtype`` (None: as they are). float16 saturates
+    at its largest finite value instead of becoming inf, which would turn every later
+    stage's output into NaN; bfloat16 has float32's range."""
+    if dtype is None or hidden.dtype == dtype:
+        return hidden
+    if dtype == torch.float16:
+        hidden = hidden.clamp(-FLOAT16_MAX, FLOAT16_MAX)
+    return hidden.to(dtype)
+
 
 def tensor_to_payload(t: torch.Tensor) -> Payload:
     """Wrap a tensor's memory as a Payload for protocol.encode.

@@ -29,6 +29,7 @@ from zmqllm.engine.cache import (
     memory_in_use,
     rss_bytes,
 )
+from zmqllm.engine.frames import ACTIVATION_DTYPES
 from zmqllm.engine.model import MistralShard, Segment
 from zmqllm.engine.sampling import SamplingParams, sample
 from zmqllm.messages import Finish
@@ -198,7 +199,8 @@ class Stage:
 
     def activation(self, session: str, step: int, hidden: torch.Tensor, final: bool) -> None:
         """Later stages: hidden states from the previous stage ([n, hidden] on the CPU, a
-        view on the received frame: only read, and moved to the shard's device here)."""
+        view on the received frame: only read, and moved to the shard's device and dtype
+        here)."""
         s = self._known(session)
         if self.shard.is_first:
             raise BadWork("stage 0 takes token ids, not activations")
@@ -208,8 +210,8 @@ class Stage:
         n = hidden.shape[0]
         if not 1 <= n <= self.prefill_chunk:
             raise BadWork(f"{n} rows, expected 1 to {self.prefill_chunk}")
-        if hidden.dtype != self.shard.dtype:
-            raise BadWork(f"hidden states of {hidden.dtype}, this stage runs {self.shard.dtype}")
+        if hidden.dtype not in ACTIVATION_DTYPES:
+            raise BadWork(f"hidden states of {hidden.dtype}, not float32, bfloat16 or float16")
         if s.next_step == 0:  # prompt chunks: all step 0, the last one final
             if step != 0:
                 raise BadWork(f"step {step} before the prompt's last chunk")
@@ -220,7 +222,10 @@ class Stage:
         self._check_room(s, n)
         if s.next_step or final:
             s.next_step += 1
-        self._ready.append(Work(s, step, hidden.to(self.shard.device), final))
+        # Cast to this stage's dtype: the previous stage may send a narrower wire dtype.
+        # (No copy when it already is the stage's dtype on the CPU.)
+        hidden = hidden.to(device=self.shard.device, dtype=self.shard.dtype)
+        self._ready.append(Work(s, step, hidden, final))
 
     def _known(self, session: str) -> SessionState:
         s = self.sessions.get(session)
