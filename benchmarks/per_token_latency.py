@@ -10,14 +10,17 @@ the peak RSS of every process.
 
     python benchmarks/per_token_latency.py [--stages 1 2 3] [--new-tokens 128] [--requests 5]
 
-Writes benchmarks/results/per_token_latency.json and .png.
+Writes benchmarks/results/per_token_latency.json and .png. With ``--link-delay-ms 0 5
+20 [--link-rate 100mbit]`` (root) it measures instead the 2-stage cluster across three
+network namespaces, broker and gateway on one host and a stage on each other: ITL
+against the workers' added one-way link delay, beside compute + 4 crossings x delay
+(per_token_latency_links.json and .png).
 """
 
 from __future__ import annotations
 
 import argparse
 import http.client
-import json
 import os
 import statistics
 import tempfile
@@ -28,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from links import CROSSINGS, across_hosts, stream_stamps
 from report import write_json, write_plot
 
 from zmqllm.config import default_model_dir
@@ -121,29 +125,12 @@ def bench_engine(model_dir: Path, ids: list[int], n: int, requests: int) -> dict
 
 def stream_once(port: int, n: int) -> list[float]:
     """Arrival time of every token event of one streamed completion (t0 first)."""
-    body = json.dumps(
-        {"prompt": PROMPT, "max_tokens": n, "stream": True, "ignore_eos": True, "temperature": 0}
-    )
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-    t0 = time.perf_counter()
-    conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    stamps = [t0]
-    buf = b""
-    while True:
-        piece = resp.read1(65536)
-        if not piece:
-            break
-        now = time.perf_counter()
-        buf += piece
-        while b"\n\n" in buf:
-            event, buf = buf.split(b"\n\n", 1)
-            if event.startswith(b"data: {") and b'"usage"' not in event[:30]:
-                data = json.loads(event[6:])
-                if data.get("choices"):
-                    stamps.append(now)
-    conn.close()
-    return stamps
+    return stream_stamps(conn, completion(n))
+
+
+def completion(n: int) -> dict[str, Any]:
+    return {"prompt": PROMPT, "max_tokens": n, "ignore_eos": True, "temperature": 0}
 
 
 def bench_cluster(
@@ -208,6 +195,85 @@ def curve_cost(model_dir: Path, a: argparse.Namespace) -> None:
     )
 
 
+def link_sweep(model_dir: Path, a: argparse.Namespace) -> None:
+    """The 2-stage cluster across three hosts: ITL at each added one-way delay, in
+    alternating rounds, beside compute + CROSSINGS x delay."""
+    from paired import spread
+
+    from zmqllm.layers import split_layers
+    from zmqllm.model_args import ModelArgs
+
+    (a0, b0), (a1, b1) = split_layers(ModelArgs.from_dir(model_dir).num_layers, 2)
+    delays = sorted(a.link_delay_ms)
+    itl: dict[float, list[float]] = {d: [] for d in delays}
+    ttft: dict[float, list[float]] = {d: [] for d in delays}
+    hosts = across_hosts(
+        model_dir, (f"{a0}:{b0}", f"{a1}:{b1}"), rate=a.link_rate, threads=a.threads
+    )
+    body = completion(a.new_tokens)
+    with hosts as c:
+
+        def once() -> list[float]:
+            return stream_stamps(c.http(300), body)
+
+        for r in range(a.rounds):
+            for d in delays if r % 2 == 0 else delays[::-1]:
+                c.set_delay(d)
+                got = measure(once, a.requests)
+                itl[d].append(got["itl_ms_p50"])
+                ttft[d].append(got["ttft_ms_p50"])
+            print(f"  round {r + 1}: " + ", ".join(f"{d:g} ms {itl[d][-1]:.2f}" for d in delays))
+    base = statistics.median(itl[delays[0]])  # compute + the path's own cost, at the least delay
+    rows = []
+    for d in delays:
+        mid = statistics.median(itl[d])
+        extra = d - delays[0]
+        rows.append(
+            {
+                "delay_ms": d,
+                "itl_ms_p50": spread(itl[d]),
+                "ttft_ms_p50": spread(ttft[d]),
+                "model_ms": base + CROSSINGS * extra,
+                "crossings": (mid - base) / extra if extra else None,
+            }
+        )
+    # Crossings per token from every round: the least-squares slope of ITL on delay.
+    xs = [d for d in delays for _ in itl[d]]
+    ys = [v for d in delays for v in itl[d]]
+    slope = float(np.polyfit(xs, ys, 1)[0]) if len(delays) > 1 else float("nan")
+    print(
+        f"\n2 stages across hosts, {model_dir.name}, link rate {a.link_rate or 'unlimited'}, "
+        f"{a.new_tokens} tokens x {a.requests} requests x {a.rounds} rounds (median, range)"
+    )
+    print(f"{'delay ms':>9} {'ITL p50 ms':>22} {'model ms':>9} {'crossings':>9} {'TTFT ms':>8}")
+    for row in rows:
+        q, t = row["itl_ms_p50"], row["ttft_ms_p50"]
+        crossings = f"{row['crossings']:.2f}" if row["crossings"] is not None else "-"
+        print(
+            f"{row['delay_ms']:9g} {q['median']:8.2f} ({q['min']:.2f}-{q['max']:.2f})"
+            f" {row['model_ms']:9.2f} {crossings:>9} {t['median']:8.1f}"
+        )
+    print(f"model: ITL at {delays[0]:g} ms + {CROSSINGS} crossings x added delay; fit: {slope:.2f}")
+    out = Path(a.out).with_name("per_token_latency_links.json")
+    meta = {k: getattr(a, k) for k in ("threads", "new_tokens", "requests", "rounds")}
+    meta.update(model=model_dir.name, link_rate=a.link_rate, crossings_model=CROSSINGS)
+    write_json(out, {"meta": meta, "rows": rows, "crossings_fit": slope, "itl_ms_p50": itl})
+
+    def draw(plt: Any) -> Any:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for d in delays:
+            ax.scatter([d] * len(itl[d]), itl[d], color="tab:blue", s=12)
+        ax.plot(delays, [statistics.median(itl[d]) for d in delays], "o-", label="measured")
+        ax.plot(delays, [r["model_ms"] for r in rows], "--", label=f"{CROSSINGS} x delay model")
+        ax.set_xlabel("added one-way delay per link (ms)")
+        ax.set_ylabel("inter-token latency p50 (ms)")
+        ax.set_title(f"{model_dir.name}: 2 stages across hosts")
+        ax.legend()
+        return fig
+
+    write_plot(out, draw)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
@@ -220,7 +286,18 @@ def main() -> None:
         action="store_true",
         help="instead: each cluster with CURVE keys against --insecure, alternating rounds",
     )
-    ap.add_argument("--rounds", type=int, default=4, help="--curve: rounds of each")
+    ap.add_argument("--rounds", type=int, default=4, help="--curve, --link-delay-ms: rounds")
+    ap.add_argument(
+        "--link-delay-ms",
+        type=float,
+        nargs="+",
+        metavar="MS",
+        help="instead: the 2-stage cluster across three network namespaces (root), its "
+        "workers' links delayed this much each way in turn (e.g. 0 5 20)",
+    )
+    ap.add_argument(
+        "--link-rate", metavar="RATE", help="with --link-delay-ms: every link's rate (100mbit)"
+    )
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     model_dir = prepare_default_model(default_model_dir())
@@ -229,6 +306,9 @@ def main() -> None:
     n = a.new_tokens
     if a.curve:
         curve_cost(model_dir, a)
+        return
+    if a.link_delay_ms:
+        link_sweep(model_dir, a)
         return
 
     rows: dict[str, dict[str, Any]] = {}

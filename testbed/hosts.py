@@ -79,6 +79,9 @@ class HostCluster:
     worker_flags: tuple[str, ...] = ()  # more `zmqllm worker` flags (--wire-dtype ...)
     gateway_flags: tuple[str, ...] = ()
     procs: list[Proc] = field(default_factory=list)
+    netem: bool = field(init=False, default=False)  # the delay is on the links
+    relays: bool = field(init=False, default=False)  # workers reach the broker by relays
+    _brokers: dict[str, str] = field(init=False, default_factory=dict)  # layers -> --broker
 
     def __post_init__(self) -> None:
         self.head = self.bed.host(1)
@@ -122,45 +125,67 @@ class HostCluster:
         interval, liveness = str(self.heartbeat), str(self.liveness)
         return ["--heartbeat-interval", interval, "--heartbeat-liveness", liveness]
 
-    def _broker_address(self, index: int, delayed_on_link: bool) -> str:
+    def _delay_file(self, index: int) -> Path:
+        return self.folder(1) / f"relay-{index}.delay-ms"
+
+    def _relay_delay_ms(self) -> float:
+        return 0.0 if self.netem else self.delay_ms
+
+    def _broker_address(self, index: int) -> str:
         """What the worker on host ``index`` gives as --broker: the broker itself, or a
         relay on host 1 that delays its link."""
-        if delayed_on_link and not self.relay:
+        if not self.relays:
             return self.backend
         port = RELAY_PORT + index
+        self._delay_file(index).write_text(str(self._relay_delay_ms()))
+        args = [sys.executable, "-m", "testbed.relay", "--listen", f"{self.head.address}:{port}"]
+        args += ["--to", f"{self.head.address}:{BACKEND_PORT}"]
         relay = self._start(
-            self.head,
-            f"relay-{index}",
-            [
-                sys.executable,
-                "-m",
-                "testbed.relay",
-                "--listen",
-                f"{self.head.address}:{port}",
-                "--to",
-                f"{self.head.address}:{BACKEND_PORT}",
-                "--delay-ms",
-                "0" if delayed_on_link else str(self.delay_ms),
-            ],
+            self.head, f"relay-{index}", [*args, "--delay-file", str(self._delay_file(index))]
         )
         self.wait_for(lambda: "relay listening" in relay.text(), 30, f"relay {index}")
         return f"tcp://{self.head.address}:{port}"
 
+    def _shape(self) -> None:
+        hosts = set(self.workers.values())
+        for h in self.bed.hosts:
+            delay = self.delay_ms if self.netem and h.index in hosts else 0.0
+            self.bed.shape_link(h.index, self.rate, delay)
+
     def start(self) -> None:
         """Links shaped, keys made and copied, then broker, workers and gateway; returns
         when the gateway is ready."""
-        on_link = {
-            h.index: self.bed.shape_link(
-                h.index, self.rate, self.delay_ms if h.index in self.workers.values() else 0
-            )
-            for h in self.bed.hosts
-        }
+        self.netem = self.bed.has_netem()
+        self.relays = self.relay or (self.delay_ms > 0 and not self.netem)
+        self._shape()
         self.make_keys()
         self.start_broker()
         for layers, index in self.workers.items():
-            self.start_worker(layers, index, self._broker_address(index, on_link[index]))
+            self.start_worker(layers, index, self._broker_address(index))
         self.start_gateway()
         self.wait_ready()
+
+    def set_delay(self, delay_ms: float) -> None:
+        """Change the worker hosts' one-way delay while the cluster runs (netem on their
+        links, or the relays'; connections stay up). A cluster that should change its
+        delay without netem must start with relays (``relay=True`` or a delay)."""
+        if not self.netem and not self.relays:
+            raise RuntimeError("no netem and no relays: start with relay=True")
+        self.delay_ms = delay_ms
+        if self.netem:
+            self._shape()
+            return
+        for index in sorted(set(self.workers.values())):
+            (relay,) = self.by_name(f"relay-{index}")
+            told = relay.text().count("\ndelay ")
+            path = self._delay_file(index)
+            path.with_suffix(".tmp").write_text(str(self._relay_delay_ms()))
+            path.with_suffix(".tmp").replace(path)
+
+            def changed(relay: Proc = relay, told: int = told) -> bool:
+                return relay.text().count("\ndelay ") > told
+
+            self.wait_for(changed, 10, f"relay {index} to take the new delay")
 
     def start_broker(self) -> Proc:
         args = ["broker", "--frontend", self.frontend, "--backend", self.backend]
@@ -168,6 +193,7 @@ class HostCluster:
         return self._start(self.head, "broker", [*zmqllm_command(), *args])
 
     def start_worker(self, layers: str, index: int, broker: str) -> Proc:
+        self._brokers[layers] = broker
         args = ["worker", "--model", str(self.model_dir), "--layers", layers]
         args += ["--broker", broker, "--threads", str(self.threads), "--name", f"host-{index}"]
         args += [*self.beats(), "--keys", str(self.folder(index) / "keys")]
@@ -180,6 +206,27 @@ class HostCluster:
         args += ["--model", str(self.model_dir), *self.beats(), "--keys", str(self.keys)]
         args += [*self.gateway_flags, "--log-format", "json"]
         return self._start(self.head, "gateway", [*zmqllm_command(), *args])
+
+    def restart_worker(self, layers: str, flags: tuple[str, ...]) -> Proc:
+        """Stop the worker of ``layers`` (SIGINT: it says goodbye to the broker) and start
+        it again on its host with ``flags`` as its extra flags; returns once the gateway
+        is ready again."""
+        (old,) = [p for p in self.by_name(f"worker-{layers.replace(':', '-')}") if p.alive()]
+        os.killpg(old.popen.pid, signal.SIGINT)
+        old.popen.wait(timeout=30)
+        self.procs.remove(old)  # gone on purpose: not a process that failed
+        self.worker_flags = flags
+        new = self.start_worker(layers, self.workers[layers], self._brokers[layers])
+
+        def registered() -> bool:
+            with contextlib.suppress(RuntimeError):
+                ids = [w["info"]["pid"] for w in self.status()["workers"]]
+                return new.popen.pid in ids and old.popen.pid not in ids
+            return False
+
+        self.wait_for(registered, 300, f"the new worker of {layers}", pause=1.0)
+        self.wait_ready()
+        return new
 
     def stop(self) -> None:
         for p in self.procs:
@@ -221,7 +268,7 @@ class HostCluster:
         status: dict[str, Any] = json.loads(out)
         return status
 
-    def wait_ready(self, timeout: float = 120.0) -> None:
+    def wait_ready(self, timeout: float = 300.0) -> None:
         def ready() -> bool:
             for p in self.procs:
                 if p.popen.poll() is not None:

@@ -242,6 +242,15 @@ class Testbed:
                     raise RuntimeError(f"tc tbf on {dev}: {limited.stderr.strip()}")
         return delayed or delay_ms <= 0
 
+    def has_netem(self) -> bool:
+        """Whether this kernel delays links with netem (a probe on host 1's loopback)."""
+        h = self.host(1)
+        probe = _tc("-n", h.netns, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms")
+        if probe.returncode != 0:
+            return False
+        _tc("-n", h.netns, "qdisc", "del", "dev", "lo", "root")
+        return True
+
     def link_down(self, index: int) -> None:
         """Pull host ``index``'s cable: its bridge end goes down."""
         _ip("link", "set", self.host(index).outer, "down")

@@ -9,7 +9,9 @@ through once the bytes before it have; a reset closes both sides.
 
     python -m testbed.relay --listen 198.18.0.1:6002 --to 198.18.0.1:5556 --delay-ms 5
 
-prints ``relay listening on HOST:PORT`` once it accepts, and runs until killed.
+prints ``relay listening on HOST:PORT`` once it accepts, and runs until killed;
+``--delay-file FILE`` instead of ``--delay-ms`` takes the delay from a file, again each
+time it changes.
 """
 
 from __future__ import annotations
@@ -21,14 +23,16 @@ import sys
 import threading
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
-__all__ = ["DelayLine", "main", "serve"]
+__all__ = ["Delay", "DelayLine", "main", "serve"]
 
 READ_BYTES = 1 << 16
 # Bytes one direction may hold before it stops reading: the sender then meets TCP's
 # own back-pressure, as it would on a link whose buffers are full.
 MAX_QUEUED_BYTES = 64 << 20
+WATCH_S = 0.05  # how often a delay file is looked at
 
 
 class DelayLine:
@@ -57,14 +61,46 @@ class DelayLine:
         return data
 
 
+class Delay:
+    """The one-way delay in seconds. With a file (milliseconds, as text) it follows the
+    file: a benchmark changes the delay between rounds without breaking a connection.
+    Each change is printed (``delay 5.0 ms``) once it is in force."""
+
+    def __init__(self, seconds: float, path: Path | None = None) -> None:
+        self.seconds = seconds
+        self.path = path
+        if path is not None:
+            self._read_file(None)
+            threading.Thread(target=self._watch, daemon=True).start()
+
+    def _read_file(self, seen: tuple[int, int] | None) -> tuple[int, int] | None:
+        assert self.path is not None
+        try:
+            st = self.path.stat()
+            key = (st.st_mtime_ns, st.st_size)
+            if key != seen:
+                self.seconds = float(self.path.read_text()) / 1000.0
+                print(f"delay {self.seconds * 1000.0:g} ms", flush=True)
+            return key
+        except (OSError, ValueError):  # missing or half-written: keep the last value
+            return seen
+
+    def _watch(self) -> None:
+        seen = None
+        while True:
+            seen = self._read_file(seen)
+            time.sleep(WATCH_S)
+
+
 class _Direction:
     """One direction of one connection: a reader thread stamps what ``src`` sends, a
     writer thread hands it to ``dst`` when due (time.sleep wakes within ~0.1 ms, where
     an event loop's timers are rounded up to whole milliseconds)."""
 
-    def __init__(self, src: socket.socket, dst: socket.socket, delay: float, on_end: Any) -> None:
+    def __init__(self, src: socket.socket, dst: socket.socket, delay: Delay, on_end: Any) -> None:
         self.src, self.dst = src, dst
-        self.line = DelayLine(delay)
+        self.delay = delay
+        self.line = DelayLine(delay.seconds)
         self.cond = threading.Condition()
         self.ended = False  # src said EOF, or failed
         self.failed = False
@@ -76,6 +112,9 @@ class _Direction:
         try:
             while data := self.src.recv(READ_BYTES):
                 with self.cond:
+                    # A changed delay applies from the next piece; one due before an
+                    # older piece still leaves after it (take_due keeps the order).
+                    self.line.delay = self.delay.seconds
                     self.line.put(data, time.monotonic())
                     self.cond.notify_all()
                     while self.line.queued > MAX_QUEUED_BYTES and not self.failed:
@@ -115,7 +154,7 @@ class _Connection:
     """Both directions; a failure on either (a reset) closes both sockets at once, and
     the sockets are closed when both directions have ended."""
 
-    def __init__(self, down: socket.socket, up: socket.socket, delay: float) -> None:
+    def __init__(self, down: socket.socket, up: socket.socket, delay: Delay) -> None:
         self.socks = (down, up)
         self.lock = threading.Lock()
         self.open = 2
@@ -140,7 +179,7 @@ class _Connection:
                 s.close()
 
 
-def serve(listen: tuple[str, int], target: tuple[str, int], delay: float) -> None:
+def serve(listen: tuple[str, int], target: tuple[str, int], delay: Delay) -> None:
     """Relay every connection to ``listen`` to ``target``, forever."""
     server = socket.create_server(listen, reuse_port=False)
     print(f"relay listening on {listen[0]}:{server.getsockname()[1]}", flush=True)
@@ -168,9 +207,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--listen", type=_endpoint, required=True, metavar="HOST:PORT")
     ap.add_argument("--to", type=_endpoint, required=True, metavar="HOST:PORT")
     ap.add_argument("--delay-ms", type=float, default=0.0, help="each way (default 0)")
+    ap.add_argument(
+        "--delay-file",
+        type=Path,
+        metavar="FILE",
+        help="read the delay (ms) from FILE instead, again whenever it changes",
+    )
     a = ap.parse_args(argv)
     with contextlib.suppress(KeyboardInterrupt):
-        serve(a.listen, a.to, a.delay_ms / 1000.0)
+        serve(a.listen, a.to, Delay(a.delay_ms / 1000.0, a.delay_file))
 
 
 if __name__ == "__main__":

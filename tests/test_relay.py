@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed.relay import DelayLine
+from testbed.relay import Delay, DelayLine
 
 REPO = Path(__file__).resolve().parents[1]
 DELAY_MS = 20.0
@@ -34,6 +34,22 @@ def test_each_piece_is_due_its_delay_after_it_came_not_after_the_one_before() ->
     assert line.next_due() == 11.0
     assert line.take_due(12.0) == b"bbccc"
     assert line.next_due() is None and line.queued == 0
+
+
+def test_a_delay_file_is_followed_as_it_changes(tmp_path: Path) -> None:
+    path = tmp_path / "delay-ms"
+    path.write_text("5")
+    delay = Delay(0.0, path)
+    assert delay.seconds == 0.005  # read at once
+    path.with_suffix(".tmp").write_text("20")
+    path.with_suffix(".tmp").replace(path)
+    deadline = time.monotonic() + 10
+    while delay.seconds != 0.02 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert delay.seconds == 0.02
+    path.write_text("not a number")  # kept: a half-written file must not zero the delay
+    time.sleep(0.2)
+    assert delay.seconds == 0.02
 
 
 class Echo:

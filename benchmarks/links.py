@@ -1,0 +1,103 @@
+"""A 2-stage cluster across testbed hosts, for the benchmarks that measure links.
+
+Host 1 runs the broker and the gateway, host 2 the first stage, host 3 the second (see
+testbed/hosts.py); every link is rate limited when asked, and the worker hosts' links are
+delayed (netem, or the testbed's relay where the kernel has none). The delay changes
+while the cluster runs (``HostCluster.set_delay``), so rounds at different delays need
+no restart. Needs root. (The scripts run as files: imported as the top-level module
+``links``; the repository root, which holds ``testbed``, is put on sys.path here.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from testbed.hosts import HostCluster
+from testbed.netns import Testbed, unusable_reason
+
+__all__ = ["CROSSINGS", "across_hosts", "stream_stamps"]
+
+# One-way link crossings per token at 2 stages, the broker on its own host: STEP to
+# stage 0, its ACTIVATION back, on to stage 1, its TOKEN back.
+CROSSINGS = 4
+
+
+@contextlib.contextmanager
+def across_hosts(
+    model_dir: Path,
+    layers: tuple[str, str],
+    *,
+    delay_ms: float = 0.0,
+    rate: str | None = None,
+    threads: int = 2,
+    worker_flags: tuple[str, ...] = (),
+) -> Iterator[HostCluster]:
+    """A ready cluster across three hosts; everything removed on the way out."""
+    reason = unusable_reason()
+    if reason is not None:
+        raise SystemExit(f"cannot make test hosts: {reason}")
+    root = Path(tempfile.mkdtemp(prefix="zmqllm-links-"))
+    bed = Testbed(3)
+    c = HostCluster(
+        bed,
+        root,
+        model_dir,
+        {layers[0]: 2, layers[1]: 3},
+        delay_ms=delay_ms,
+        rate=rate,
+        relay=True,  # the same path at every delay, 0 included
+        heartbeat=1.0,
+        threads=threads,
+        worker_flags=worker_flags,
+    )
+    try:
+        bed.up()
+        c.start()
+        how = "netem" if c.netem else "relays on host 1"
+        print(f"cluster across 3 hosts ready: delay by {how}, link rate {rate or 'unlimited'}")
+        yield c
+    finally:
+        c.stop()
+        bed.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def stream_stamps(conn: http.client.HTTPConnection, body: dict[str, Any]) -> list[float]:
+    """Start time, then the arrival time of each token event of one streamed
+    /v1/completions request (``"stream": True`` is set here)."""
+    t0 = time.perf_counter()
+    conn.request(
+        "POST",
+        "/v1/completions",
+        body=json.dumps({**body, "stream": True}),
+        headers={"Content-Type": "application/json"},
+    )
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:500]!r}")
+    stamps = [t0]
+    buf = b""
+    while piece := resp.read1(65536):
+        now = time.perf_counter()
+        buf += piece
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            if event.startswith(b"data: {"):
+                data = json.loads(event[6:])
+                if "error" in data:
+                    raise RuntimeError(f"stream failed: {data['error']}")
+                if data.get("choices"):
+                    stamps.append(now)
+    conn.close()
+    return stamps
