@@ -10,8 +10,10 @@ ROLE ...`` (the console script beside this Python) run with ``ip netns exec``.
 Links are rate limited with tbf and delayed with netem where the kernel has it; where it
 has not, a worker reaches the broker through a delaying relay (``testbed.relay``) on
 host 1, so each of its messages still crosses its own host's link, then waits ``delay``.
-The test process speaks HTTP to the gateway from inside host 1 (``http``) and asks the
-broker for its status with ``zmqllm status`` run there.
+The delay changes while the cluster runs (``set_delay``: netem replaced, or the relays'
+delay files rewritten), and a worker can be restarted with other flags
+(``restart_worker``). The test process speaks HTTP to the gateway from inside host 1
+(``http``) and asks the broker for its status with ``zmqllm status`` run there.
 """
 
 from __future__ import annotations
