@@ -5,7 +5,7 @@ testbed/hosts.py); every link is rate limited when asked, and the worker hosts' 
 delayed (netem, or the testbed's relay where the kernel has none). The delay changes
 while the cluster runs (``HostCluster.set_delay``), so rounds at different delays need
 no restart. Needs root. (The scripts run as files: imported as the top-level module
-``links``; the repository root, which holds ``testbed``, is put on sys.path here.)
+``links``.)
 """
 
 from __future__ import annotations
@@ -14,14 +14,13 @@ import contextlib
 import http.client
 import json
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import repo_root  # noqa: F401  (testbed)
 
 from testbed.hosts import HostCluster
 from testbed.netns import Testbed, unusable_reason

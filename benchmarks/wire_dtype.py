@@ -20,23 +20,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+import repo_root  # noqa: F401  (testbed and tests.e2e.test_cluster)
 import torch
 from links import across_hosts, stream_stamps
 from paired import alternate, compare, describe
 from report import write_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.e2e.test_cluster
-
+from testbed.cluster import Cluster
 from tests.e2e.test_cluster import PROMPTS
+from zmqllm.child_process import ChildProcess
 from zmqllm.client import BrokerClient
 from zmqllm.config import default_model_dir
 from zmqllm.layers import split_layers
-from zmqllm.local_cluster import Cluster, Proc
 from zmqllm.model_args import ModelArgs
 from zmqllm.models import prepare_default_model, prepare_tiny_model
 from zmqllm.sampling_params import SamplingParams
@@ -53,7 +52,7 @@ class WireCluster(Cluster):
 
     wire = "float32"
 
-    def _start(self, name: str, args: list[str]) -> Proc:
+    def _start(self, name: str, args: list[str]) -> ChildProcess:
         if args[0] == "worker":
             args = [*args, "--wire-dtype", self.wire]
         return super()._start(name, args)

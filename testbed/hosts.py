@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from testbed.netns import Host, Testbed
-from zmqllm.local_cluster import Proc
+from zmqllm.child_process import ChildProcess, spawn
 
 __all__ = ["FRONTEND_PORT", "HostCluster", "NetnsHTTPConnection", "zmqllm_command"]
 
@@ -80,7 +80,7 @@ class HostCluster:
     threads: int = 1
     worker_flags: tuple[str, ...] = ()  # more `zmqllm worker` flags (--wire-dtype ...)
     gateway_flags: tuple[str, ...] = ()
-    procs: list[Proc] = field(default_factory=list)
+    procs: list[ChildProcess] = field(default_factory=list)
     netem: bool = field(init=False, default=False)  # the delay is on the links
     relays: bool = field(init=False, default=False)  # workers reach the broker by relays
     _brokers: dict[str, str] = field(init=False, default_factory=dict)  # layers -> --broker
@@ -102,10 +102,10 @@ class HostCluster:
         return self.folder(1) / "keys"
 
     # -- starting -----------------------------------------------------------------
-    def _start(self, host: Host, name: str, args: list[str]) -> Proc:
+    def _start(self, host: Host, name: str, args: list[str]) -> ChildProcess:
         self._n += 1
         log = self.folder(host.index) / f"{self._n:02d}-{name}.log"
-        proc = Proc(name, host.popen(args, log, _env()), log)
+        proc = spawn(name, host.command(*args), log, env=_env())
         self.procs.append(proc)
         return proc
 
@@ -184,17 +184,17 @@ class HostCluster:
             path.with_suffix(".tmp").write_text(str(self._relay_delay_ms()))
             path.with_suffix(".tmp").replace(path)
 
-            def changed(relay: Proc = relay, told: int = told) -> bool:
+            def changed(relay: ChildProcess = relay, told: int = told) -> bool:
                 return relay.text().count("\ndelay ") > told
 
             self.wait_for(changed, 10, f"relay {index} to take the new delay")
 
-    def start_broker(self) -> Proc:
+    def start_broker(self) -> ChildProcess:
         args = ["broker", "--frontend", self.frontend, "--backend", self.backend]
         args += [*self.beats(), "--keys", str(self.keys), "--log-format", "json"]
         return self._start(self.head, "broker", [*zmqllm_command(), *args])
 
-    def start_worker(self, layers: str, index: int, broker: str) -> Proc:
+    def start_worker(self, layers: str, index: int, broker: str) -> ChildProcess:
         self._brokers[layers] = broker
         args = ["worker", "--model", str(self.model_dir), "--layers", layers]
         args += ["--broker", broker, "--threads", str(self.threads), "--name", f"host-{index}"]
@@ -203,13 +203,13 @@ class HostCluster:
         name = f"worker-{layers.replace(':', '-')}"
         return self._start(self.bed.host(index), name, [*zmqllm_command(), *args])
 
-    def start_gateway(self) -> Proc:
+    def start_gateway(self) -> ChildProcess:
         args = ["gateway", "--port", str(HTTP_PORT), "--broker", self.frontend]
         args += ["--model", str(self.model_dir), *self.beats(), "--keys", str(self.keys)]
         args += [*self.gateway_flags, "--log-format", "json"]
         return self._start(self.head, "gateway", [*zmqllm_command(), *args])
 
-    def restart_worker(self, layers: str, flags: tuple[str, ...]) -> Proc:
+    def restart_worker(self, layers: str, flags: tuple[str, ...]) -> ChildProcess:
         """Stop the worker of ``layers`` (SIGINT: it says goodbye to the broker) and start
         it again on its host with ``flags`` as its extra flags; returns once the gateway
         is ready again."""
@@ -292,5 +292,5 @@ class HostCluster:
         logs = "\n".join(f"--- {p.name}\n{p.text()[-1500:]}" for p in self.procs)
         raise TimeoutError(f"timed out after {timeout}s waiting for {what}; last: {last!r}\n{logs}")
 
-    def by_name(self, prefix: str) -> list[Proc]:
+    def by_name(self, prefix: str) -> list[ChildProcess]:
         return [p for p in self.procs if p.name.startswith(prefix)]

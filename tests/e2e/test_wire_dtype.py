@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 
+from testbed.cluster import Cluster
 from tests.e2e.test_cluster import PROMPTS, post_chat
-from zmqllm.local_cluster import Cluster, Proc
+from zmqllm.child_process import ChildProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 
@@ -34,7 +35,7 @@ class WireCluster(Cluster):
 
     wire_dtype: str = "auto"
 
-    def _start(self, name: str, args: list[str]) -> Proc:
+    def _start(self, name: str, args: list[str]) -> ChildProcess:
         if args[0] == "worker":
             args = [*args, "--wire-dtype", self.wire_dtype]
         return super()._start(name, args)
