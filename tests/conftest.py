@@ -24,11 +24,15 @@ def _private_home() -> None:
     """Run the tests under a $ZMQLLM_HOME of their own, so that nothing they make (the
     CURVE keys `zmqllm up` creates on first use, logs, lock files) lands in the user's,
     and keys a user made there do not turn on CURVE for the tests' processes. Converted
-    models are shared with the real home (a symlink): they take minutes to make."""
+    models and compiled kernels are shared with the real home (symlinks): they take
+    minutes to make."""
     real = Path(os.environ.get("ZMQLLM_HOME") or Path.home() / ".cache" / "zmqllm")
     home = Path(tempfile.mkdtemp(prefix="zmqllm-test-home-"))
     (real / "models").mkdir(parents=True, exist_ok=True)
     (home / "models").symlink_to(real / "models", target_is_directory=True)
+    # Compiled kernels too: keyed by what determines the binary, they are built once.
+    (real / "kernels").mkdir(parents=True, exist_ok=True)
+    (home / "kernels").symlink_to(real / "kernels", target_is_directory=True)
     os.environ["ZMQLLM_HOME"] = str(home)
     atexit.register(shutil.rmtree, home, ignore_errors=True)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from zmqllm.engine import native
 from zmqllm.engine.cache import CachePool
 from zmqllm.engine.model import MistralShard, Segment
 from zmqllm.engine.sampling import SamplingParams, sample
@@ -69,13 +70,19 @@ class Generator:
         bounds: Sequence[tuple[int, int]] | None = None,
         dtype: str = "float32",
         device: str = "cpu",
+        compiled: bool = True,
     ) -> None:
+        """``compiled``: use the compiled kernels (engine.native) where they load:
+        the fast single-stream path; False keeps PyTorch's ops throughout."""
         self.directory = Path(directory)
         self.args = ModelArgs.from_dir(self.directory)
         bounds = bounds or [(0, self.args.num_layers)]
         self.shards = [
             load_shard(self.directory, s, e, dtype, device, self.args) for s, e in bounds
         ]
+        kernel = native.load() if compiled else None
+        for shard in self.shards:
+            shard.use_kernel(kernel)
         self.pools = [
             CachePool(self.args, sh.num_local_layers, sh.dtype, device) for sh in self.shards
         ]

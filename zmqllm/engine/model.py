@@ -25,49 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zmqllm.engine import linear
 from zmqllm.engine.cache import KVCache
+from zmqllm.engine.linear import CPU_MM_MAX_ROWS_HEAD, Linear
 from zmqllm.model_args import ModelArgs
-
-# Row counts for which `linear` multiplies as W @ x^T on the CPU (see there).
-CPU_MM_MIN_ROWS = 7
-CPU_MM_MAX_ROWS = 32
-CPU_MM_MAX_ROWS_HEAD = 15
-# Batches from this many rows up to MistralShard.pack's row count take the packed GEMM.
-PACK_MIN_ROWS = 7
-_PACKED = ("wqkv", "wo", "w_gate_up", "w_down")
-
-
-def packed_linear(
-    x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor, rows: int
-) -> torch.Tensor:
-    """x [M, in] @ w^T with MKL's packed GEMM, for M <= rows (padded to ``rows``).
-
-    ``packed`` is w reordered by MKL for exactly ``rows`` rows (MistralShard.pack).
-    At 16 rows the layer matmuls take ~25% less time than F.linear with the
-    weights coming from memory, with the same result (the same sgemm, minus
-    packing the weight on every call).
-    """
-    m = x.shape[0]
-    if m < rows:
-        x = F.pad(x, (0, 0, 0, rows - m))
-    out = torch.ops.mkl._mkl_linear(x, packed, w, None, rows)
-    return out[:m] if m < rows else out
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, max_rows: int = CPU_MM_MAX_ROWS) -> torch.Tensor:
-    """x [M, in] @ w[out, in]^T, choosing the faster CPU kernel for small batches.
-
-    PyTorch's float32 linear on the CPU handles 4..15 rows a few at a time,
-    re-reading the weight each time: 12 rows through the 49152x576 lm_head take
-    37 ms against 20 ms for 16 (1 thread, measured). Computed as W @ x^T the
-    same product reads the weight once: 23 ms at 12 rows, and the MLP weights
-    gain up to 2x up to 32 rows. Outside that band F.linear is as fast or
-    faster (and is what transformers uses, so single-row decode runs the
-    same kernel as transformers does).
-    """
-    if x.device.type == "cpu" and CPU_MM_MIN_ROWS <= x.shape[0] <= max_rows:
-        return torch.mm(w, x.t()).t().contiguous()
-    return F.linear(x, w)
 
 
 class RMSNorm(nn.Module):
@@ -111,51 +72,39 @@ class _Plan:
     kernel: ModuleType | None = None
 
 
+_LINEARS = ("wqkv", "wo", "w_gate_up", "w_down")
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, dtype: torch.dtype) -> None:
         super().__init__()
         self.args = args
         h, kvh, d = args.num_heads, args.num_kv_heads, args.head_dim
+        hidden, inter = args.hidden_size, args.intermediate_size
         # q, k and v projections fused into one weight: one matmul, one read.
-        self.wqkv = nn.Parameter(
-            torch.empty((h + 2 * kvh) * d, args.hidden_size, dtype=dtype), requires_grad=False
-        )
-        self.wo = nn.Parameter(
-            torch.empty(args.hidden_size, h * d, dtype=dtype), requires_grad=False
-        )
+        # Each is a Linear (engine.linear), swapped for faster ones at load.
+        self.wqkv: nn.Module = Linear(torch.empty((h + 2 * kvh) * d, hidden, dtype=dtype))
+        self.wo: nn.Module = Linear(torch.empty(hidden, h * d, dtype=dtype))
         # gate and up projections fused the same way.
-        self.w_gate_up = nn.Parameter(
-            torch.empty(2 * args.intermediate_size, args.hidden_size, dtype=dtype),
-            requires_grad=False,
-        )
-        self.w_down = nn.Parameter(
-            torch.empty(args.hidden_size, args.intermediate_size, dtype=dtype), requires_grad=False
-        )
+        self.w_gate_up: nn.Module = Linear(torch.empty(2 * inter, hidden, dtype=dtype))
+        self.w_down: nn.Module = Linear(torch.empty(hidden, inter, dtype=dtype))
         self.input_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.post_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        self.packed: dict[str, torch.Tensor] = {}  # weight name -> MKL-packed copy
-        self.packed_rows = 0
-
-    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        w = getattr(self, name)
-        if self.packed and PACK_MIN_ROWS <= x.shape[0] <= self.packed_rows:
-            return packed_linear(x, w, self.packed[name], self.packed_rows)
-        return linear(x, w)
 
     def forward(self, x: torch.Tensor, plan: _Plan, local: int) -> torch.Tensor:
         args = self.args
         t = x.shape[0]
         h, kvh, d = args.num_heads, args.num_kv_heads, args.head_dim
-        # Batched decode (the compiled kernel attends): its small steps fused as well.
+        # Decode steps in the batch (the compiled kernel attends): small steps fused too.
         fused = plan.kernel if plan.decode is not None else None
         if fused is not None:
             normed = fused.rms_norm(x, self.input_norm.weight, self.input_norm.eps)
-            qkv = self._linear(normed, "wqkv")  # [T, (H + 2 KVH) * D]
+            qkv = self.wqkv(normed)  # [T, (H + 2 KVH) * D]
             fused.rope_(qkv, plan.cos[:, 0], plan.sin[:, 0], h + kvh, d)
             q = qkv[:, : h * d].view(t, h, d)  # [T, H, D]
             k = qkv[:, h * d : (h + kvh) * d].view(t, kvh, d)  # [T, KVH, D]
         else:
-            qkv = self._linear(self.input_norm(x), "wqkv")
+            qkv = self.wqkv(self.input_norm(x))
             qk = _rope(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), plan.cos, plan.sin)
             q, k = qk[:, :h], qk[:, h:]
         v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
@@ -174,14 +123,14 @@ class DecoderLayer(nn.Module):
                 attn = out  # one session: no gather buffer
             else:
                 attn[off : off + n] = out
-        x = x + self._linear(attn, "wo")
+        x = x + self.wo(attn)
         if fused is not None:
             normed = fused.rms_norm(x, self.post_norm.weight, self.post_norm.eps)
-            act = fused.silu_mul(self._linear(normed, "w_gate_up"))
+            act = fused.silu_mul(self.w_gate_up(normed))
         else:
-            gate, up = self._linear(self.post_norm(x), "w_gate_up").chunk(2, dim=-1)
+            gate, up = self.w_gate_up(self.post_norm(x)).chunk(2, dim=-1)
             act = F.silu(gate) * up
-        return x + self._linear(act, "w_down")
+        return x + self.w_down(act)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -241,48 +190,51 @@ class MistralShard(nn.Module):
         self._rope_len = 0
         self._cos = torch.empty(0)
         self._sin = torch.empty(0)
+        self.head: nn.Module | None = None  # a Linear over lm_head, set at load
         self.kernel: ModuleType | None = None  # see use_kernel
-        self.packed_head: torch.Tensor | None = None  # see pack
-        self.packed_rows = 0
+        self.packed_rows = 0  # see pack
 
     def _cpu_float32(self) -> bool:
         """The compiled kernel and the packed weights exist for float32 on the CPU only."""
         return self.device.type == "cpu" and self.dtype is torch.float32
+
+    def _linears(self) -> list[tuple[nn.Module, str]]:
+        """(owner, attribute) of every matmul weight's Linear."""
+        found: list[tuple[nn.Module, str]] = [
+            (layer, name) for layer in self.layers for name in _LINEARS
+        ]
+        if self.head is not None:
+            found.append((self, "head"))
+        return found
+
+    def _choose_linears(self) -> None:
+        """Swap every Linear for the implementations the kernel and packing settings
+        make available (engine.linear.choose)."""
+        for owner, name in self._linears():
+            setattr(owner, name, linear.choose(getattr(owner, name), self.kernel, self.packed_rows))
 
     def pack(self, rows: int) -> bool:
         """Keep an MKL-packed copy of every matmul weight for batches of up to ``rows``
         rows (from PACK_MIN_ROWS): about a second copy of the weights in memory for
         ~25% faster batched decode forwards. float32 on the CPU with MKL only;
         returns whether the weights were packed."""
-        mkl = torch.ops.mkl
-        usable = (
-            rows >= PACK_MIN_ROWS
-            and self._cpu_float32()
-            and torch.backends.mkl.is_available()
-            and hasattr(mkl, "_mkl_reorder_linear_weight")
-        )
-        if not usable:
+        if not linear.packing_available(self.dtype, self.device, rows):
             return False
-        with torch.no_grad():
-            for layer in self.layers:
-                assert isinstance(layer, DecoderLayer)
-                for name in _PACKED:
-                    layer.packed[name] = mkl._mkl_reorder_linear_weight(getattr(layer, name), rows)
-                layer.packed_rows = rows
-            if self.lm_head is not None:
-                self.packed_head = mkl._mkl_reorder_linear_weight(self.lm_head, rows)
         self.packed_rows = rows
+        with torch.no_grad():
+            self._choose_linears()
         return True
 
     def use_kernel(self, kernel: ModuleType | None) -> bool:
-        """Attend batched decode steps with the compiled kernel (engine.native).
+        """Use the compiled kernels (engine.native): decode attention and the fused
+        per-layer steps of decode forwards, and one-row matrix-vector products.
 
         Only float32 on the CPU; elsewhere, or with None, the PyTorch path stays.
-        A single session always takes the PyTorch path, the same ops that
-        transformers runs. Returns whether the kernel is in use.
+        Returns whether the kernel is in use.
         """
         ok = kernel is not None and self._cpu_float32()
         self.kernel = kernel if ok else None
+        self._choose_linears()
         return ok
 
     @property
@@ -317,6 +269,8 @@ class MistralShard(nn.Module):
                     self.lm_head = self.embed  # one tensor serves both ends
                 else:
                     self.lm_head = self._take(tensors, embed)
+                self.head = Linear(self.lm_head, CPU_MM_MAX_ROWS_HEAD)
+                self._choose_linears()
                 self._loaded.add("head")
         if strict:
             self.check_loaded()
@@ -335,11 +289,11 @@ class MistralShard(nn.Module):
     ) -> None:
         attn, mlp = p + "self_attn.", p + "mlp."
         qkv = [self._take(tensors, attn + f"{x}_proj.weight") for x in ("q", "k", "v")]
-        layer.wqkv.copy_(torch.cat(qkv))
-        layer.wo.copy_(self._take(tensors, attn + "o_proj.weight"))
+        layer.wqkv.weight.copy_(torch.cat(qkv))
+        layer.wo.weight.copy_(self._take(tensors, attn + "o_proj.weight"))
         gate_up = [self._take(tensors, mlp + f"{x}_proj.weight") for x in ("gate", "up")]
-        layer.w_gate_up.copy_(torch.cat(gate_up))
-        layer.w_down.copy_(self._take(tensors, mlp + "down_proj.weight"))
+        layer.w_gate_up.weight.copy_(torch.cat(gate_up))
+        layer.w_down.weight.copy_(self._take(tensors, mlp + "down_proj.weight"))
         layer.input_norm.weight.copy_(self._take(tensors, p + "input_layernorm.weight"))
         layer.post_norm.weight.copy_(self._take(tensors, p + "post_attention_layernorm.weight"))
 
@@ -354,12 +308,9 @@ class MistralShard(nn.Module):
             raise KeyError(f"shard [{self.start}, {self.end}) was not given: {', '.join(missing)}")
 
     def num_parameters(self) -> int:
-        n = sum(p.numel() for p in self.parameters())
-        if self.embed is not None:
-            n += self.embed.numel()
-        if self.lm_head is not None and self.lm_head is not self.embed:
-            n += self.lm_head.numel()
-        return n
+        # Each tensor once: the head may be the embedding, a wrapper shares its weight.
+        tensors = [*self.parameters(), *([self.embed] if self.embed is not None else [])]
+        return sum({t.data_ptr(): t.numel() for t in tensors}.values())
 
     def _rope_tables(self, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
         if upto > self._rope_len:
@@ -379,7 +330,8 @@ class MistralShard(nn.Module):
         window = self.args.sliding_window
         spans: list[tuple[int, int, int, int, torch.Tensor | None]] = []
         positions: list[torch.Tensor] = []
-        batched = self.kernel is not None and sum(seg.n == 1 for seg in segments) >= 2
+        # Every decode step, a single stream's too, attends in the compiled kernel.
+        batched = self.kernel is not None and any(seg.n == 1 for seg in segments)
         python_segs: list[Segment] = []
         dk: list[torch.Tensor] = []
         dv: list[torch.Tensor] = []
@@ -458,12 +410,10 @@ class MistralShard(nn.Module):
             seg.cache.length += seg.n
         if not self.is_last:
             return h
-        assert self.norm is not None and self.lm_head is not None
+        assert self.norm is not None and self.head is not None
         if not all_logits:
             ends = list(itertools.accumulate(seg.n for seg in segments))
             last = torch.tensor([e - 1 for e in ends], device=self.device)
             h = h[last]
         h = self.norm(h)
-        if self.packed_head is not None and PACK_MIN_ROWS <= h.shape[0] <= self.packed_rows:
-            return packed_linear(h, self.lm_head, self.packed_head, self.packed_rows).float()
-        return linear(h, self.lm_head, CPU_MM_MAX_ROWS_HEAD).float()
+        return self.head(h).float()

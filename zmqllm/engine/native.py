@@ -1,21 +1,29 @@
-"""The optional compiled decode-attention kernel (csrc/decode_attention.cpp),
-with the small per-layer steps of a batched decode forward (RMSNorm, rotary
-embedding, silu(gate) * up) fused beside it.
+"""The optional compiled extension (csrc/): batched decode attention, the fused
+per-layer steps of a decode forward (RMSNorm, rotary embedding, silu(gate) * up)
+and the single-row matrix-vector product of a single stream.
 
 Built on first use with torch's C++ extension loader (a C++ compiler and ninja
-are needed) into ``~/.cache/zmqllm/kernels``, once per source, torch version and
-environment; later loads take well under a second. Where it cannot be built, or
-with ``ZMQLLM_NATIVE=0``, the engine keeps its pure-PyTorch path: same results
-to float32 rounding, slower when many sessions decode at once.
+are needed) into ``$ZMQLLM_HOME/kernels/<key>``, where the key is a digest of
+what determines the binary: the sources, the compiler flags, the compiler, the
+torch build, the Python ABI and the CPU (``-march=native``). Not the checkout's
+or the virtual environment's path: every checkout and venv with the same torch
+shares one build. A built module is imported straight from its ``.so`` (no
+ninja check, which would see another venv's include paths and rebuild). Where it
+cannot be built, or with ``ZMQLLM_NATIVE=0``, the engine keeps its pure-PyTorch
+path: same results to float32 rounding, slower.
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.util
 import os
+import platform
 import shutil
+import subprocess
 import sys
+import sysconfig
 import threading
 import time
 from pathlib import Path
@@ -23,11 +31,18 @@ from types import ModuleType
 
 import torch
 
+from zmqllm.config import zmqllm_home
 from zmqllm.log import get_logger
 
 log = get_logger("zmqllm.engine.native")
 
-SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "decode_attention.cpp", CSRC / "gemv.cpp")
+# The build runs on the machine that uses it: tune for its CPU. OpenMP makes
+# at::parallel_for use torch's threads (without it, it runs serially).
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+NAME = "zmqllm_native"
 _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}
 # Longest wait for another process's build of the same kernel; past it, the PyTorch path.
@@ -38,9 +53,49 @@ def enabled() -> bool:
     return os.environ.get("ZMQLLM_NATIVE", "1").lower() not in ("0", "false", "no", "off")
 
 
-def build_dir() -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return base / "zmqllm" / "kernels"
+def build_root() -> Path:
+    return zmqllm_home() / "kernels"
+
+
+def _compiler() -> str:
+    """The C++ compiler's identity (its version line); empty if it cannot be run."""
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        done = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return f"{cxx}:{done.stdout.partition(chr(10))[0]}"
+
+
+def _cpu() -> str:
+    """What ``-march=native`` sees: the CPU's model and feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    wanted = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
+    return "\n".join(dict.fromkeys(wanted))
+
+
+def cache_key() -> str:
+    """A digest of everything the binary depends on, and nothing path-like."""
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
+    parts = (
+        " ".join(CFLAGS),
+        " ".join(LDFLAGS),
+        _compiler(),
+        torch.__version__,
+        str(torch.version.git_version),
+        str(torch.compiled_with_cxx11_abi()),
+        str(sysconfig.get_config_var("EXT_SUFFIX")),
+        sys.implementation.cache_tag or "",
+        platform.machine(),
+        _cpu(),
+    )
+    h.update("\0".join(parts).encode())
+    return h.hexdigest()[:16]
 
 
 def load() -> ModuleType | None:
@@ -48,72 +103,81 @@ def load() -> ModuleType | None:
     (the reason is logged once)."""
     with _lock:
         if "module" not in _state:
-            _state["module"] = _build() if enabled() else None
+            _state["module"] = _load_or_build() if enabled() else None
         return _state["module"]
 
 
-def _build() -> ModuleType | None:
+def _import(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(NAME, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _load_or_build() -> ModuleType | None:
+    directory = build_root() / cache_key()
+    built = directory / f"{NAME}.so"
+    try:
+        if built.exists():
+            return _import(built)
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(directory / "build.lock", "a+") as held:
+            # flock dies with its process, unlike the lock file torch's loader leaves
+            # behind when a builder is killed (every later load would wait on it).
+            deadline = time.monotonic() + BUILD_WAIT_S
+            while True:
+                try:
+                    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        log.warning("another process's kernel build did not finish; using PyTorch")
+                        return None
+                    time.sleep(0.2)
+            if not built.exists():  # another process may have built it while we waited
+                _build(directory, built)
+            return _import(built)
+    except Exception as exc:  # no compiler, no ninja, a failed build: stay in Python
+        log.warning(
+            "compiled kernels unavailable; using the PyTorch path",
+            error=str(exc).splitlines()[-1][:300] if str(exc) else type(exc).__name__,
+        )
+        return None
+
+
+def _build(directory: Path, built: Path) -> None:
+    """Compile in a scratch folder, then move the module into place in one rename:
+    a ``.so`` at ``built`` is always a whole one."""
     from torch.utils import cpp_extension
 
     # ninja from the `worker` extra sits beside this interpreter, maybe not on PATH.
     bindir = str(Path(sys.executable).parent)
     if shutil.which("ninja") is None and (Path(bindir) / "ninja").exists():
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-    source = SOURCE.read_bytes()
-    # One build per source, torch version and torch install: the build embeds the torch
-    # paths, and two environments sharing a directory would rebuild it for each other on
-    # every start (each rebuild holding up every worker that waits for it).
-    installed = f"{torch.__version__}:{os.path.dirname(os.path.abspath(torch.__file__))}"
-    tag = hashlib.sha256(source + installed.encode()).hexdigest()[:12]
-    name = f"zmqllm_decode_attention_{tag}"
-    directory = build_dir() / name
-    directory.mkdir(parents=True, exist_ok=True)
-    # Built from a copy inside the build directory: the loader rebuilds whenever the
-    # source path changes, so two checkouts on one machine would rebuild each other's
-    # kernel on every start.
-    copy = directory / SOURCE.name
-    if not copy.exists() or copy.read_bytes() != source:
-        staged = copy.with_name(f"{copy.name}.{os.getpid()}")
-        staged.write_bytes(source)
-        staged.replace(copy)
-    with open(directory / "zmqllm.lock", "a+") as held:
-        # flock dies with its process, unlike the lock file torch's loader leaves behind
-        # when a builder is killed (every later load would then wait on it forever).
-        deadline = time.monotonic() + BUILD_WAIT_S
-        while True:
-            try:
-                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    log.warning("another process's kernel build did not finish; using PyTorch")
-                    return None
-                time.sleep(0.2)
-        # Holding it, no other zmqllm process builds here: torch's lock is a dead one's.
-        (directory / "lock").unlink(missing_ok=True)
-        if not any(directory.glob(f"{name}*.so")):
-            log.info(
-                "building the compiled decode attention kernel (once)", directory=str(directory)
-            )
-        return _load(cpp_extension, name, copy, directory)
-
-
-def _load(cpp_extension: ModuleType, name: str, copy: Path, directory: Path) -> ModuleType | None:
-    try:
-        module = cpp_extension.load(
-            name=name,
-            sources=[str(copy)],
-            build_directory=str(directory),
-            # The build runs on the machine that uses it: tune for its CPU. OpenMP
-            # makes at::parallel_for use torch's threads (without it, it runs serially).
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler, no ninja, a failed build: stay in Python
-        log.warning(
-            "compiled decode attention unavailable; using the PyTorch path",
-            error=str(exc).splitlines()[-1][:300] if str(exc) else type(exc).__name__,
-        )
-        return None
-    return module
+    scratch = directory / "build"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir()
+    copies = []
+    for src in SOURCES:  # copies, so the build files name no checkout's path
+        copy = scratch / src.name
+        copy.write_bytes(src.read_bytes())
+        copies.append(str(copy))
+    log.info(
+        "building the compiled kernels: once per source, torch, compiler and CPU"
+        " (1-2 minutes on 2 cores)",
+        directory=str(directory),
+    )
+    t0 = time.perf_counter()
+    cpp_extension.load(
+        name=NAME,
+        sources=copies,
+        build_directory=str(scratch),
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=list(LDFLAGS),
+        verbose=False,
+    )
+    os.replace(scratch / f"{NAME}.so", built)
+    log.info("compiled kernels built", seconds=round(time.perf_counter() - t0, 1))
+    shutil.rmtree(scratch, ignore_errors=True)

@@ -241,6 +241,8 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
+torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w);  // gemv.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecodeBatch>(m, "DecodeBatch")
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>,
@@ -250,4 +252,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "w * (x * rsqrt(mean(x^2) + eps)) per row");
   m.def("rope_", &rope_, "rotary embedding in place on the first heads of each row");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("gemv", &gemv, "x [1, in] @ w[out, in]^T, float32");
 }

@@ -1,0 +1,153 @@
+"""Linear layers as swappable implementations, chosen once at load.
+
+Every matmul weight of a shard lives in a :class:`Linear` (the portable
+PyTorch path). At load, :func:`choose` wraps it in the implementations that are
+faster for some batch sizes on this machine; each one handles its row counts and
+hands every other batch to the one it wraps. ``forward`` never asks which kind
+of weight it has (the shape of gpt-fast's quantize.py, which swaps Linear
+modules for quantized ones before the first forward).
+
+- :class:`Linear`: PyTorch's float32 (or bf16, fp16) product, any device.
+- :class:`GemvLinear`: one row through the compiled AVX2/FMA matrix-vector
+  product (engine.native): a single stream's decode step.
+- :class:`PackedLinear`: MKL's packed GEMM for batches of PACK_MIN_ROWS..rows.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# The CPU tuning thresholds, in one place.
+# Row counts for which `Linear` multiplies as W @ x^T on the CPU (see there).
+CPU_MM_MIN_ROWS = 7
+CPU_MM_MAX_ROWS = 32
+CPU_MM_MAX_ROWS_HEAD = 15
+# Batches from this many rows up to the packed row count take the packed GEMM.
+PACK_MIN_ROWS = 7
+
+
+class Linear(nn.Module):
+    """y = x @ weight^T with PyTorch's kernels; ``weight`` is [out, in]."""
+
+    def __init__(self, weight: torch.Tensor, max_mm_rows: int = CPU_MM_MAX_ROWS) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.max_mm_rows = max_mm_rows
+
+    @property
+    def base(self) -> Linear:
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """PyTorch's float32 linear on the CPU handles 4..15 rows a few at a time,
+        re-reading the weight each time: 12 rows through the 49152x576 lm_head take
+        37 ms against 20 ms for 16 (1 thread, measured). Computed as W @ x^T the
+        same product reads the weight once: 23 ms at 12 rows, and the MLP weights
+        gain up to 2x up to 32 rows. Outside that band F.linear is as fast or
+        faster (and is what transformers uses)."""
+        if x.device.type == "cpu" and CPU_MM_MIN_ROWS <= x.shape[0] <= self.max_mm_rows:
+            return torch.mm(self.weight, x.t()).t().contiguous()
+        return F.linear(x, self.weight)
+
+
+class _Wrapper(nn.Module):
+    """An implementation for some row counts in front of another (``inner``)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    @property
+    def base(self) -> Linear:
+        base = self.inner.base
+        assert isinstance(base, Linear)
+        return base
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base.weight
+
+
+class GemvLinear(_Wrapper):
+    """One row: the compiled matrix-vector product, which streams the weight at
+    close to the read bandwidth where PyTorch's one-row float32 path does not.
+    Its sums run in another order than PyTorch's: equal up to float32 rounding."""
+
+    def __init__(self, inner: nn.Module, kernel: ModuleType) -> None:
+        super().__init__(inner)
+        self.kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1:
+            return self.kernel.gemv(x.contiguous(), self.weight)
+        return self.inner(x)
+
+
+class PackedLinear(_Wrapper):
+    """Batches of PACK_MIN_ROWS..rows rows through MKL's packed GEMM, padded to
+    ``rows``: ~25% less time than F.linear at 16 rows with the weights coming
+    from memory, the same sgemm minus packing the weight on every call. Costs a
+    second copy of the weight."""
+
+    def __init__(self, inner: nn.Module, rows: int) -> None:
+        super().__init__(inner)
+        self.rows = rows
+        # w reordered by MKL for exactly ``rows`` rows.
+        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        if not PACK_MIN_ROWS <= m <= self.rows:
+            return self.inner(x)
+        if m < self.rows:
+            x = F.pad(x, (0, 0, 0, self.rows - m))
+        out = torch.ops.mkl._mkl_linear(x, self.packed, self.weight, None, self.rows)
+        return out[:m] if m < self.rows else out
+
+
+def packing_available(dtype: torch.dtype, device: torch.device, rows: int) -> bool:
+    return (
+        rows >= PACK_MIN_ROWS
+        and device.type == "cpu"
+        and dtype is torch.float32
+        and torch.backends.mkl.is_available()
+        and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+    )
+
+
+def gemv_available(kernel: ModuleType | None, dtype: torch.dtype, device: torch.device) -> bool:
+    return (
+        kernel is not None
+        and hasattr(kernel, "gemv")
+        and device.type == "cpu"
+        and dtype is torch.float32
+    )
+
+
+def choose(linear: nn.Module, kernel: ModuleType | None, packed_rows: int) -> nn.Module:
+    """The implementation for ``linear``'s weight: its plain :class:`Linear`, wrapped
+    in those this machine and these settings make available."""
+    base = linear.base
+    assert isinstance(base, Linear)
+    w = base.weight
+    chosen: nn.Module = base
+    if packing_available(w.dtype, w.device, packed_rows):
+        packed = _find_packed(linear)  # packing again costs a second; keep a packed copy
+        chosen = (
+            packed if packed and packed.rows == packed_rows else PackedLinear(base, packed_rows)
+        )
+    if kernel is not None and gemv_available(kernel, w.dtype, w.device):
+        chosen = GemvLinear(chosen, kernel)
+    return chosen
+
+
+def _find_packed(linear: nn.Module) -> PackedLinear | None:
+    while isinstance(linear, _Wrapper):
+        if isinstance(linear, PackedLinear):
+            return linear
+        linear = linear.inner
+    return None
