@@ -1,11 +1,13 @@
 """Engine latency: zmqllm's single-process engine against HF transformers `generate`.
 
 Same weights (the converted default model), same dtype, same torch threads, in
-one run. Measures prefill time for a 256-token prompt and decode ms/token over
-128 tokens, and how close decode is to the memory-bandwidth bound (bytes of
-weights read per token / measured read bandwidth).
+one run, in alternating rounds: HF, zmqllm's engine (the compiled single-stream
+path) and the engine on PyTorch's ops alone (its portable fallback). Measures
+prefill time for a 256-token prompt and decode ms/token over 128 tokens, and
+the memory floor: weight bytes read per token / the read bandwidth of a sum
+over a filled 512 MiB tensor with the same threads, measured every round.
 
-    python benchmarks/engine_latency.py [--threads 2] [--repeats 3] [--out FILE]
+    python benchmarks/engine_latency.py [--threads 2] [--repeats 5] [--out FILE]
 
 Prints a table and writes JSON (default benchmarks/results/engine_latency.json).
 """
@@ -27,6 +29,8 @@ from zmqllm.engine.generator import Generator
 from zmqllm.models import prepare_default_model
 from zmqllm.tokenizer import Tokenizer
 
+FLOOR_BYTES = 512 << 20
+
 TEXT = (
     "ZeroMQ is a high-performance asynchronous messaging library aimed at use in distributed "
     "or concurrent applications. It provides a message queue, but unlike message-oriented "
@@ -34,21 +38,17 @@ TEXT = (
 )
 
 
-def median_time(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up: allocator, thread pool, first-call paths
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def seconds(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
-def read_bandwidth(nbytes: int, repeats: int) -> float:
-    """Bytes/s for a streaming read of a buffer larger than any cache."""
-    buf = torch.ones(nbytes // 4, dtype=torch.float32)
-    t = median_time(lambda: buf.sum(), repeats)
-    return nbytes / t
+def floor_seconds_per_byte(buf: torch.Tensor) -> float:
+    """The memory floor's rate: seconds per byte of a sum over a filled buffer larger
+    than every cache, with the threads torch was given."""
+    buf.sum()
+    return min(seconds(buf.sum) for _ in range(3)) / (buf.numel() * buf.element_size())
 
 
 def main() -> None:
@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5, help="alternating rounds")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--out", default="benchmarks/results/engine_latency.json")
     a = ap.parse_args()
@@ -90,17 +90,18 @@ def main() -> None:
     def zmq_run(k: int) -> list[int]:
         return list(gen.generate(ids, k))
 
-    results: dict[str, dict[str, float]] = {}
-    same = hf_run(n) == zmq_run(n)
-    for name, run in (("hf_generate", hf_run), ("zmqllm_engine", zmq_run)):
-        t1 = median_time(lambda run=run: run(1), a.repeats)
-        tn = median_time(lambda run=run: run(n), a.repeats)
-        decode = (tn - t1) / (n - 1)
-        results[name] = {
-            "prefill_ms": t1 * 1e3,
-            "decode_ms_per_token": decode * 1e3,
-            "decode_tokens_per_s": 1.0 / decode,
-        }
+    gen_pt = Generator(model_dir, dtype=a.dtype, compiled=False)
+
+    def pt_run(k: int) -> list[int]:
+        return list(gen_pt.generate(ids, k))
+
+    runs: dict[str, Callable[[int], list[int]]] = {
+        "hf_generate": hf_run,
+        "zmqllm_engine": zmq_run,
+        "zmqllm_pytorch_ops": pt_run,
+    }
+    want = hf_run(n)
+    same = {name: run(n) == want for name, run in runs.items() if name != "hf_generate"}
 
     # Bytes read per decode token: every weight once (the embedding is only
     # gathered, one row, unless tied to the lm_head, which reads it whole).
@@ -108,37 +109,61 @@ def main() -> None:
     shard = gen.shards[0]
     weight_bytes = sum(p.numel() for p in shard.layers.parameters()) * itemsize
     weight_bytes += shard.lm_head.numel() * itemsize if shard.lm_head is not None else 0
-    bw = read_bandwidth(1 << 30, a.repeats)
-    bound_ms = weight_bytes / bw * 1e3
-    zm, hfr = results["zmqllm_engine"], results["hf_generate"]
+    buf = torch.ones(FLOOR_BYTES // 4, dtype=torch.float32)
+
+    # Alternating rounds (the order flipped each round): this machine's speed drifts.
+    decode: dict[str, list[float]] = {name: [] for name in [*runs, "floor"]}
+    prefill: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(a.repeats):
+        order = list(runs.items())
+        for name, run in order if r % 2 == 0 else order[::-1]:
+            run(2)  # warm-up
+            t1 = seconds(lambda run=run: run(1))
+            tn = seconds(lambda run=run: run(n))
+            prefill[name].append(t1 * 1e3)
+            decode[name].append((tn - t1) / (n - 1) * 1e3)
+        decode["floor"].append(floor_seconds_per_byte(buf) * weight_bytes * 1e3)
+        print(f"  round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in decode.items()))
+
+    def spread(xs: list[float]) -> dict[str, float]:
+        return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+    results = {
+        name: {"prefill_ms": spread(prefill[name]), "decode_ms_per_token": spread(decode[name])}
+        for name in runs
+    }
+    ratio = [z / h for z, h in zip(decode["zmqllm_engine"], decode["hf_generate"], strict=True)]
+    over = [z / f for z, f in zip(decode["zmqllm_engine"], decode["floor"], strict=True)]
+    floor = statistics.median(decode["floor"])
     summary = {
-        "ratio_decode_zmqllm_over_hf": zm["decode_ms_per_token"] / hfr["decode_ms_per_token"],
-        "ratio_prefill_zmqllm_over_hf": zm["prefill_ms"] / hfr["prefill_ms"],
+        "ratio_decode_zmqllm_over_hf": spread(ratio),
         "weight_bytes_per_token": weight_bytes,
-        "read_bandwidth_gb_s": bw / 1e9,
-        "bandwidth_bound_ms_per_token": bound_ms,
-        "zmqllm_decode_over_bound": zm["decode_ms_per_token"] / bound_ms,
-        "greedy_tokens_identical": same,
+        "floor_ms_per_token": spread(decode["floor"]),
+        "read_bandwidth_gb_s": weight_bytes / floor / 1e6,
+        "zmqllm_decode_over_floor": spread(over),
+        "greedy_tokens_identical_to_hf": same,
     }
 
     print(
         f"\nengine latency — {model_dir.name}, {a.dtype}, {a.threads} threads, "
-        f"prompt {len(ids)} tokens, {n} new tokens, median of {a.repeats}"
+        f"prompt {len(ids)} tokens, {n} new tokens, {a.repeats} alternating rounds"
     )
-    print(f"{'':16} {'prefill ms':>11} {'decode ms/tok':>14} {'tok/s':>8}")
-    for name, r in results.items():
+    print(f"{'':20} {'prefill ms':>11} {'decode ms/tok (range)':>24} {'tok/s':>7}")
+    for name in [*runs, "floor"]:
+        d = spread(decode[name])
+        pre = f"{statistics.median(prefill[name]):11.1f}" if name in prefill else " " * 11
         print(
-            f"{name:16} {r['prefill_ms']:11.1f} {r['decode_ms_per_token']:14.2f} "
-            f"{r['decode_tokens_per_s']:8.1f}"
+            f"{name:20} {pre} {d['median']:9.2f} ({d['min']:5.2f}-{d['max']:6.2f}) "
+            f"{1e3 / d['median']:7.1f}"
         )
+    rs, os_ = summary["ratio_decode_zmqllm_over_hf"], summary["zmqllm_decode_over_floor"]
     print(
-        f"{'zmqllm / HF':16} {summary['ratio_prefill_zmqllm_over_hf']:11.2f} "
-        f"{summary['ratio_decode_zmqllm_over_hf']:14.2f}"
+        f"zmqllm / HF per round: {rs['median']:.2f} ({rs['min']:.2f}-{rs['max']:.2f}); "
+        f"zmqllm / floor: {os_['median']:.2f} ({os_['min']:.2f}-{os_['max']:.2f})"
     )
     print(
-        f"bandwidth bound: {weight_bytes / 1e6:.0f} MB/token at {bw / 1e9:.1f} GB/s = "
-        f"{bound_ms:.1f} ms/token; zmqllm decode is {summary['zmqllm_decode_over_bound']:.2f}x "
-        f"the bound; greedy tokens identical: {same}"
+        f"floor: {weight_bytes / 1e6:.0f} MB/token at {summary['read_bandwidth_gb_s']:.1f} GB/s "
+        f"(sum over a filled 512 MiB tensor); greedy tokens identical to HF: {same}"
     )
     meta = {
         "model": str(model_dir),

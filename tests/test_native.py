@@ -120,7 +120,7 @@ def test_fused_layer_steps_match_pytorch(kernel: ModuleType) -> None:
     """RMSNorm, rotary embedding and silu(gate) * up of a batched decode forward."""
     import torch.nn.functional as F
 
-    from zmqllm.engine.model import RMSNorm, _rope
+    from zmqllm.engine.decoder_layer import RMSNorm, _rope
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(16, 64, generator=g) * 3

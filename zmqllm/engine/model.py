@@ -6,158 +6,28 @@ weight once for the whole batch; only attention runs per session, against that
 session's own cache. A session may bring a prefill chunk (many tokens) or one
 decode token, at any past length: prefill and decode mix freely in one call.
 
-The arithmetic follows transformers' MistralForCausalLM operation for
-operation (RMSNorm in float32, rotate-half rotary embeddings, a window where
-query i sees key j when 0 <= i - j < sliding_window), so greedy output matches
-it token for token.
+The layers themselves are in decoder_layer.py, their matmuls in linear.py. A
+single stream's decode step runs all layers in one call of the compiled kernel
+when it is loaded. Greedy output matches transformers' MistralForCausalLM token
+for token.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import MutableMapping, Sequence
-from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from zmqllm.engine import linear
-from zmqllm.engine.cache import KVCache
+from zmqllm.engine.decoder_layer import LINEAR_NAMES, DecoderLayer, ForwardPlan, RMSNorm, Segment
 from zmqllm.engine.linear import CPU_MM_MAX_ROWS_HEAD, Linear
 from zmqllm.model_args import ModelArgs
 
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        # In the model dtype, as in transformers: the scale multiplies in that dtype.
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 whatever the model dtype, then scale in it.
-        dtype = x.dtype
-        if dtype is torch.float32:  # skip two no-op casts in the hot path
-            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
-
-
-@dataclass
-class Segment:
-    """One session's share of a batched forward: ``n`` tokens after its cache."""
-
-    cache: KVCache
-    n: int
-
-
-@dataclass
-class _Plan:
-    """What every layer of one forward call needs, computed once per call."""
-
-    cos: torch.Tensor  # [T, 1, head_dim/2]
-    sin: torch.Tensor  # [T, 1, head_dim/2]
-    # per segment attended in Python: (row offset, n, past length, first visible
-    # key, mask or None), and the segments themselves
-    spans: list[tuple[int, int, int, int, torch.Tensor | None]]
-    segments: Sequence[Segment]
-    # The decode segments (one token each) that the compiled kernel attends in one
-    # call per layer, when it is loaded and there are two or more: a DecodeBatch.
-    decode: Any = None
-    kernel: ModuleType | None = None
-
-
-_LINEARS = ("wqkv", "wo", "w_gate_up", "w_down")
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.args = args
-        h, kvh, d = args.num_heads, args.num_kv_heads, args.head_dim
-        hidden, inter = args.hidden_size, args.intermediate_size
-        # q, k and v projections fused into one weight: one matmul, one read.
-        # Each is a Linear (engine.linear), swapped for faster ones at load.
-        self.wqkv: nn.Module = Linear(torch.empty((h + 2 * kvh) * d, hidden, dtype=dtype))
-        self.wo: nn.Module = Linear(torch.empty(hidden, h * d, dtype=dtype))
-        # gate and up projections fused the same way.
-        self.w_gate_up: nn.Module = Linear(torch.empty(2 * inter, hidden, dtype=dtype))
-        self.w_down: nn.Module = Linear(torch.empty(hidden, inter, dtype=dtype))
-        self.input_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        self.post_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-
-    def forward(self, x: torch.Tensor, plan: _Plan, local: int) -> torch.Tensor:
-        args = self.args
-        t = x.shape[0]
-        h, kvh, d = args.num_heads, args.num_kv_heads, args.head_dim
-        # Decode steps in the batch (the compiled kernel attends): small steps fused too.
-        fused = plan.kernel if plan.decode is not None else None
-        if fused is not None:
-            normed = fused.rms_norm(x, self.input_norm.weight, self.input_norm.eps)
-            qkv = self.wqkv(normed)  # [T, (H + 2 KVH) * D]
-            fused.rope_(qkv, plan.cos[:, 0], plan.sin[:, 0], h + kvh, d)
-            q = qkv[:, : h * d].view(t, h, d)  # [T, H, D]
-            k = qkv[:, h * d : (h + kvh) * d].view(t, kvh, d)  # [T, KVH, D]
-        else:
-            qkv = self.wqkv(self.input_norm(x))
-            qk = _rope(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), plan.cos, plan.sin)
-            q, k = qk[:, :h], qk[:, h:]
-        v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
-
-        single = plan.decode is None and len(plan.spans) == 1
-        attn = x if single else torch.empty(t, h * d, dtype=x.dtype, device=x.device)
-        if plan.decode is not None:
-            assert plan.kernel is not None
-            plan.kernel.decode_attention(attn, q, k, v, plan.decode, local, 1.0 / math.sqrt(d))
-        for (off, n, past, lo, mask), seg in zip(plan.spans, plan.segments, strict=True):
-            ck, cv = seg.cache.k[local], seg.cache.v[local]  # [KVH, max_len, D]
-            ck[:, past : past + n].copy_(k[off : off + n].transpose(0, 1))
-            cv[:, past : past + n].copy_(v[off : off + n].transpose(0, 1))
-            out = _attend(q[off : off + n], ck[:, lo : past + n], cv[:, lo : past + n], mask)
-            if single:
-                attn = out  # one session: no gather buffer
-            else:
-                attn[off : off + n] = out
-        x = x + self.wo(attn)
-        if fused is not None:
-            normed = fused.rms_norm(x, self.post_norm.weight, self.post_norm.eps)
-            act = fused.silu_mul(self.w_gate_up(normed))
-        else:
-            gate, up = self.w_gate_up(self.post_norm(x)).chunk(2, dim=-1)
-            act = F.silu(gate) * up
-        return x + self.w_down(act)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, rotate-half layout; x is [T, heads, D], cos/sin [T, 1, D/2]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
-) -> torch.Tensor:
-    """Grouped-query attention of one session.
-
-    q is [n, H, D]; k and v are [KVH, L, D] views into the cache. The G query
-    heads that share a key/value head are stacked as extra query rows, so the
-    cache is read in place with no repeat: q becomes [KVH, G * n, D].
-    Returns [n, H * D].
-    """
-    n, h, d = q.shape
-    kvh = k.shape[0]
-    g = h // kvh
-    qg = q.view(n, kvh, g, d).permute(1, 2, 0, 3).reshape(1, kvh, g * n, d)
-    # 4-D inputs take PyTorch's fused CPU attention kernel (3-D ones fall back to
-    # the unfused math path, ~2.5x slower at decode).
-    out = F.scaled_dot_product_attention(qg, k[None], v[None], attn_mask=mask)
-    return out.view(kvh, g, n, d).permute(2, 0, 1, 3).reshape(n, h * d)  # [n, H*D]
+__all__ = ["MistralShard", "Segment"]
 
 
 class MistralShard(nn.Module):
@@ -193,6 +63,9 @@ class MistralShard(nn.Module):
         self.head: nn.Module | None = None  # a Linear over lm_head, set at load
         self.kernel: ModuleType | None = None  # see use_kernel
         self.packed_rows = 0  # see pack
+        # Every layer's tensors in the order the kernel's decode_layers takes them,
+        # when a single stream's decode step runs the layers in one call.
+        self._single_stream: list[torch.Tensor] | None = None
 
     def _cpu_float32(self) -> bool:
         """The compiled kernel and the packed weights exist for float32 on the CPU only."""
@@ -201,7 +74,7 @@ class MistralShard(nn.Module):
     def _linears(self) -> list[tuple[nn.Module, str]]:
         """(owner, attribute) of every matmul weight's Linear."""
         found: list[tuple[nn.Module, str]] = [
-            (layer, name) for layer in self.layers for name in _LINEARS
+            (layer, name) for layer in self.layers for name in LINEAR_NAMES
         ]
         if self.head is not None:
             found.append((self, "head"))
@@ -212,6 +85,11 @@ class MistralShard(nn.Module):
         make available (engine.linear.choose)."""
         for owner, name in self._linears():
             setattr(owner, name, linear.choose(getattr(owner, name), self.kernel, self.packed_rows))
+        self._single_stream = None
+        if self.kernel is not None and hasattr(self.kernel, "decode_layers"):
+            self._single_stream = [
+                t for layer in self.layers for t in layer.single_stream_tensors()
+            ]
 
     def pack(self, rows: int) -> bool:
         """Keep an MKL-packed copy of every matmul weight for batches of up to ``rows``
@@ -326,7 +204,7 @@ class MistralShard(nn.Module):
             self._rope_len = size
         return self._cos, self._sin
 
-    def _plan(self, segments: Sequence[Segment]) -> _Plan:
+    def _plan(self, segments: Sequence[Segment]) -> ForwardPlan:
         window = self.args.sliding_window
         spans: list[tuple[int, int, int, int, torch.Tensor | None]] = []
         positions: list[torch.Tensor] = []
@@ -377,7 +255,7 @@ class MistralShard(nn.Module):
         if rows:
             assert self.kernel is not None
             decode = self.kernel.DecodeBatch(dk, dv, rows, pasts, los)
-        return _Plan(
+        return ForwardPlan(
             cos=cos[pos][:, None, :],
             sin=sin[pos][:, None, :],
             spans=spans,
@@ -404,8 +282,16 @@ class MistralShard(nn.Module):
             h = F.embedding(x.to(device=self.device, dtype=torch.long), self.embed)
         else:
             h = x.to(device=self.device, dtype=self.dtype)
-        for local, layer in enumerate(self.layers):
-            h = layer(h, plan, local)
+        if self._single_stream is not None and h.shape[0] == 1 and plan.decode is not None:
+            assert plan.kernel is not None
+            a = self.args
+            h = plan.kernel.decode_layers(  # one call: see csrc/decode_attention.cpp
+                h.contiguous(), plan.decode, self._single_stream, a.rms_norm_eps,
+                plan.cos[:, 0], plan.sin[:, 0], a.num_heads, a.num_kv_heads, a.head_dim,
+            )  # fmt: skip
+        else:
+            for local, layer in enumerate(self.layers):
+                h = layer(h, plan, local)
         for seg in segments:
             seg.cache.length += seg.n
         if not self.is_last:
