@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import repo_root  # noqa: F401  (this checkout first on sys.path)
 import torch
 from report import write_json
 

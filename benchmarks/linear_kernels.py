@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import repo_root  # noqa: F401  (this checkout first on sys.path)
 import torch
 import torch.nn.functional as F
 from report import write_json
@@ -55,7 +56,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     shard = load_shard(prepare_default_model(default_model_dir()), 0, 30)
     assert shard.lm_head is not None
-    weights = [getattr(layer, n).data for layer in shard.layers for n in _NAMES]
+    weights = [getattr(layer, n).weight.data for layer in shard.layers for n in _NAMES]
     weights.append(shard.lm_head)
     nbytes = sum(w.numel() * 4 for w in weights)
     xs = [torch.randn(1, w.shape[1]) for w in weights]
