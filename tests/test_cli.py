@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +52,14 @@ def test_generate_streams_hf_greedy_text_and_nothing_else(tiny_model_dir: Path) 
         pad_token_id=0,
     )
     assert out.stdout == tok.decode(gen[0, len(ids) :].tolist()) + "\n"
+
+
+def test_generate_stats_go_to_stderr(tiny_model_dir: Path) -> None:
+    args = ("generate", "--model", str(tiny_model_dir), "--max-tokens", "8", "--raw", "hi")
+    plain, timed = zmqllm(*args), zmqllm(*args, "--stats")
+    assert plain.returncode == 0 and timed.returncode == 0, timed.stderr
+    assert timed.stdout == plain.stdout  # the text alone on stdout
+    assert re.search(r"prefill [\d.]+ ms; \d+ tokens, decode [\d.]+ ms/token", timed.stderr)
 
 
 def test_generate_raw_sampling_is_seeded(tiny_model_dir: Path) -> None:

@@ -51,7 +51,7 @@ def cmd_prepare_model(ns: argparse.Namespace) -> int:
 def cmd_generate(ns: argparse.Namespace) -> int:
     import torch
 
-    from zmqllm.engine.generator import Generator
+    from zmqllm.engine.generator import GenerationStats, Generator
     from zmqllm.layers import split_layers
     from zmqllm.sampling_params import SamplingParams
     from zmqllm.tokenizer import Tokenizer
@@ -93,15 +93,25 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     max_tokens = min(max_tokens, context - len(ids))
     decoder = tok.incremental_decoder()
     out = sys.stdout
-    for token in gen.generate(ids, max_tokens, params, stop_ids=sorted(tok.eos_token_ids)):
+    stats = GenerationStats()
+    stop_ids = sorted(tok.eos_token_ids)
+    for token in gen.generate(ids, max_tokens, params, stop_ids=stop_ids, stats=stats):
         if token in tok.eos_token_ids:
-            break
+            continue  # the last one: generate ends after it (and completes the stats)
         piece = decoder.push(token)
         if piece:
             out.write(piece)
             out.flush()
     out.write(decoder.flush() + "\n")
     out.flush()
+    if ns.stats:
+        # Decode time per token after the first (the first comes with the prefill).
+        per = stats.decode_s / max(1, stats.generated_tokens - 1) * 1e3
+        print(
+            f"prompt {stats.prompt_tokens} tokens, prefill {stats.prefill_s * 1e3:.1f} ms; "
+            f"{stats.generated_tokens} tokens, decode {per:.2f} ms/token",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -118,6 +128,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
+    p.add_argument("--stats", action="store_true", help="timings on stderr at the end")
     p.add_argument("--stages", type=int, default=1, help="split into N shards in-process")
     p.set_defaults(func=cmd_generate)
 
