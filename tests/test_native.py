@@ -104,14 +104,9 @@ def test_disabled_or_unbuildable_means_the_pytorch_path(
     monkeypatch.setenv("ZMQLLM_NATIVE", "0")
     assert native.load() is None
 
-    from torch.utils import cpp_extension
-
-    def no_compiler(**_: object) -> None:
-        raise RuntimeError("error: command 'c++' failed: No such file or directory")
-
     monkeypatch.setattr(native, "_state", {})
     monkeypatch.setenv("ZMQLLM_NATIVE", "1")
-    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("ZMQLLM_HOME", str(tmp_path))  # nothing built there yet
     assert native.load() is None  # logged as a warning; the worker goes on
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import importlib.util
+import json
 import os
 import platform
 import shutil
@@ -47,6 +48,13 @@ _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}
 # Longest wait for another process's build of the same kernel; past it, the PyTorch path.
 BUILD_WAIT_S = 900.0
+_BUILD_SCRIPT = """
+import json, sys
+from torch.utils import cpp_extension
+name, sources, directory, cflags, ldflags = json.loads(sys.argv[1])
+cpp_extension.load(name=name, sources=sources, build_directory=directory,
+                   extra_cflags=cflags, extra_ldflags=ldflags, verbose=False)
+"""
 
 
 def enabled() -> bool:
@@ -150,8 +158,6 @@ def _load_or_build() -> ModuleType | None:
 def _build(directory: Path, built: Path) -> None:
     """Compile in a scratch folder, then move the module into place in one rename:
     a ``.so`` at ``built`` is always a whole one."""
-    from torch.utils import cpp_extension
-
     # ninja from the `worker` extra sits beside this interpreter, maybe not on PATH.
     bindir = str(Path(sys.executable).parent)
     if shutil.which("ninja") is None and (Path(bindir) / "ninja").exists():
@@ -170,14 +176,18 @@ def _build(directory: Path, built: Path) -> None:
         directory=str(directory),
     )
     t0 = time.perf_counter()
-    cpp_extension.load(
-        name=NAME,
-        sources=copies,
-        build_directory=str(scratch),
-        extra_cflags=list(CFLAGS),
-        extra_ldflags=list(LDFLAGS),
-        verbose=False,
+    # In a child process: torch's loader imports what it builds, from the scratch
+    # folder; this process then imports the module once, from its final place.
+    args = json.dumps([NAME, copies, str(scratch), list(CFLAGS), list(LDFLAGS)])
+    done = subprocess.run(
+        [sys.executable, "-c", _BUILD_SCRIPT, args],
+        capture_output=True,
+        text=True,
+        check=False,
     )
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-20:]
+        raise RuntimeError("kernel build failed: " + " | ".join(tail))
     os.replace(scratch / f"{NAME}.so", built)
     log.info("compiled kernels built", seconds=round(time.perf_counter() - t0, 1))
     shutil.rmtree(scratch, ignore_errors=True)
