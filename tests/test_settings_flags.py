@@ -29,7 +29,7 @@ EXPECTED: dict[str, dict[str, set[str] | None]] = {
     "broker": {"broker": ALL, "security": ALL, "log": {"level", "format"}},
     "worker": {
         "worker": ALL,
-        "model": {"path", "revision", "dtype", "device"},
+        "model": {"path", "revision", "dtype", "device", "quant"},
         "broker": BEATS,
         "security": ALL,
         "log": {"level", "format"},
@@ -43,7 +43,7 @@ EXPECTED: dict[str, dict[str, set[str] | None]] = {
     },
     "status": {"gateway": {"broker"}, "security": ALL, "log": {"level", "format"}},
     "up": {
-        "model": {"path"},
+        "model": {"path", "quant"},
         "gateway": {"port", "api_keys_file", "ssl_certfile", "ssl_keyfile"},
         "security": ALL,
         "log": {"level", "format", "dir"},
@@ -66,11 +66,11 @@ KEPT = {
 NEW = {
     "broker": "--keys --insecure --no-insecure --max-message-bytes --session-timeout",
     "worker": "--keys --insecure --native-attention --no-native-attention --packed-rows "
-    "--wire-dtype",
+    "--wire-dtype --quant",
     "gateway": "--keys --insecure --api-key-file --ssl-certfile --ssl-keyfile "
     "--request-timeout --max-body-bytes --default-max-tokens",
     "status": "--keys --insecure",
-    "up": "--keys --insecure --api-key-file --ssl-certfile --ssl-keyfile",
+    "up": "--keys --insecure --api-key-file --ssl-certfile --ssl-keyfile --quant",
 }
 
 

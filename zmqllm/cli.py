@@ -14,6 +14,7 @@ from pathlib import Path
 
 from zmqllm import __version__
 from zmqllm.config import (
+    QUANTS,
     Config,
     ConfigError,
     default_model_dir,
@@ -81,7 +82,10 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         from zmqllm.model_args import ModelArgs
 
         bounds = split_layers(ModelArgs.from_dir(model_dir).num_layers, ns.stages)
-    gen = Generator(model_dir, bounds, dtype=ns.dtype, device=ns.device)
+    if ns.quant != "none" and (ns.dtype != "float32" or ns.device != "cpu"):
+        print("zmqllm generate: --quant needs --dtype float32 on the cpu", file=sys.stderr)
+        return 2
+    gen = Generator(model_dir, bounds, dtype=ns.dtype, device=ns.device, quant=ns.quant)
     context = gen.args.max_position_embeddings
     max_tokens = ns.max_tokens
     if len(ids) >= context:
@@ -128,6 +132,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--quant",
+        default="none",
+        choices=QUANTS,
+        help="int8 or int4 matmul weights (see `zmqllm worker --help`)",
+    )
     p.add_argument("--stats", action="store_true", help="timings on stderr at the end")
     p.add_argument("--stages", type=int, default=1, help="split into N shards in-process")
     p.set_defaults(func=cmd_generate)

@@ -45,6 +45,7 @@ __all__ = [
 ]
 
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTS = ("none", "int8", "int4")  # engine/quant.py
 WIRE_DTYPE_CHOICES = ("auto", *DTYPES)  # "auto": activations travel in the model's dtype
 DEFAULT_MODEL = "default"
 TINY_MODEL = "tiny"
@@ -98,6 +99,12 @@ class ModelSettings:
     revision: str | None = setting(None, "Hub revision (branch, tag or commit)", metavar="REV")
     dtype: str = setting("float32", "dtype of weights and activations", choices=DTYPES)
     device: str = setting("cpu", '"cpu", "cuda" or "cuda:N"')
+    quant: str = setting(
+        "none",
+        "weights of the matmuls: int8 or int4 in blocks of 32 with a scale and a minimum each "
+        "(a model prepared from a Q4_1 GGUF loads its blocks as they are); float32 on the cpu",
+        choices=QUANTS,
+    )
     name: str = setting(
         "",
         "model name served by the OpenAI API; empty = derived from the path",

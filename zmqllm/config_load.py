@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, Union, get_args, get_origin, get
 
 from zmqllm.config import (
     DTYPES,
+    QUANTS,
     WIRE_DTYPE_CHOICES,
     BrokerSettings,
     Config,
@@ -133,6 +134,13 @@ def _check_model(s: ModelSettings, where: str) -> ModelSettings:
         raise _fail("dtype", where, f"one of {', '.join(DTYPES)}", s.dtype)
     if not _DEVICE_RE.fullmatch(s.device):
         raise _fail("device", where, '"cpu", "cuda" or "cuda:N"', s.device)
+    if s.quant not in QUANTS:
+        raise _fail("quant", where, f"one of {', '.join(QUANTS)}", s.quant)
+    if s.quant != "none" and (s.dtype != "float32" or s.device != "cpu"):
+        raise ConfigError(
+            f"quant {s.quant} {where}: quantized weights run with dtype float32 on the cpu"
+            f" (not {s.dtype} on {s.device})"
+        )
     return s
 
 

@@ -97,7 +97,7 @@ ROLES: dict[str, tuple[Take, ...]] = {
     # The launcher's own flags; plan() passes each on to the children that take it, in
     # this order.
     "up": (
-        Take("model", only=("path",)),
+        Take("model", only=("path", "quant")),
         Take("gateway", only=("port", "api_keys_file", "ssl_certfile", "ssl_keyfile")),
         Take("security"),
         Take("log", only=("level", "format", "dir")),

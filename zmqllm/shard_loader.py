@@ -59,7 +59,8 @@ def load_stage(cfg: Config) -> Loaded:
     start, end = layer_range(args)
 
     t0 = time.perf_counter()
-    shard = load_shard(directory, start, end, cfg.model.dtype, cfg.model.device, args)
+    m = cfg.model
+    shard = load_shard(directory, start, end, m.dtype, m.device, args, m.quant)
     kernel = shard.use_kernel(native.load()) if w.native_attention else False
     # Resident growth, not the packed tensors' sizes: MKL's buffers are allocated
     # larger than they are filled.
@@ -75,6 +76,10 @@ def load_stage(cfg: Config) -> Loaded:
         seconds=round(time.perf_counter() - t0, 2),
         dtype=cfg.model.dtype,
         device=cfg.model.device,
+        quant=cfg.model.quant,
+        weights_from=shard.weights_from,
+        weights_mib=shard.weight_bytes() >> 20,
+        rss_mib=rss_bytes() >> 20,
         batched_decode_attention="compiled kernel" if kernel else "pytorch",
         packed_weights_mib=packed_mib,
     )

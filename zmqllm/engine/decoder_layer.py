@@ -85,13 +85,6 @@ class DecoderLayer(nn.Module):
         self.input_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.post_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
 
-    def single_stream_tensors(self) -> tuple[torch.Tensor, ...]:
-        """This layer's tensors in the order the kernel's decode_layers takes them."""
-        return (
-            self.input_norm.weight, self.wqkv.weight, self.wo.weight,
-            self.post_norm.weight, self.w_gate_up.weight, self.w_down.weight,
-        )  # fmt: skip
-
     def forward(self, x: torch.Tensor, plan: ForwardPlan, local: int) -> torch.Tensor:
         args = self.args
         t = x.shape[0]

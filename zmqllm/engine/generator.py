@@ -16,10 +16,14 @@ import torch
 
 from zmqllm.engine import native
 from zmqllm.engine.cache import CachePool
+from zmqllm.engine.gguf_weights import GGUFShardReader, gguf_matches, gguf_source
 from zmqllm.engine.model import MistralShard, Segment
 from zmqllm.engine.sampling import SamplingParams, sample
 from zmqllm.engine.weights import load_shard_tensors, shard_tensor_groups, weight_map
+from zmqllm.log import get_logger
 from zmqllm.model_args import ModelArgs
+
+log = get_logger("zmqllm.engine")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,18 +42,48 @@ def load_shard(
     dtype: str = "float32",
     device: str = "cpu",
     args: ModelArgs | None = None,
+    quant: str = "none",
 ) -> MistralShard:
-    """Build the shard for layers [start, end) and read only its tensors."""
+    """Build the shard for layers [start, end) and read only its tensors.
+
+    With ``quant`` int8/int4, a model prepared from a GGUF file whose layer weights
+    are already of that kind (the default model's Q4_1 for int4) loads its blocks
+    from that file as they are; otherwise the safetensors weights are quantized as
+    they load. ``shard.weights_from`` says which.
+    """
     args = args or ModelArgs.from_dir(directory)
-    shard = MistralShard(args, start, end, torch_dtype(dtype), device)
+    shard = MistralShard(args, start, end, torch_dtype(dtype), device, quant)
     # A group at a time (embedding, each layer, head): peak memory stays near
     # the shard's own size instead of twice it.
-    wmap = weight_map(directory)
-    for group in shard_tensor_groups(args, start, end):
-        tensors = load_shard_tensors(directory, args, start, end, group, wmap).tensors
-        shard.load(tensors, strict=False)
+    groups = shard_tensor_groups(args, start, end)
+    reader = _gguf_reader(directory, args, start, end, quant)
+    if reader is not None:
+        shard.weights_from = f"gguf:{reader.path.name}"
+        for group in groups:
+            shard.load(reader.read(group), strict=False)
+    else:
+        wmap = weight_map(directory)
+        for group in groups:
+            tensors = load_shard_tensors(directory, args, start, end, group, wmap).tensors
+            shard.load(dict(tensors), strict=False)
     shard.check_loaded()
     return shard.eval()
+
+
+def _gguf_reader(
+    directory: Path, args: ModelArgs, start: int, end: int, quant: str
+) -> GGUFShardReader | None:
+    if quant == "none":
+        return None
+    path = gguf_source(directory)
+    if path is None:
+        return None
+    try:
+        reader = GGUFShardReader(path, args)
+    except ImportError:
+        log.warning("the gguf package is missing: quantizing the safetensors weights instead")
+        return None
+    return reader if gguf_matches(reader, args, start, end, quant) else None
 
 
 @dataclass
@@ -71,14 +105,16 @@ class Generator:
         dtype: str = "float32",
         device: str = "cpu",
         compiled: bool = True,
+        quant: str = "none",
     ) -> None:
         """``compiled``: use the compiled kernels (engine.native) where they load:
-        the fast single-stream path; False keeps PyTorch's ops throughout."""
+        the fast single-stream path; False keeps PyTorch's ops throughout.
+        ``quant``: "none", "int8" or "int4" (see load_shard)."""
         self.directory = Path(directory)
         self.args = ModelArgs.from_dir(self.directory)
         bounds = bounds or [(0, self.args.num_layers)]
         self.shards = [
-            load_shard(self.directory, s, e, dtype, device, self.args) for s, e in bounds
+            load_shard(self.directory, s, e, dtype, device, self.args, quant) for s, e in bounds
         ]
         kernel = native.load() if compiled else None
         for shard in self.shards:

@@ -11,6 +11,8 @@ modules for quantized ones before the first forward).
 - :class:`GemvLinear`: one row through the compiled AVX2/FMA matrix-vector
   product (engine.native): a single stream's decode step.
 - :class:`PackedLinear`: MKL's packed GEMM for batches of PACK_MIN_ROWS..rows.
+- :class:`QuantLinear`: an int8 or int4 weight (engine.quant) through the compiled
+  kernel's products, or dequantized by PyTorch where the kernel is not loaded.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from zmqllm.engine.quant import KIND, QuantTensor, dequantize
 
 # The CPU tuning thresholds, in one place.
 # Row counts for which `Linear` multiplies as W @ x^T on the CPU (see there).
@@ -128,9 +132,63 @@ def gemv_available(kernel: ModuleType | None, dtype: torch.dtype, device: torch.
     )
 
 
+class QuantLinear(nn.Module):
+    """y = x @ W^T for a quantized W. With the compiled kernel: its int8/int4
+    products, which read the quantized blocks and widen them in registers; without
+    it (no compiler, another device): PyTorch on the dequantized weight, slow but
+    the same numbers up to rounding order."""
+
+    def __init__(self, weight: QuantTensor) -> None:
+        super().__init__()
+        self.kind = weight.kind
+        self.register_buffer("q", weight.q)
+        self.register_buffer("d", weight.d)
+        self.register_buffer("m", weight.m)
+        self.kernel: ModuleType | None = None
+        self.matrix: object | None = None  # the kernel's Matrix over q, d and m
+
+    @property
+    def base(self) -> QuantLinear:
+        return self
+
+    @property
+    def tensor(self) -> QuantTensor:
+        return QuantTensor(self.kind, self.q, self.d, self.m)
+
+    @property
+    def num_weights(self) -> int:
+        out, cols = self.tensor.shape
+        return out * cols
+
+    def use(self, kernel: ModuleType | None) -> None:
+        self.kernel, self.matrix = None, None
+        if kernel is not None and hasattr(kernel, "Matrix") and self.q.device.type == "cpu":
+            self.kernel = kernel
+            self.matrix = kernel.Matrix(KIND[self.kind], self.q, self.d, self.m)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and x.dtype is torch.float32:
+            return self.kernel.matmul(x, self.matrix)
+        return F.linear(x, dequantize(self.tensor).to(x.dtype))
+
+
+def kernel_matrix(linear: nn.Module, kernel: ModuleType) -> object:
+    """The kernel's Matrix for a chosen linear (decode_layers takes these)."""
+    base = linear.base
+    if isinstance(base, QuantLinear):
+        assert base.matrix is not None, "QuantLinear.use(kernel) comes first"
+        return base.matrix
+    empty = torch.empty(0)
+    return kernel.Matrix(KIND["float32"], base.weight, empty, empty)
+
+
 def choose(linear: nn.Module, kernel: ModuleType | None, packed_rows: int) -> nn.Module:
     """The implementation for ``linear``'s weight: its plain :class:`Linear`, wrapped
-    in those this machine and these settings make available."""
+    in those this machine and these settings make available; a quantized weight
+    keeps its :class:`QuantLinear`, with the kernel or without."""
+    if isinstance(linear, QuantLinear):
+        linear.use(kernel)
+        return linear
     base = linear.base
     assert isinstance(base, Linear)
     w = base.weight

@@ -17,17 +17,23 @@ from __future__ import annotations
 import itertools
 from collections.abc import MutableMapping, Sequence
 from types import ModuleType
+from typing import TypeAlias
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zmqllm.engine import linear
+from zmqllm.engine import linear, quant
 from zmqllm.engine.decoder_layer import LINEAR_NAMES, DecoderLayer, ForwardPlan, RMSNorm, Segment
-from zmqllm.engine.linear import CPU_MM_MAX_ROWS_HEAD, Linear
+from zmqllm.engine.linear import CPU_MM_MAX_ROWS_HEAD, Linear, QuantLinear
+from zmqllm.engine.quant import QuantTensor
 from zmqllm.model_args import ModelArgs
 
 __all__ = ["MistralShard", "Segment"]
+
+Tensors: TypeAlias = (
+    torch.Tensor | QuantTensor
+)  # what a loader hands load(): GGUF gives quantized ones
 
 
 class MistralShard(nn.Module):
@@ -42,18 +48,30 @@ class MistralShard(nn.Module):
         end: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        quant_kind: str = "none",
     ) -> None:
+        """``quant_kind`` "int8" or "int4" quantizes float32 matmul weights at load
+        (engine.quant; the head and embedding to int8); weights that arrive
+        quantized (from GGUF) are kept as they are either way."""
         super().__init__()
         if not 0 <= start < end <= args.num_layers:
             raise ValueError(f"layer range [{start}, {end}) is outside [0, {args.num_layers})")
+        if quant_kind not in quant.QUANTS:
+            raise ValueError(f"quant {quant_kind!r} is not one of {', '.join(quant.QUANTS)}")
+        if quant_kind != "none" and (
+            dtype is not torch.float32 or torch.device(device).type != "cpu"
+        ):
+            raise ValueError("quantized weights need dtype float32 on the cpu")
+        self.quant = quant_kind
+        self.weights_from = "safetensors"  # or "gguf:<file>" (engine.generator.load_shard)
         self.args = args
         self.start, self.end = start, end
         self.is_first = start == 0
         self.is_last = end == args.num_layers
         self.dtype = dtype
         self.device = torch.device(device)
-        self.embed: torch.Tensor | None = None  # [vocab, hidden]
-        self.lm_head: torch.Tensor | None = None  # [vocab, hidden]
+        self.embed: torch.Tensor | QuantTensor | None = None  # [vocab, hidden]
+        self.lm_head: torch.Tensor | QuantTensor | None = None  # [vocab, hidden]
         self.layers = nn.ModuleList(DecoderLayer(args, dtype) for _ in range(start, end))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype) if self.is_last else None
         self._loaded: set[str] = set()  # groups loaded: layer prefixes, embedding, head
@@ -63,9 +81,10 @@ class MistralShard(nn.Module):
         self.head: nn.Module | None = None  # a Linear over lm_head, set at load
         self.kernel: ModuleType | None = None  # see use_kernel
         self.packed_rows = 0  # see pack
-        # Every layer's tensors in the order the kernel's decode_layers takes them,
-        # when a single stream's decode step runs the layers in one call.
-        self._single_stream: list[torch.Tensor] | None = None
+        # Every layer's two norm weights and four matrices, as the kernel's
+        # decode_layers takes them, when a single stream's decode step runs the
+        # layers in one call.
+        self._single_stream: tuple[list[torch.Tensor], list[object]] | None = None
 
     def _cpu_float32(self) -> bool:
         """The compiled kernel and the packed weights exist for float32 on the CPU only."""
@@ -86,10 +105,19 @@ class MistralShard(nn.Module):
         for owner, name in self._linears():
             setattr(owner, name, linear.choose(getattr(owner, name), self.kernel, self.packed_rows))
         self._single_stream = None
-        if self.kernel is not None and hasattr(self.kernel, "decode_layers"):
-            self._single_stream = [
-                t for layer in self.layers for t in layer.single_stream_tensors()
+        kernel = self.kernel
+        if kernel is not None and hasattr(kernel, "decode_layers") and hasattr(kernel, "Matrix"):
+            norms = [
+                t
+                for layer in self.layers
+                for t in (layer.input_norm.weight, layer.post_norm.weight)
             ]
+            mats = [
+                linear.kernel_matrix(getattr(layer, name), kernel)
+                for layer in self.layers
+                for name in LINEAR_NAMES
+            ]
+            self._single_stream = (norms, mats)
 
     def pack(self, rows: int) -> bool:
         """Keep an MKL-packed copy of every matmul weight for batches of up to ``rows``
@@ -119,7 +147,7 @@ class MistralShard(nn.Module):
     def num_local_layers(self) -> int:
         return self.end - self.start
 
-    def load(self, tensors: MutableMapping[str, torch.Tensor], strict: bool = True) -> None:
+    def load(self, tensors: MutableMapping[str, Tensors], strict: bool = True) -> None:
         """Move in checkpoint tensors named as in the HF checkpoint (global indices).
 
         ``tensors`` may hold only some of the shard's groups (the embedding, one
@@ -136,44 +164,79 @@ class MistralShard(nn.Module):
                     self._loaded.add(p)
             embed = "model.embed_tokens.weight"
             if self.is_first and embed in tensors:
-                self.embed = self._take(tensors, embed, keep=True)
+                self.embed = self._quantized(self._take(tensors, embed, keep=True), "int8")
                 self._loaded.add(embed)
             if self.is_last and "model.norm.weight" in tensors:
                 assert self.norm is not None
-                self.norm.weight.copy_(self._take(tensors, "model.norm.weight"))
+                self.norm.weight.copy_(self._tensor(tensors, "model.norm.weight"))
                 if not self.args.tie_word_embeddings:
                     self.lm_head = self._take(tensors, "lm_head.weight")
                 elif self.embed is not None:
                     self.lm_head = self.embed  # one tensor serves both ends
                 else:
                     self.lm_head = self._take(tensors, embed)
-                self.head = Linear(self.lm_head, CPU_MM_MAX_ROWS_HEAD)
+                # The head stays at 8 bits whatever the layers' quant (as llama.cpp's
+                # files keep it): the logits decide the tokens.
+                self.lm_head = self._quantized(self.lm_head, "int8")
+                self.head = (
+                    QuantLinear(self.lm_head)
+                    if isinstance(self.lm_head, QuantTensor)
+                    else Linear(self.lm_head, CPU_MM_MAX_ROWS_HEAD)
+                )
                 self._choose_linears()
                 self._loaded.add("head")
         if strict:
             self.check_loaded()
 
+    def _quantized(self, t: torch.Tensor | QuantTensor, kind: str) -> torch.Tensor | QuantTensor:
+        """``t`` quantized to ``kind`` when this shard quantizes and it is not yet."""
+        if self.quant == "none" or isinstance(t, QuantTensor):
+            return t
+        return quant.quantize(t, kind)
+
     def _take(
-        self, tensors: MutableMapping[str, torch.Tensor], name: str, keep: bool = False
-    ) -> torch.Tensor:
+        self, tensors: MutableMapping[str, Tensors], name: str, keep: bool = False
+    ) -> torch.Tensor | QuantTensor:
         try:
             t = tensors[name] if keep else tensors.pop(name)
         except KeyError:
             raise KeyError(f"checkpoint tensor {name!r} missing for this shard") from None
+        if isinstance(t, QuantTensor):
+            return t
         return t.to(device=self.device, dtype=self.dtype)
+
+    def _tensor(self, tensors: MutableMapping[str, Tensors], name: str) -> torch.Tensor:
+        t = self._take(tensors, name)
+        if isinstance(t, QuantTensor):
+            raise TypeError(f"{name} must be a float tensor, not {t.kind}")
+        return t
+
+    def _matmul(self, current: nn.Module, parts: list[torch.Tensor | QuantTensor]) -> nn.Module:
+        """The linear for weights ``parts`` stacked: quantized as they came or as this
+        shard quantizes, else copied into ``current`` (a float Linear)."""
+        if any(isinstance(p, QuantTensor) for p in parts):
+            if not all(isinstance(p, QuantTensor) for p in parts):
+                raise TypeError("cannot fuse quantized and float weights")
+            return QuantLinear(quant.cat([p for p in parts if isinstance(p, QuantTensor)]))
+        floats = [p for p in parts if isinstance(p, torch.Tensor)]
+        w = torch.cat(floats) if len(floats) > 1 else floats[0]
+        if self.quant != "none":
+            return QuantLinear(quant.quantize(w, self.quant))
+        current.weight.copy_(w)
+        return current
 
     def _load_layer(
         self, layer: DecoderLayer, p: str, tensors: MutableMapping[str, torch.Tensor]
     ) -> None:
         attn, mlp = p + "self_attn.", p + "mlp."
         qkv = [self._take(tensors, attn + f"{x}_proj.weight") for x in ("q", "k", "v")]
-        layer.wqkv.weight.copy_(torch.cat(qkv))
-        layer.wo.weight.copy_(self._take(tensors, attn + "o_proj.weight"))
+        layer.wqkv = self._matmul(layer.wqkv, qkv)
+        layer.wo = self._matmul(layer.wo, [self._take(tensors, attn + "o_proj.weight")])
         gate_up = [self._take(tensors, mlp + f"{x}_proj.weight") for x in ("gate", "up")]
-        layer.w_gate_up.weight.copy_(torch.cat(gate_up))
-        layer.w_down.weight.copy_(self._take(tensors, mlp + "down_proj.weight"))
-        layer.input_norm.weight.copy_(self._take(tensors, p + "input_layernorm.weight"))
-        layer.post_norm.weight.copy_(self._take(tensors, p + "post_attention_layernorm.weight"))
+        layer.w_gate_up = self._matmul(layer.w_gate_up, gate_up)
+        layer.w_down = self._matmul(layer.w_down, [self._take(tensors, mlp + "down_proj.weight")])
+        layer.input_norm.weight.copy_(self._tensor(tensors, p + "input_layernorm.weight"))
+        layer.post_norm.weight.copy_(self._tensor(tensors, p + "post_attention_layernorm.weight"))
 
     def check_loaded(self) -> None:
         want = {f"model.layers.{i}." for i in range(self.start, self.end)}
@@ -187,8 +250,27 @@ class MistralShard(nn.Module):
 
     def num_parameters(self) -> int:
         # Each tensor once: the head may be the embedding, a wrapper shares its weight.
-        tensors = [*self.parameters(), *([self.embed] if self.embed is not None else [])]
-        return sum({t.data_ptr(): t.numel() for t in tensors}.values())
+        counts = {t.data_ptr(): t.numel() for t in self.parameters()}
+        for module in self.modules():
+            if isinstance(module, QuantLinear):
+                counts[module.q.data_ptr()] = module.num_weights
+        if isinstance(self.embed, QuantTensor):
+            counts[self.embed.q.data_ptr()] = self.embed.shape[0] * self.embed.shape[1]
+        elif self.embed is not None:
+            counts[self.embed.data_ptr()] = self.embed.numel()
+        return sum(counts.values())
+
+    def weight_bytes(self) -> int:
+        """Bytes of this shard's weights as held (quantized ones at their size)."""
+        sizes = {t.data_ptr(): t.numel() * t.element_size() for t in self.parameters()}
+        for module in self.modules():
+            if isinstance(module, QuantLinear):
+                sizes[module.q.data_ptr()] = module.tensor.nbytes
+        if isinstance(self.embed, QuantTensor):
+            sizes[self.embed.q.data_ptr()] = self.embed.nbytes
+        elif self.embed is not None:
+            sizes[self.embed.data_ptr()] = self.embed.numel() * self.embed.element_size()
+        return sum(sizes.values())
 
     def _rope_tables(self, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
         if upto > self._rope_len:
@@ -279,14 +361,19 @@ class MistralShard(nn.Module):
         plan = self._plan(segments)
         if self.is_first:
             assert self.embed is not None
-            h = F.embedding(x.to(device=self.device, dtype=torch.long), self.embed)
+            ids = x.to(device=self.device, dtype=torch.long)
+            if isinstance(self.embed, QuantTensor):  # only the looked-up rows widened
+                h = quant.dequantize(self.embed.rows(ids))
+            else:
+                h = F.embedding(ids, self.embed)
         else:
             h = x.to(device=self.device, dtype=self.dtype)
         if self._single_stream is not None and h.shape[0] == 1 and plan.decode is not None:
             assert plan.kernel is not None
             a = self.args
+            norms, mats = self._single_stream
             h = plan.kernel.decode_layers(  # one call: see csrc/decode_attention.cpp
-                h.contiguous(), plan.decode, self._single_stream, a.rms_norm_eps,
+                h.contiguous(), plan.decode, norms, mats, a.rms_norm_eps,
                 plan.cos[:, 0], plan.sin[:, 0], a.num_heads, a.num_kv_heads, a.head_dim,
             )  # fmt: skip
         else:

@@ -38,7 +38,8 @@ from zmqllm.log import get_logger
 log = get_logger("zmqllm.engine.native")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "decode_attention.cpp", CSRC / "gemv.cpp")
+SOURCES = (CSRC / "decode_attention.cpp", CSRC / "gemv.cpp", CSRC / "quant.cpp")
+HEADERS = (CSRC / "matrix.h",)
 # The build runs on the machine that uses it: tune for its CPU. OpenMP makes
 # at::parallel_for use torch's threads (without it, it runs serially).
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
@@ -88,7 +89,7 @@ def _cpu() -> str:
 def cache_key() -> str:
     """A digest of everything the binary depends on, and nothing path-like."""
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in (*SOURCES, *HEADERS):
         h.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
     parts = (
         " ".join(CFLAGS),
@@ -166,10 +167,11 @@ def _build(directory: Path, built: Path) -> None:
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir()
     copies = []
-    for src in SOURCES:  # copies, so the build files name no checkout's path
+    for src in (*SOURCES, *HEADERS):  # copies, so the build files name no checkout's path
         copy = scratch / src.name
         copy.write_bytes(src.read_bytes())
-        copies.append(str(copy))
+        if src in SOURCES:
+            copies.append(str(copy))
     log.info(
         "building the compiled kernels: once per source, torch, compiler and CPU"
         " (1-2 minutes on 2 cores)",

@@ -6,7 +6,8 @@
 // the new key/value rows into every cache and attends, in parallel over
 // (session, kv head). Grouped-query attention: the H / KVH query heads sharing
 // a kv head are read against that head's keys in one pass.
-#include <torch/extension.h>
+#include "matrix.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -243,31 +244,30 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 
 torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w);  // gemv.cpp
 
-// A single stream's decode token through a shard's layers in one call: the same
-// steps as a batched decode forward of one row, without ~15 Python-level ops per
-// layer (their dispatch cost about as much as the work of a whole layer's small
-// steps). x [1, hidden]; weights: per layer input norm, wqkv, wo, post norm,
-// w_gate_up, w_down; cos and sin [1, D / 2] for the token's position.
+// A single stream's decode step through consecutive layers in one call: per
+// layer two norm weights and four matrices (qkv, o, gate_up, down), float32 or
+// quantized. x is [1, hidden]; the session's cache gets the new key/value rows.
 torch::Tensor decode_layers(torch::Tensor x, const DecodeBatch& batch,
-                            const std::vector<torch::Tensor>& weights, double eps,
-                            torch::Tensor cos, torch::Tensor sin, int64_t H, int64_t KVH,
-                            int64_t D) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && weights.size() % 6 == 0 &&
-                  batch.rows.size() == 1,
-              "decode_layers: one row, one session, six tensors per layer");
+                            const std::vector<torch::Tensor>& norms,
+                            const std::vector<Matrix>& mats, double eps, torch::Tensor cos,
+                            torch::Tensor sin, int64_t H, int64_t KVH, int64_t D) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && norms.size() % 2 == 0 &&
+                  mats.size() == 2 * norms.size() && batch.rows.size() == 1,
+              "decode_layers: one row, one session, two norms and four matrices per layer");
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  const int64_t layers = static_cast<int64_t>(weights.size() / 6);
+  const int64_t layers = static_cast<int64_t>(norms.size() / 2);
   for (int64_t l = 0; l < layers; ++l) {
-    const torch::Tensor* w = weights.data() + 6 * l;
-    torch::Tensor qkv = gemv(rms_norm(x, w[0], eps), w[1]);  // [1, (H + 2 KVH) * D]
+    const torch::Tensor* n = norms.data() + 2 * l;
+    const Matrix* w = mats.data() + 4 * l;
+    torch::Tensor qkv = matmul(rms_norm(x, n[0], eps), w[0]);  // [1, (H + 2 KVH) * D]
     rope_(qkv, cos, sin, H + KVH, D);
     const torch::Tensor q = qkv.narrow(1, 0, H * D).view({1, H, D});
     const torch::Tensor k = qkv.narrow(1, H * D, KVH * D).view({1, KVH, D});
     const torch::Tensor v = qkv.narrow(1, (H + KVH) * D, KVH * D).view({1, KVH, D});
     torch::Tensor attn = torch::empty({1, H * D}, x.options());
     decode_attention(attn, q, k, v, batch, l, scale);
-    x = x + gemv(attn, w[2]);
-    x = x + gemv(silu_mul(gemv(rms_norm(x, w[3], eps), w[4])), w[5]);
+    x = x + matmul(attn, w[1]);
+    x = x + matmul(silu_mul(matmul(rms_norm(x, n[1], eps), w[2])), w[3]);
   }
   return x;
 }
@@ -282,5 +282,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "rotary embedding in place on the first heads of each row");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("gemv", &gemv, "x [1, in] @ w[out, in]^T, float32");
+  pybind11::class_<Matrix>(m, "Matrix")
+      .def(pybind11::init<int64_t, torch::Tensor, torch::Tensor, torch::Tensor>())
+      .def_readonly("out", &Matrix::out)
+      .def_readonly("inp", &Matrix::in);
+  m.def("matmul", &matmul, "x [rows, in] @ W^T for a float32, int8 or int4 Matrix");
+  m.def("dequantize", &dequantize, "a Matrix's weight as float32 [out, in]");
   m.def("decode_layers", &decode_layers, "one decode row through consecutive layers");
 }

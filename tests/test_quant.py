@@ -1,0 +1,188 @@
+"""Quantized weights (engine.quant) and the compiled int8/int4 products against
+PyTorch on the dequantized weight; quantized shards of the tiny model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from zmqllm.engine import native, quant  # noqa: E402
+from zmqllm.engine.generator import Generator, load_shard  # noqa: E402
+from zmqllm.engine.linear import QuantLinear  # noqa: E402
+from zmqllm.engine.quant import QuantTensor  # noqa: E402
+
+from .float_tolerance import reorder_tolerance  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def kernel() -> ModuleType:
+    module = native.load()
+    if module is None:
+        pytest.skip("the compiled kernels cannot be built here")
+    return module
+
+
+def _q4_exact(out: int, cols: int, seed: int) -> torch.Tensor:
+    """A weight every block of which is d * q + m with q in 0..15 using 0 and 15:
+    what a Q4_1 file dequantizes to."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (out, cols // 32, 32), generator=g)
+    q[..., 0], q[..., 1] = 0, 15
+    d = torch.rand(out, cols // 32, 1, generator=g) * 0.1 + 0.01
+    m = -torch.rand(out, cols // 32, 1, generator=g)
+    return (d * q + m).view(out, cols)
+
+
+def test_int4_represents_a_q4_weight_to_rounding() -> None:
+    w = _q4_exact(24, 96, seed=1)
+    t = quant.quantize_int4(w)
+    assert t.q.dtype is torch.uint8 and t.q.shape == (24, 48) and t.d.shape == (24, 3)
+    assert t.shape == (24, 96)
+    torch.testing.assert_close(quant.dequantize(t), w, rtol=0, atol=1e-6)
+
+
+def test_int8_error_is_within_half_a_step_per_block() -> None:
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(16, 64, generator=g)
+    t = quant.quantize_int8(w)
+    blocks = w.view(16, 2, 32)
+    step = (blocks.amax(-1) - blocks.amin(-1)) / 255
+    assert t.q.dtype is torch.int8 and t.d.shape == t.m.shape == (16, 2)
+    err = (quant.dequantize(t) - w).view(16, 2, 32).abs()
+    assert (err <= step[..., None] / 2 + 1e-6).all()
+
+
+def test_int8_holds_a_q4_weight_to_rounding() -> None:
+    """255 = 15 * 17: every level of a 4-bit block is an 8-bit level too."""
+    w = _q4_exact(8, 64, seed=3)
+    torch.testing.assert_close(quant.dequantize(quant.quantize_int8(w)), w, rtol=0, atol=1e-6)
+
+
+def test_constant_and_zero_blocks_quantize_without_dividing_by_zero() -> None:
+    w = torch.zeros(2, 64)
+    w[1] = 0.25
+    for kind in ("int8", "int4"):
+        back = quant.dequantize(quant.quantize(w, kind))
+        assert torch.equal(back, w), kind
+
+
+def test_a_dimension_off_the_block_size_is_refused() -> None:
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quant.quantize_int4(torch.randn(4, 40))
+    with pytest.raises(ValueError, match="not one of"):
+        quant.quantize(torch.randn(4, 64), "int3")
+
+
+def test_fusing_keeps_rows_in_order_and_refuses_mixed_kinds() -> None:
+    a, b = quant.quantize_int4(torch.randn(4, 64)), quant.quantize_int4(torch.randn(2, 64))
+    both = quant.cat([a, b])
+    torch.testing.assert_close(
+        quant.dequantize(both), torch.cat([quant.dequantize(a), quant.dequantize(b)])
+    )
+    with pytest.raises(ValueError, match="kinds"):
+        quant.cat([a, quant.quantize_int8(torch.randn(2, 64))])
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 40])
+@pytest.mark.parametrize(("out", "cols"), [(13, 64), (300, 576), (576, 1536)])
+def test_kernel_product_matches_pytorch_on_the_dequantized_weight(
+    kernel: ModuleType, kind: str, rows: int, out: int, cols: int
+) -> None:
+    """Few rows take the widening loop, more than 8 the dequantized slices; row counts
+    off the 4-row chunks and output counts off the task grain take the tails."""
+    g = torch.Generator().manual_seed(rows * out + cols)
+    t = quant.quantize(torch.randn(out, cols, generator=g), kind)
+    x = torch.randn(rows, cols, generator=g)
+    matrix = kernel.Matrix(quant.KIND[kind], t.q, t.d, t.m)
+    want = x @ quant.dequantize(t).T
+    torch.testing.assert_close(kernel.matmul(x, matrix), want, **reorder_tolerance(want, cols))
+    torch.testing.assert_close(kernel.dequantize(matrix), quant.dequantize(t))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 12])
+def test_kernel_product_of_q8_0_blocks_without_offsets(kernel: ModuleType, rows: int) -> None:
+    """GGUF's Q8_0 (a scale per block, no offset) through the same product."""
+    g = torch.Generator().manual_seed(rows)
+    q = torch.randint(-127, 128, (70, 96), generator=g, dtype=torch.int8)
+    t = QuantTensor("int8", q, torch.rand(70, 3, generator=g) / 100, torch.empty(0))
+    x = torch.randn(rows, 96, generator=g)
+    want = x @ quant.dequantize(t).T
+    got = kernel.matmul(x, kernel.Matrix(1, t.q, t.d, t.m))
+    torch.testing.assert_close(got, want, **reorder_tolerance(want, 96))
+
+
+def test_kernel_refuses_what_it_cannot_multiply(kernel: ModuleType) -> None:
+    t = quant.quantize_int4(torch.randn(8, 64))
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernel.Matrix(2, torch.zeros(8, 20, dtype=torch.uint8), t.d, t.m)
+    with pytest.raises(RuntimeError, match="uint8"):
+        kernel.Matrix(2, t.q.to(torch.int8), t.d, t.m)
+    with pytest.raises(RuntimeError, match="scale"):
+        kernel.Matrix(2, t.q, t.d[:, :1].contiguous(), t.m)
+    with pytest.raises(RuntimeError, match="kind"):
+        kernel.Matrix(7, t.q, t.d, t.m)
+    with pytest.raises(RuntimeError, match="minimums"):
+        kernel.Matrix(2, t.q, t.d, torch.empty(0))
+    matrix = kernel.Matrix(2, t.q, t.d, t.m)
+    with pytest.raises(RuntimeError, match="matmul"):
+        kernel.matmul(torch.randn(1, 32), matrix)
+    with pytest.raises(RuntimeError, match="matmul"):
+        kernel.matmul(torch.randn(1, 64, dtype=torch.float64), matrix)
+
+
+def test_quant_linear_without_the_kernel_computes_the_same(kernel: ModuleType) -> None:
+    t = quant.quantize_int4(torch.randn(40, 128))
+    lin = QuantLinear(t)
+    x = torch.randn(3, 128)
+    lin.use(None)
+    plain = lin(x)
+    lin.use(kernel)
+    torch.testing.assert_close(lin(x), plain, **reorder_tolerance(plain, 128))
+    assert lin.num_weights == 40 * 128
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_shards_hold_quantized_weights(tiny_model_dir: Path, kind: str) -> None:
+    fp32 = load_shard(tiny_model_dir, 0, 4)
+    shard = load_shard(tiny_model_dir, 0, 4, quant=kind)
+    assert shard.weights_from == "safetensors"
+    linears = [m for m in shard.modules() if isinstance(m, QuantLinear)]
+    assert {m.kind for m in linears} == ({"int8"} if kind == "int8" else {"int4", "int8"})
+    assert all(m.m.numel() for m in linears)  # quantized at load: with offsets
+    assert isinstance(shard.embed, QuantTensor) and shard.embed.kind == "int8"  # and the head
+    assert shard.num_parameters() == fp32.num_parameters()
+    assert shard.weight_bytes() < fp32.weight_bytes() / 3
+
+
+def test_quant_needs_float32_on_the_cpu(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="float32 on the cpu"):
+        load_shard(tiny_model_dir, 0, 4, dtype="bfloat16", quant="int4")
+    with pytest.raises(ValueError, match="not one of"):
+        load_shard(tiny_model_dir, 0, 4, quant="fp8")
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("bounds", [[(0, 4)], [(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]])
+def test_quantized_generation_kernel_equals_pytorch_path(
+    tiny_model_dir: Path, kind: str, bounds: list[tuple[int, int]]
+) -> None:
+    """The compiled single-stream step (decode_layers over int8/int4 matrices) and
+    batched products give the greedy tokens of PyTorch on the dequantized weights."""
+    prompt = [5, 17, 3, 99, 42, 7, 11, 60, 2, 81]
+    fast = Generator(tiny_model_dir, bounds, quant=kind)
+    slow = Generator(tiny_model_dir, bounds, quant=kind, compiled=False)
+    assert fast.shards[0].kernel is not None or native.load() is None
+    assert list(fast.generate(prompt, 24)) == list(slow.generate(prompt, 24))
+    # A batch of three decode rows through the same weights (the batched path).
+    for g in (fast, slow):
+        for s in ("a", "b", "c"):
+            g.open(s, 16)
+        g.forward(["a", "b", "c"], [prompt[:4], prompt[:6], prompt[:3]])
+    ours = fast.forward(["a", "b", "c"], [[1], [2], [3]])
+    ref = slow.forward(["a", "b", "c"], [[1], [2], [3]])
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,34 @@
+// A linear layer's weight as the compiled kernels see it: float32, or
+// quantized in blocks of 32 weights along the input dimension.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+
+enum class MatrixKind : int64_t {
+  kFloat32 = 0,  // w [out, in] float32
+  kInt8 = 1,     // q int8 [out, in], d float32 [out, in / 32], m as d or empty: w = d * q + m
+  kInt4 = 2,     // q uint8 [out, in / 2], d and m float32 [out, in / 32]: w = d * q + m
+};
+
+// Inside a block of 32 int4 weights, byte j holds weight j (low nibble) and
+// weight j + 16 (high nibble): GGUF's Q4_1 layout, so its blocks load as they are.
+constexpr int64_t kGroup = 32;
+
+struct Matrix {
+  MatrixKind kind;
+  torch::Tensor q;  // the float32 weight for kFloat32
+  torch::Tensor d;
+  torch::Tensor m;
+  int64_t out;
+  int64_t in;
+
+  Matrix(int64_t kind, torch::Tensor q, torch::Tensor d, torch::Tensor m);
+  bool has_min() const { return kind != MatrixKind::kFloat32 && m.numel() > 0; }
+};
+
+// x [rows, in] @ W^T -> [rows, out] float32; any row count.
+torch::Tensor matmul(const torch::Tensor& x, const Matrix& w);
+// The weight as float32 [out, in].
+torch::Tensor dequantize(const Matrix& w);
