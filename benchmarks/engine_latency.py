@@ -1,15 +1,19 @@
-"""Engine latency: zmqllm's single-process engine against HF transformers `generate`.
+"""Engine latency: zmqllm's single-process engine against HF transformers `generate`
+and llama.cpp.
 
-Same weights (the converted default model), same dtype, same torch threads, in
-one run, in alternating rounds: HF, zmqllm's engine (the compiled single-stream
-path) and the engine on PyTorch's ops alone (its portable fallback). Measures
-prefill time for a 256-token prompt and decode ms/token over 128 tokens, and
-the memory floor: weight bytes read per token / the read bandwidth of a sum
-over a filled 512 MiB tensor with the same threads, measured every round.
+Same model (the default model: HF and zmqllm float32 on the converted weights,
+zmqllm int4 and llama.cpp on the Q4_1 GGUF it came from), same prompt, same
+threads, in one run, in alternating rounds: HF, zmqllm's engine (the compiled
+single-stream path), the engine on PyTorch's ops alone (its portable fallback),
+zmqllm int8 and int4 shards, and llama.cpp (llama-cpp-python, when installed:
+pip install zmqllm[bench-llama]). Measures prefill time for a 256-token prompt
+and decode ms/token over 128 tokens, and the memory floor: weight bytes read per
+token / the read bandwidth of a sum over a filled 512 MiB tensor with the same
+threads, measured every round (for float32 and for the int4 shard's bytes).
 
     python benchmarks/engine_latency.py [--threads 2] [--repeats 5] [--out FILE]
 
-Prints a table and writes JSON (default benchmarks/results/engine_latency.json).
+Prints a table and writes JSON + PNG (default benchmarks/results/engine_latency.json).
 """
 
 from __future__ import annotations
@@ -23,10 +27,11 @@ from pathlib import Path
 
 import repo_root  # noqa: F401  (this checkout first on sys.path)
 import torch
-from report import write_json
+from report import write_json, write_plot
 
 from zmqllm.config import default_model_dir
 from zmqllm.engine.generator import Generator
+from zmqllm.engine.gguf_weights import gguf_source
 from zmqllm.models import prepare_default_model
 from zmqllm.tokenizer import Tokenizer
 
@@ -50,6 +55,47 @@ def floor_seconds_per_byte(buf: torch.Tensor) -> float:
     than every cache, with the threads torch was given."""
     buf.sum()
     return min(seconds(buf.sum) for _ in range(3)) / (buf.numel() * buf.element_size())
+
+
+def llama_cpp_run(gguf: Path, ids: list[int], n: int, threads: int) -> Callable[[int], list[int]]:
+    """llama.cpp's greedy generation from the same prompt ids, its state reset each run."""
+    from llama_cpp import Llama
+
+    llm = Llama(
+        str(gguf),
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_ctx=len(ids) + n + 16,
+        n_batch=512,
+        verbose=False,
+    )
+
+    def run(k: int) -> list[int]:
+        llm.reset()  # no reuse of the previous run's prompt
+        out: list[int] = []
+        for token in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+            out.append(int(token))
+            if len(out) == k:
+                break
+        return out
+
+    return run
+
+
+def draw_bars(decode: dict[str, list[float]], title: str) -> Callable[[object], object]:
+    def draw(plt: object) -> object:
+        names = list(decode)
+        med = [statistics.median(decode[k]) for k in names]
+        lo = [m - min(decode[k]) for k, m in zip(names, med, strict=True)]
+        hi = [max(decode[k]) - m for k, m in zip(names, med, strict=True)]
+        fig, ax = plt.subplots(figsize=(8, 4))  # type: ignore[attr-defined]
+        ax.barh(names, med, xerr=[lo, hi], color="#4477aa")
+        ax.invert_yaxis()
+        ax.set_xlabel("decode ms/token (median, run-to-run range)")
+        ax.set_title(title)
+        return fig
+
+    return draw
 
 
 def main() -> None:
@@ -101,8 +147,27 @@ def main() -> None:
         "zmqllm_engine": zmq_run,
         "zmqllm_pytorch_ops": pt_run,
     }
+    quantized: dict[str, Generator] = {}
+    if a.dtype == "float32":
+        for kind in ("int8", "int4"):
+            quantized[kind] = Generator(model_dir, quant=kind)
+            runs[f"zmqllm_{kind}"] = lambda k, g=quantized[kind]: list(g.generate(ids, k))
+    gguf = gguf_source(model_dir)
+    if gguf is None:
+        print("no GGUF behind this model: llama.cpp not timed")
+    else:
+        try:
+            runs["llama_cpp_q4_1"] = llama_cpp_run(gguf, ids, n, a.threads)
+        except ImportError:
+            print("llama-cpp-python not installed (pip install zmqllm[bench-llama]): not timed")
     want = hf_run(n)
-    same = {name: run(n) == want for name, run in runs.items() if name != "hf_generate"}
+    agree: dict[str, int] = {}  # greedy tokens equal to HF's before the first difference
+    for name, run in runs.items():
+        if name != "hf_generate":
+            got = run(n)
+            diff = [i for i, (x, y) in enumerate(zip(got, want, strict=True)) if x != y]
+            agree[name] = diff[0] if diff else n
+    same = {name: k == n for name, k in agree.items()}
 
     # Bytes read per decode token: every weight once (the embedding is only
     # gathered, one row, unless tied to the lm_head, which reads it whole).
@@ -110,10 +175,14 @@ def main() -> None:
     shard = gen.shards[0]
     weight_bytes = sum(p.numel() for p in shard.layers.parameters()) * itemsize
     weight_bytes += shard.lm_head.numel() * itemsize if shard.lm_head is not None else 0
+    int4_bytes = 0
+    if "int4" in quantized:  # the same floor at the int4 shard's bytes (its head is tied)
+        int4_bytes = quantized["int4"].shards[0].weight_bytes()
     buf = torch.ones(FLOOR_BYTES // 4, dtype=torch.float32)
 
     # Alternating rounds (the order flipped each round): this machine's speed drifts.
-    decode: dict[str, list[float]] = {name: [] for name in [*runs, "floor"]}
+    floors = ["floor", "floor_int4"] if int4_bytes else ["floor"]
+    decode: dict[str, list[float]] = {name: [] for name in [*runs, *floors]}
     prefill: dict[str, list[float]] = {name: [] for name in runs}
     for r in range(a.repeats):
         order = list(runs.items())
@@ -123,7 +192,10 @@ def main() -> None:
             tn = seconds(lambda run=run: run(n))
             prefill[name].append(t1 * 1e3)
             decode[name].append((tn - t1) / (n - 1) * 1e3)
-        decode["floor"].append(floor_seconds_per_byte(buf) * weight_bytes * 1e3)
+        rate = floor_seconds_per_byte(buf)
+        decode["floor"].append(rate * weight_bytes * 1e3)
+        if int4_bytes:
+            decode["floor_int4"].append(rate * int4_bytes * 1e3)
         print(f"  round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in decode.items()))
 
     def spread(xs: list[float]) -> dict[str, float]:
@@ -133,16 +205,25 @@ def main() -> None:
         name: {"prefill_ms": spread(prefill[name]), "decode_ms_per_token": spread(decode[name])}
         for name in runs
     }
-    ratio = [z / h for z, h in zip(decode["zmqllm_engine"], decode["hf_generate"], strict=True)]
-    over = [z / f for z, f in zip(decode["zmqllm_engine"], decode["floor"], strict=True)]
+
+    def per_round(num: str, den: str) -> dict[str, float] | None:
+        if num not in decode or den not in decode:
+            return None
+        return spread([x / y for x, y in zip(decode[num], decode[den], strict=True)])
+
     floor = statistics.median(decode["floor"])
     summary = {
-        "ratio_decode_zmqllm_over_hf": spread(ratio),
+        "ratio_decode_zmqllm_over_hf": per_round("zmqllm_engine", "hf_generate"),
         "weight_bytes_per_token": weight_bytes,
+        "int4_weight_bytes_per_token": int4_bytes,
         "floor_ms_per_token": spread(decode["floor"]),
         "read_bandwidth_gb_s": weight_bytes / floor / 1e6,
-        "zmqllm_decode_over_floor": spread(over),
+        "zmqllm_decode_over_floor": per_round("zmqllm_engine", "floor"),
+        "int4_over_llama_cpp": per_round("zmqllm_int4", "llama_cpp_q4_1"),
+        "int4_over_int4_floor": per_round("zmqllm_int4", "floor_int4"),
+        "int4_over_hf": per_round("zmqllm_int4", "hf_generate"),
         "greedy_tokens_identical_to_hf": same,
+        "greedy_tokens_before_first_difference_from_hf": agree,
     }
 
     print(
@@ -150,21 +231,27 @@ def main() -> None:
         f"prompt {len(ids)} tokens, {n} new tokens, {a.repeats} alternating rounds"
     )
     print(f"{'':20} {'prefill ms':>11} {'decode ms/tok (range)':>24} {'tok/s':>7}")
-    for name in [*runs, "floor"]:
+    for name in [*runs, *floors]:
         d = spread(decode[name])
         pre = f"{statistics.median(prefill[name]):11.1f}" if name in prefill else " " * 11
         print(
             f"{name:20} {pre} {d['median']:9.2f} ({d['min']:5.2f}-{d['max']:6.2f}) "
             f"{1e3 / d['median']:7.1f}"
         )
-    rs, os_ = summary["ratio_decode_zmqllm_over_hf"], summary["zmqllm_decode_over_floor"]
+    for key in (
+        "ratio_decode_zmqllm_over_hf",
+        "zmqllm_decode_over_floor",
+        "int4_over_hf",
+        "int4_over_llama_cpp",
+        "int4_over_int4_floor",
+    ):
+        r = summary[key]
+        if isinstance(r, dict):
+            print(f"{key} per round: {r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})")
     print(
-        f"zmqllm / HF per round: {rs['median']:.2f} ({rs['min']:.2f}-{rs['max']:.2f}); "
-        f"zmqllm / floor: {os_['median']:.2f} ({os_['min']:.2f}-{os_['max']:.2f})"
-    )
-    print(
-        f"floor: {weight_bytes / 1e6:.0f} MB/token at {summary['read_bandwidth_gb_s']:.1f} GB/s "
-        f"(sum over a filled 512 MiB tensor); greedy tokens identical to HF: {same}"
+        f"floor: {weight_bytes / 1e6:.0f} MB/token (int4 shard {int4_bytes / 1e6:.0f} MB) at "
+        f"{summary['read_bandwidth_gb_s']:.1f} GB/s (sum over a filled 512 MiB tensor)\n"
+        f"greedy tokens equal to HF's before the first difference (of {n}): {agree}"
     )
     meta = {
         "model": str(model_dir),
@@ -177,6 +264,8 @@ def main() -> None:
         "machine": platform.processor() or platform.machine(),
     }
     write_json(Path(a.out), {"meta": meta, "results": results, "summary": summary})
+    title = f"{model_dir.name}: decode, {a.threads} threads, {a.repeats} rounds"
+    write_plot(Path(a.out), draw_bars(decode, title))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,17 @@ from zmqllm.engine.quant import QuantTensor  # noqa: E402
 from .float_tolerance import reorder_tolerance  # noqa: E402
 
 
+def product_tolerance(w: torch.Tensor, x: torch.Tensor, want: torch.Tensor) -> dict[str, float]:
+    """The kernel meets few rows in 16-bit steps of each block's largest |x| (at most
+    half a step, max|x_b| / 65534, off per element) and sums in another order."""
+    cols = w.shape[1]
+    blocks = x.abs().view(x.shape[0], cols // 32, 32).amax(-1)  # [rows, blocks]
+    steps = (blocks / 65534).repeat_interleave(32, dim=1)  # per element of x
+    bound = float((steps @ w.abs().T).max())
+    tol = reorder_tolerance(want, cols)
+    return {"rtol": 0.0, "atol": tol["atol"] + 1.01 * bound}
+
+
 @pytest.fixture(scope="module")
 def kernel() -> ModuleType:
     module = native.load()
@@ -99,8 +110,9 @@ def test_kernel_product_matches_pytorch_on_the_dequantized_weight(
     t = quant.quantize(torch.randn(out, cols, generator=g), kind)
     x = torch.randn(rows, cols, generator=g)
     matrix = kernel.Matrix(quant.KIND[kind], t.q, t.d, t.m)
-    want = x @ quant.dequantize(t).T
-    torch.testing.assert_close(kernel.matmul(x, matrix), want, **reorder_tolerance(want, cols))
+    w = quant.dequantize(t)
+    want = x @ w.T
+    torch.testing.assert_close(kernel.matmul(x, matrix), want, **product_tolerance(w, x, want))
     torch.testing.assert_close(kernel.dequantize(matrix), quant.dequantize(t))
 
 
@@ -111,9 +123,10 @@ def test_kernel_product_of_q8_0_blocks_without_offsets(kernel: ModuleType, rows:
     q = torch.randint(-127, 128, (70, 96), generator=g, dtype=torch.int8)
     t = QuantTensor("int8", q, torch.rand(70, 3, generator=g) / 100, torch.empty(0))
     x = torch.randn(rows, 96, generator=g)
-    want = x @ quant.dequantize(t).T
+    w = quant.dequantize(t)
+    want = x @ w.T
     got = kernel.matmul(x, kernel.Matrix(1, t.q, t.d, t.m))
-    torch.testing.assert_close(got, want, **reorder_tolerance(want, 96))
+    torch.testing.assert_close(got, want, **product_tolerance(w, x, want))
 
 
 def test_kernel_refuses_what_it_cannot_multiply(kernel: ModuleType) -> None:
@@ -142,7 +155,7 @@ def test_quant_linear_without_the_kernel_computes_the_same(kernel: ModuleType) -
     lin.use(None)
     plain = lin(x)
     lin.use(kernel)
-    torch.testing.assert_close(lin(x), plain, **reorder_tolerance(plain, 128))
+    torch.testing.assert_close(lin(x), plain, **product_tolerance(quant.dequantize(t), x, plain))
     assert lin.num_weights == 40 * 128
 
 
@@ -185,4 +198,6 @@ def test_quantized_generation_kernel_equals_pytorch_path(
         g.forward(["a", "b", "c"], [prompt[:4], prompt[:6], prompt[:3]])
     ours = fast.forward(["a", "b", "c"], [[1], [2], [3]])
     ref = slow.forward(["a", "b", "c"], [[1], [2], [3]])
-    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    # Four layers of 16-bit activations in the kernel's products (product_tolerance)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=3e-3 * float(ref.abs().max()))
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))

@@ -119,24 +119,35 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_new, t
   const float* kn_p = k_new.data_ptr<float>();
   const float* vn_p = v_new.data_ptr<float>();
 
-  at::parallel_for(0, n * KVH, 1, [&](int64_t begin, int64_t end) {
+  // This forward's key/value rows go in first: every query head of a kv head reads them.
+  for (int64_t it = 0; it < n * KVH; ++it) {
+    const int64_t i = it / KVH, kh = it % KVH;
+    const int64_t block = (layer * KVH + kh) * kcache[i].size(2) * D;
+    std::memcpy(kcache[i].data_ptr<float>() + block + pos[i] * D,
+                kn_p + rows[i] * k_new.stride(0) + kh * k_new.stride(1), D * sizeof(float));
+    std::memcpy(vcache[i].data_ptr<float>() + block + pos[i] * D,
+                vn_p + rows[i] * v_new.stride(0) + kh * v_new.stride(1), D * sizeof(float));
+  }
+  // One task per (session, kv head), its G query heads reading the keys while they
+  // are in cache; with fewer such tasks than twice the threads (a single stream: 3
+  // kv heads on 2 threads, one thread idle a third of the time), one per query head.
+  const int64_t per = n * KVH >= 2 * at::get_num_threads() ? G : 1;
+  const int64_t units = n * KVH * (G / per);
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> acc(G * D);
-    for (int64_t it = begin; it < end; ++it) {
-      const int64_t i = it / KVH, kh = it % KVH, row = rows[i];
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t head0 = (u % (H / per)) * per;  // first query head of this task
+      const int64_t i = u / (H / per), kh = head0 / G, row = rows[i];
       const int64_t max_len = kcache[i].size(2);
       // This layer's, this head's [max_len, D] block of the session's cache.
       const int64_t block = (layer * KVH + kh) * max_len * D;
-      float* kc = kcache[i].data_ptr<float>() + block;
-      float* vc = vcache[i].data_ptr<float>() + block;
-      std::memcpy(kc + pos[i] * D, kn_p + row * k_new.stride(0) + kh * k_new.stride(1),
-                  D * sizeof(float));
-      std::memcpy(vc + pos[i] * D, vn_p + row * v_new.stride(0) + kh * v_new.stride(1),
-                  D * sizeof(float));
+      const float* kc = kcache[i].data_ptr<float>() + block;
+      const float* vc = vcache[i].data_ptr<float>() + block;
       const int64_t first = lo[i], len = pos[i] + 1 - first;
-      scores.resize(G * len);
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qr = q_p + row * q.stride(0) + (kh * G + g) * q.stride(1);
+      scores.resize(per * len);
+      for (int64_t g = 0; g < per; ++g) {
+        const float* qr = q_p + row * q.stride(0) + (head0 + g) * q.stride(1);
         float* s = scores.data() + g * len;
         float mx = -INFINITY;
         for (int64_t j = 0; j < len; ++j) {
@@ -149,18 +160,16 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_new, t
         const float inv = 1.f / sum;
         for (int64_t j = 0; j < len; ++j) s[j] *= inv;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(acc.begin(), acc.begin() + per * D, 0.f);
       for (int64_t j = 0; j < len; ++j) {
         const float* vr = vc + (first + j) * D;
-        for (int64_t g = 0; g < G; ++g) {
+        for (int64_t g = 0; g < per; ++g) {
           const float p = scores[g * len + j];
           float* a = acc.data() + g * D;
           for (int64_t d = 0; d < D; ++d) a[d] += p * vr[d];
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        std::memcpy(out_p + row * H * D + (kh * G + g) * D, acc.data() + g * D, D * sizeof(float));
-      }
+      std::memcpy(out_p + row * H * D + head0 * D, acc.data(), per * D * sizeof(float));
     }
   });
 }

@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -31,17 +32,44 @@ constexpr int64_t kDirectRows = 8;
 // Weight rows per task of the widening loop, and per dequantized slice.
 constexpr int64_t kGrainRows = 16;
 constexpr int64_t kSliceRows = 256;
+// Few rows meet the weights in 16-bit integers (AVX2): each block of 32 activations
+// in steps of its largest magnitude / kXSteps, so the block products are integer
+// multiply-adds (two vpmaddwd per block instead of widening every weight to float).
+// The activations' rounding, below 2^-16 of their block's largest, is the only one
+// added to the product with the dequantized weight.
+constexpr float kXSteps = 32767.0f;
+
+// Raw pointers of a Matrix, taken once per call: data_ptr<T>() checks its type on
+// every call, which per weight row cost more than the row's arithmetic.
+struct View {
+  MatrixKind kind;
+  const uint8_t* q;
+  const float* d;
+  const float* m;  // null without offsets
+  int64_t in;
+  int64_t groups;
+  int64_t qstride;  // bytes per weight row
+
+  explicit View(const Matrix& w)
+      : kind(w.kind),
+        q(static_cast<const uint8_t*>(w.q.data_ptr())),
+        d(w.d.data_ptr<float>()),
+        m(w.has_min() ? w.m.data_ptr<float>() : nullptr),
+        in(w.in),
+        groups(w.in / kGroup),
+        qstride(w.kind == MatrixKind::kInt8 ? w.in : w.in / 2) {}
+};
 
 // One block of weights as 32 floats (the portable path and dequantize).
-inline void widen_block(const Matrix& w, int64_t row, int64_t b, float* out) {
-  const float d = w.d.data_ptr<float>()[row * (w.in / kGroup) + b];
-  const float m = w.has_min() ? w.m.data_ptr<float>()[row * (w.in / kGroup) + b] : 0.0f;
+inline void widen_block(const View& w, int64_t row, int64_t b, float* out) {
+  const float d = w.d[row * w.groups + b];
+  const float m = w.m != nullptr ? w.m[row * w.groups + b] : 0.0f;
   if (w.kind == MatrixKind::kInt8) {
-    const int8_t* q = w.q.data_ptr<int8_t>() + row * w.in + b * kGroup;
+    const int8_t* q = reinterpret_cast<const int8_t*>(w.q) + row * w.in + b * kGroup;
     for (int64_t j = 0; j < kGroup; ++j) out[j] = d * static_cast<float>(q[j]) + m;
     return;
   }
-  const uint8_t* q = w.q.data_ptr<uint8_t>() + row * (w.in / 2) + b * (kGroup / 2);
+  const uint8_t* q = w.q + row * w.qstride + b * (kGroup / 2);
   for (int64_t j = 0; j < kGroup / 2; ++j) {
     out[j] = d * static_cast<float>(q[j] & 15) + m;
     out[j + kGroup / 2] = d * static_cast<float>(q[j] >> 4) + m;
@@ -56,61 +84,66 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// The 32 weights of block b as four vectors of 8, without the scale (and minimum).
-inline void widen_q(const Matrix& w, const uint8_t* qrow, int64_t b, __m256 v[4]) {
+// The 32 weights of block b as two vectors of 16 int16 (codes, without scale or offset).
+inline void widen_q16(const View& w, const uint8_t* qrow, int64_t b, __m256i v[2]) {
   if (w.kind == MatrixKind::kInt8) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qrow + b * kGroup));
-    const __m128i lo = _mm256_castsi256_si128(raw);
-    const __m128i hi = _mm256_extracti128_si256(raw, 1);
-    v[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-    v[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
-    v[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-    v[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+    v[0] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw));
+    v[1] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1));
     return;
   }
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qrow + b * kGroup / 2));
-  const __m128i nibble = _mm_set1_epi8(15);
-  const __m128i lo = _mm_and_si128(raw, nibble);                      // weights 0..15
-  const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);  // weights 16..31
-  v[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-  v[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-  v[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-  v[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  // Each byte widened to 16 bits once; its low nibble is weight j, its high one j + 16.
+  const __m256i raw = _mm256_cvtepu8_epi16(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(qrow + b * kGroup / 2)));
+  v[0] = _mm256_and_si256(raw, _mm256_set1_epi16(15));
+  v[1] = _mm256_srli_epi16(raw, 4);
 }
 
-// y[r, row] for R input rows and one weight row: sum_b d_b * (q_b . x_b), the
-// minimum's share left to the caller. x rows are ``in`` apart.
+// y[r, row] for R input rows and one weight row: sum_b d_b * sx_rb * (q_b . xq_rb),
+// the offset's share left to the caller. xq holds the rows ``in`` apart, sx theirs
+// ``groups`` apart. The block products are exact in int32: |q| <= 255, |xq| <= 32767.
 template <int R>
-inline void dot_rows(const Matrix& w, int64_t row, const float* x, float* sums) {
-  const int64_t groups = w.in / kGroup;
-  const int64_t qstride = w.kind == MatrixKind::kInt8 ? w.in : w.in / 2;
-  const uint8_t* qrow = static_cast<const uint8_t*>(w.q.data_ptr()) + row * qstride;
-  const float* drow = w.d.data_ptr<float>() + row * groups;
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+inline void dot_rows(const View& w, int64_t row, const int16_t* xq, const float* sx,
+                     float* sums) {
+  const int64_t groups = w.groups;
+  const uint8_t* qrow = w.q + row * w.qstride;
+  const float* drow = w.d + row * groups;
+  // Two accumulators per row, even and odd blocks: one would make every block wait
+  // for the previous block's FMA.
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < groups; ++b) {
-    __m256 v[4];
-    widen_q(w, qrow, b, v);
-    const __m256 d = _mm256_broadcast_ss(drow + b);
+    __m256i v[2];
+    widen_q16(w, qrow, b, v);
     for (int r = 0; r < R; ++r) {
-      const float* xb = x + r * w.in + b * kGroup;
-      __m256 t = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
-      t = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), t);
-      t = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), t);
-      t = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), t);
-      acc[r] = _mm256_fmadd_ps(t, d, acc[r]);
+      const int16_t* xb = xq + r * w.in + b * kGroup;
+      const __m256i p = _mm256_add_epi32(
+          _mm256_madd_epi16(v[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb))),
+          _mm256_madd_epi16(v[1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16))));
+      const __m256 scale = _mm256_set1_ps(drow[b] * sx[r * groups + b]);
+      acc[r][b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[r][b & 1]);
     }
   }
-  for (int r = 0; r < R; ++r) sums[r] = hsum(acc[r]);
+  for (int r = 0; r < R; ++r) sums[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+}
+
+// sum_b a[b] * b[b] over n values, eight lanes at a time (the offsets' share).
+inline float dot_short(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
 }
 #endif
 
 // The portable row: the same sums from widened blocks.
-inline void dot_rows_portable(const Matrix& w, int64_t row, const float* x, int64_t rows,
+inline void dot_rows_portable(const View& w, int64_t row, const float* x, int64_t rows,
                               float* sums) {
   float block[kGroup];
   for (int64_t r = 0; r < rows; ++r) sums[r] = 0.0f;
-  for (int64_t b = 0; b < w.in / kGroup; ++b) {
+  for (int64_t b = 0; b < w.groups; ++b) {
     widen_block(w, row, b, block);
     for (int64_t r = 0; r < rows; ++r) {
       const float* xb = x + r * w.in + b * kGroup;
@@ -122,15 +155,17 @@ inline void dot_rows_portable(const Matrix& w, int64_t row, const float* x, int6
 }
 
 // Few rows: y [rows, out] through the widening loop.
-torch::Tensor matmul_direct(const torch::Tensor& x, const Matrix& w) {
+torch::Tensor matmul_direct(const torch::Tensor& x, const Matrix& matrix) {
+  const View w(matrix);
+  const int64_t out = matrix.out;
   const int64_t rows = x.size(0);
   const int64_t groups = w.in / kGroup;
-  torch::Tensor y = torch::empty({rows, w.out}, x.options());
+  torch::Tensor y = torch::empty({rows, out}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // Each block's sum of x, [rows, groups], for the minimum's share.
+  // Each block's sum of x, [rows, groups], for the offset's share.
   std::vector<float> xsum;
-  if (w.has_min()) {
+  if (w.m != nullptr) {
     xsum.resize(rows * groups);
     for (int64_t i = 0; i < rows * groups; ++i) {
       float s = 0.0f;
@@ -138,37 +173,59 @@ torch::Tensor matmul_direct(const torch::Tensor& x, const Matrix& w) {
       xsum[i] = s;
     }
   }
-  at::parallel_for(0, w.out, kGrainRows, [&](int64_t r0, int64_t r1) {
+#if defined(__AVX2__) && defined(__FMA__)
+  // x in 16-bit steps of its block's largest magnitude: sx * xq, |xq| <= 32767.
+  std::vector<int16_t> xq(rows * w.in);
+  std::vector<float> sx(rows * groups);
+  for (int64_t i = 0; i < rows * groups; ++i) {
+    const float* xb = xp + i * kGroup;
+    float amax = 0.0f;
+    for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::abs(xb[j]));
+    const float step = amax > 0.0f ? amax / kXSteps : 1.0f;
+    const float inv = 1.0f / step;
+    for (int64_t j = 0; j < kGroup; ++j) {
+      xq[i * kGroup + j] = static_cast<int16_t>(std::lrint(xb[j] * inv));
+    }
+    sx[i] = step;
+  }
+#endif
+  at::parallel_for(0, out, kGrainRows, [&](int64_t r0, int64_t r1) {
     float sums[kDirectRows];
     for (int64_t row = r0; row < r1; ++row) {
 #if defined(__AVX2__) && defined(__FMA__)
       for (int64_t r = 0; r < rows; r += 4) {
-        const float* xr = xp + r * w.in;
+        const int16_t* xr = xq.data() + r * w.in;
+        const float* sr = sx.data() + r * groups;
         switch (std::min<int64_t>(4, rows - r)) {
-          case 1: dot_rows<1>(w, row, xr, sums + r); break;
-          case 2: dot_rows<2>(w, row, xr, sums + r); break;
-          case 3: dot_rows<3>(w, row, xr, sums + r); break;
-          default: dot_rows<4>(w, row, xr, sums + r); break;
+          case 1: dot_rows<1>(w, row, xr, sr, sums + r); break;
+          case 2: dot_rows<2>(w, row, xr, sr, sums + r); break;
+          case 3: dot_rows<3>(w, row, xr, sr, sums + r); break;
+          default: dot_rows<4>(w, row, xr, sr, sums + r); break;
         }
       }
 #else
       dot_rows_portable(w, row, xp, rows, sums);
 #endif
-      if (w.has_min()) {
-        const float* mrow = w.m.data_ptr<float>() + row * groups;
+      if (w.m != nullptr) {
+        const float* mrow = w.m + row * groups;
         for (int64_t r = 0; r < rows; ++r) {
+#if defined(__AVX2__) && defined(__FMA__)
+          sums[r] += dot_short(mrow, xsum.data() + r * groups, groups);
+#else
           float s = 0.0f;
           for (int64_t b = 0; b < groups; ++b) s += mrow[b] * xsum[r * groups + b];
           sums[r] += s;
+#endif
         }
       }
-      for (int64_t r = 0; r < rows; ++r) yp[r * w.out + row] = sums[r];
+      for (int64_t r = 0; r < rows; ++r) yp[r * out + row] = sums[r];
     }
   });
   return y;
 }
 
-void dequantize_rows(const Matrix& w, int64_t r0, int64_t r1, float* out) {
+void dequantize_rows(const Matrix& matrix, int64_t r0, int64_t r1, float* out) {
+  const View w(matrix);
   at::parallel_for(r0, r1, kGrainRows, [&](int64_t a, int64_t b) {
     for (int64_t row = a; row < b; ++row) {
       for (int64_t g = 0; g < w.in / kGroup; ++g) {
