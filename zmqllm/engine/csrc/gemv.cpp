@@ -5,6 +5,8 @@
 // float32 path for one row does not reach it on every CPU; this loop streams
 // four weight rows at a time against x (which stays in L1), in parallel over
 // blocks of output rows.
+#include "matrix.h"  // hsum
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -21,12 +23,6 @@ constexpr int64_t kRowsPerBlock = 4;
 constexpr int64_t kGrainBlocks = 16;
 
 #if defined(__AVX2__) && defined(__FMA__)
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
 
 // y[r] = w[r, :] . x for four consecutive rows; n is the row length.
 inline void dot4(const float* w, const float* x, int64_t n, float* y) {

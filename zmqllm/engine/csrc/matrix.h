@@ -6,6 +6,18 @@
 
 #include <cstdint>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+// The sum of a vector's eight lanes.
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
 enum class MatrixKind : int64_t {
   kFloat32 = 0,  // w [out, in] float32
   kInt8 = 1,     // q int8 [out, in], d float32 [out, in / 32], m as d or empty: w = d * q + m
