@@ -20,12 +20,13 @@ against the workers' added one-way link delay, beside compute + 4 crossings x de
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -111,16 +112,12 @@ def bench_hf(model_dir: Path, ids: list[int], n: int, requests: int) -> dict[str
     return measure(once, requests)
 
 
-def bench_engine(model_dir: Path, ids: list[int], n: int, requests: int) -> dict[str, float]:
-    gen = Generator(model_dir)
-
-    def once() -> list[float]:
-        stamps = [time.perf_counter()]
-        for _ in gen.generate(ids, n):
-            stamps.append(time.perf_counter())
-        return stamps
-
-    return measure(once, requests)
+def engine_stamps(gen: Generator, ids: list[int], n: int) -> list[float]:
+    """The start time, then each token's, of one greedy generation in this process."""
+    stamps = [time.perf_counter()]
+    for _ in gen.generate(ids, n):
+        stamps.append(time.perf_counter())
+    return stamps
 
 
 def stream_once(port: int, n: int) -> list[float]:
@@ -133,9 +130,11 @@ def completion(n: int) -> dict[str, Any]:
     return {"prompt": PROMPT, "max_tokens": n, "ignore_eos": True, "temperature": 0}
 
 
-def bench_cluster(
-    model_dir: Path, stages: int, n: int, requests: int, threads: int, keys: Path | None = None
-) -> dict[str, Any]:
+@contextlib.contextmanager
+def running_cluster(
+    model_dir: Path, stages: int, threads: int, keys: Path | None = None, quant: str = "none"
+) -> Iterator[Any]:
+    """A local cluster of ``stages`` workers, ready, stopped on the way out."""
     # Imported here, not at the top: compare_revisions.py loads this module's stream_once
     # into older trees, which have no testbed/ (and must keep their own zmqllm first).
     import repo_root  # noqa: F401
@@ -153,14 +152,28 @@ def bench_cluster(
             threads=threads,
             batch_threads=max(1, (os.cpu_count() or 1) // stages),
             keys=keys,
+            quant=quant,
         )
         try:
             c.start_all(tuple(f"{a}:{b}" for a, b in layers))
-            res: dict[str, Any] = measure(lambda: stream_once(c.http_port, n), requests)
-            res["rss_mb"] = {p.name: round(peak_rss_mb(p.popen.pid), 1) for p in c.procs}
-            return res
+            yield c
         finally:
             c.stop()
+
+
+def bench_cluster(
+    model_dir: Path,
+    stages: int,
+    n: int,
+    requests: int,
+    threads: int,
+    keys: Path | None = None,
+    quant: str = "none",
+) -> dict[str, Any]:
+    with running_cluster(model_dir, stages, threads, keys, quant) as c:
+        res: dict[str, Any] = measure(lambda: stream_once(c.http_port, n), requests)
+        res["rss_mb"] = {p.name: round(peak_rss_mb(p.popen.pid), 1) for p in c.procs}
+        return res
 
 
 def curve_cost(model_dir: Path, a: argparse.Namespace) -> None:
@@ -274,12 +287,67 @@ def link_sweep(model_dir: Path, a: argparse.Namespace) -> None:
     write_plot(out, draw)
 
 
+def median_row(runs: list[dict[str, float]]) -> dict[str, Any]:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def per_token_rows(model_dir: Path, ids: list[int], a: argparse.Namespace) -> dict[str, Any]:
+    """HF, the engine, and each cluster alternating with the engine round by round: the
+    cluster's ITL over the engine's is taken per round, so the drift of a shared
+    machine's cores between runs cancels."""
+    from paired import alternate, spread
+
+    n = a.new_tokens
+    rows: dict[str, Any] = {}
+    if not a.no_hf:
+        rows["hf_generate"] = bench_hf(model_dir, ids, n, a.requests)
+    gen = Generator(model_dir, quant=a.quant)
+    engine_runs: list[dict[str, float]] = []
+    for k in a.stages:
+        with running_cluster(model_dir, k, a.threads, quant=a.quant) as c:
+            runs: dict[str, list[dict[str, float]]] = {"engine": [], "cluster": []}
+
+            def run(
+                name: str,
+                once: Callable[[], list[float]],
+                runs: dict[str, list[dict[str, float]]] = runs,
+            ) -> float:
+                runs[name].append(measure(once, a.requests))
+                return runs[name][-1]["itl_ms_p50"]
+
+            alternate(
+                a.rounds,
+                ("engine", lambda: run("engine", lambda: engine_stamps(gen, ids, n))),
+                ("cluster", lambda: run("cluster", lambda: stream_once(c.http_port, n))),
+            )
+            row = median_row(runs["cluster"])
+            pairs = list(zip(runs["engine"], runs["cluster"], strict=True))
+            row["ratio_itl_vs_engine"] = spread(
+                [q["itl_ms_p50"] / e["itl_ms_p50"] for e, q in pairs]
+            )
+            row["bus_overhead_ms_per_token"] = spread(
+                [q["itl_ms_p50"] - e["itl_ms_p50"] for e, q in pairs]
+            )
+            row["rss_mb"] = {p.name: round(peak_rss_mb(p.popen.pid), 1) for p in c.procs}
+            rows[f"cluster_{k}_stage"] = row
+            engine_runs += runs["engine"]
+    rows["engine"] = median_row(engine_runs)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--requests", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--quant",
+        choices=("none", "int8", "int4"),
+        default="none",
+        help="engine and workers",
+    )
+    ap.add_argument("--no-hf", action="store_true", help="leave out HF generate")
     ap.add_argument("--out", default="benchmarks/results/per_token_latency.json")
     ap.add_argument(
         "--curve",
@@ -311,56 +379,37 @@ def main() -> None:
         link_sweep(model_dir, a)
         return
 
-    rows: dict[str, dict[str, Any]] = {}
-    rows["hf_generate"] = bench_hf(model_dir, ids, n, a.requests)
-    rows["engine"] = bench_engine(model_dir, ids, n, a.requests)
-    for k in a.stages:
-        rows[f"cluster_{k}_stage"] = bench_cluster(model_dir, k, n, a.requests, a.threads)
-
-    eng = rows["engine"]["itl_ms_p50"]
-    for k in a.stages:
-        r = rows[f"cluster_{k}_stage"]
-        r["bus_overhead_ms_per_token"] = r["itl_ms_p50"] - eng
-        r["ratio_itl_vs_engine"] = r["itl_ms_p50"] / eng
-        r["ratio_itl_vs_hf"] = r["itl_ms_p50"] / rows["hf_generate"]["itl_ms_p50"]
-    if 1 in a.stages:
-        one = rows["cluster_1_stage"]["itl_ms_p50"]
-        for k in a.stages:
-            if k > 1:
-                r = rows[f"cluster_{k}_stage"]
-                r["overhead_ms_per_extra_hop"] = (r["itl_ms_p50"] - one) / (k - 1)
-
+    rows = per_token_rows(model_dir, ids, a)
+    hf = rows.get("hf_generate", {}).get("itl_ms_p50", float("nan"))
     print(
-        f"\nper-token latency — {model_dir.name}, fp32, {a.threads} threads, {n} tokens, "
-        f"{a.requests} requests each (p50/p95/p99 over all tokens)"
+        f"\nper-token latency — {model_dir.name}, quant {a.quant}, {a.threads} threads, "
+        f"{n} tokens, {a.requests} requests x {a.rounds} rounds (medians over rounds)"
     )
     head = f"{'':16} {'TTFT ms':>8} {'ITL p50':>8} {'p95':>7} {'p99':>7} {'tok/s':>7}"
-    head += f" {'vs engine':>9} {'vs HF':>6}"
+    head += f" {'vs engine (range)':>19} {'vs HF':>6}"
     print(head)
     for name, r in rows.items():
-        ve = r.get("ratio_itl_vs_engine", r["itl_ms_p50"] / eng)
-        vh = r["itl_ms_p50"] / rows["hf_generate"]["itl_ms_p50"]
+        q = r.get("ratio_itl_vs_engine")
+        ve = f"{q['median']:.3f} ({q['min']:.2f}-{q['max']:.2f})" if q else f"{1:.3f}"
         print(
             f"{name:16} {r['ttft_ms_p50']:8.1f} {r['itl_ms_p50']:8.2f} {r['itl_ms_p95']:7.2f} "
-            f"{r['itl_ms_p99']:7.2f} {r['tokens_per_s']:7.1f} {ve:9.2f} {vh:6.2f}"
+            f"{r['itl_ms_p99']:7.2f} {r['tokens_per_s']:7.1f} {ve:>19} {r['itl_ms_p50'] / hf:6.2f}"
         )
-    for k in a.stages:
-        r = rows[f"cluster_{k}_stage"]
-        extra = (
-            f", {r['overhead_ms_per_extra_hop']:.2f} ms per extra hop"
-            if "overhead_ms_per_extra_hop" in r
-            else ""
-        )
-        print(
-            f"{k} stage(s): bus overhead {r['bus_overhead_ms_per_token']:.2f} ms/token{extra}; "
-            f"peak RSS MB {r['rss_mb']}"
-        )
+    for name, r in rows.items():
+        if "bus_overhead_ms_per_token" in r:
+            o = r["bus_overhead_ms_per_token"]
+            print(
+                f"{name}: bus overhead {o['median']:.2f} ms/token ({o['min']:.2f}-{o['max']:.2f})"
+                f"; peak RSS MB {r['rss_mb']}"
+            )
 
     meta = {
         "model": str(model_dir),
         "threads": a.threads,
         "new_tokens": n,
         "requests": a.requests,
+        "rounds": a.rounds,
+        "quant": a.quant,
         "torch": torch.__version__,
     }
     out = Path(a.out)

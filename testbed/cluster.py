@@ -49,6 +49,7 @@ class Cluster:
     batch_threads: int = 0  # threads while several sessions are in flight (0: same)
     cpu_lock: bool = False  # workers take turns on the cores (a shared lock file)
     queue_timeout: float = 10.0  # seconds a request waits for a route
+    quant: str = "none"  # the workers' --quant
     # A CURVE key folder every process uses; None = plaintext (--insecure), whatever
     # $ZMQLLM_HOME/keys holds.
     keys: Path | None = None
@@ -107,6 +108,8 @@ class Cluster:
             args += ["--batch-threads", str(self.batch_threads)]
         if self.cpu_lock:
             args += ["--cpu-lock", str(self.root / "cpu.lock")]
+        if self.quant != "none":
+            args += ["--quant", self.quant]
         return self._start(f"worker-{layers.replace(':', '-')}", args)
 
     def start_gateway(self, *flags: str) -> ChildProcess:
