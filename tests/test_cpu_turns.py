@@ -147,13 +147,13 @@ def test_waits_for_the_rest_of_a_group_it_has_seen_part_of(
     assert turns.groups == {}
     assert turns.wait() == 0.0  # the group is complete: run now
     turns.note_arrival(("g8", 2))
-    turns.groups["g8"][2] -= t.group  # the rest never came (cancelled)
+    turns.groups["g8"].last -= t.group  # the rest never came (cancelled)
     assert turns.wait() == 0.0
     # Groups that never complete do not pile up, however many a peer makes up.
     for i in range(3 * MAX_GROUPS):
         turns.note_arrival((f"x{i}", 2))
         if i % 2:
-            turns.groups[f"x{i}"][2] -= t.group
+            turns.groups[f"x{i}"].last -= t.group
     assert len(turns.groups) <= MAX_GROUPS
     turns.close()
 

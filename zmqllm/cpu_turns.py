@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from zmqllm.engine.stage import Stage
@@ -23,6 +24,7 @@ __all__ = [
     "LOCK_WAIT_MAX_S",
     "MAX_GROUPS",
     "CpuTurns",
+    "Group",
 ]
 
 # How often a waiting stage looks at the lock, and the quiet time after which no more
@@ -43,6 +45,15 @@ MAX_GROUPS = 64
 LOCK_WAIT_MAX_S = 2.0
 
 
+@dataclass
+class Group:
+    """The results of one forward of another stage bound for this one, seen in part."""
+
+    size: int  # how many messages the group has
+    arrived: int = 0  # how many of them came
+    last: float = 0.0  # when the last of them came (monotonic)
+
+
 class CpuTurns:
     """The cpu_lock policy of one stage. Constants are read from this module at each
     call, so tests can scale them."""
@@ -54,8 +65,8 @@ class CpuTurns:
         self.lock_busy_at = 0.0  # when another stage was last seen holding the lock
         self.held_at: float | None = None  # we hold the lock while results come in
         self.last_work_at = 0.0  # when the last untagged STEP or ACTIVATION arrived
-        # Groups seen in part: id -> [size, arrived, last arrival] (see GROUP_WAIT_S).
-        self.groups: dict[str, list[float]] = {}
+        # Groups seen in part, by id (see GROUP_WAIT_S).
+        self.groups: dict[str, Group] = {}
 
     def close(self) -> None:
         os.close(self.fd)  # drops the lock if we hold it
@@ -75,13 +86,13 @@ class CpuTurns:
         g = self.groups.get(gid)
         if g is None:
             if len(self.groups) >= MAX_GROUPS:  # groups that never completed (cancels)
-                self.groups = {k: v for k, v in self.groups.items() if v[2] + GROUP_WAIT_S > now}
+                self.groups = {k: v for k, v in self.groups.items() if v.last + GROUP_WAIT_S > now}
                 if len(self.groups) >= MAX_GROUPS:  # a flood of live ones: forget them all
                     self.groups.clear()
-            g = self.groups[gid] = [size, 0, now]
-        g[1] += 1
-        g[2] = now
-        if g[1] >= g[0]:
+            g = self.groups[gid] = Group(size)
+        g.arrived += 1
+        g.last = now
+        if g.arrived >= g.size:
             del self.groups[gid]
 
     def wait(self) -> float:
@@ -119,9 +130,9 @@ class CpuTurns:
         if self.held_at is not None:
             limit = min(limit, self.held_at + GROUP_WAIT_S - now)
         wait = max(self.lock_busy_at, self.last_work_at) + HOP_GRACE_S - now
-        for size, arrived, last in self.groups.values():
-            if arrived < size:
-                wait = max(wait, last + GROUP_WAIT_S - now)
+        for g in self.groups.values():
+            if g.arrived < g.size:
+                wait = max(wait, g.last + GROUP_WAIT_S - now)
         return min(limit, wait) if wait > 0 and limit > 0 else 0.0
 
     def take(self) -> None:

@@ -116,6 +116,45 @@ inline void dot_rows(const View& w, int64_t row, const int16_t* xq, const float*
   for (int r = 0; r < R; ++r) sums[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 
+// The largest of a vector's eight lanes.
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+// n blocks of x in 16-bit steps of each block's largest magnitude (x ~ sx * xq), and
+// each block's sum (xsum, when not null) for the offsets' share. Rounds to nearest
+// even, as lrint does in the default rounding mode.
+inline void quantize_activations(const float* x, int64_t n, int16_t* xq, float* sx,
+                                 float* xsum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t i = 0; i < n; ++i) {
+    const float* xb = x + i * kGroup;
+    const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8);
+    const __m256 v2 = _mm256_loadu_ps(xb + 16), v3 = _mm256_loadu_ps(xb + 24);
+    const float amax = hmax(_mm256_max_ps(
+        _mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+        _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3))));
+    if (xsum != nullptr) {
+      xsum[i] = hsum(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+    }
+    const float step = amax > 0.0f ? amax / kXSteps : 1.0f;
+    const __m256 inv = _mm256_set1_ps(1.0f / step);
+    // packs_epi32 interleaves 128-bit lanes; the permute puts the 16 values back in order.
+    const __m256i lo = _mm256_permute4x64_epi64(
+        _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v0, inv)),
+                           _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv))), 0xD8);
+    const __m256i hi = _mm256_permute4x64_epi64(
+        _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v2, inv)),
+                           _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv))), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + i * kGroup), lo);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + i * kGroup + 16), hi);
+    sx[i] = step;
+  }
+}
+
 // sum_b a[b] * b[b] over n values, eight lanes at a time (the offsets' share).
 inline float dot_short(const float* a, const float* b, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
@@ -152,30 +191,30 @@ torch::Tensor matmul_direct(const torch::Tensor& x, const Matrix& matrix) {
   torch::Tensor y = torch::empty({rows, out}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // Each block's sum of x, [rows, groups], for the offset's share.
-  std::vector<float> xsum;
+  // Each block's sum of x, [rows, groups], for the offset's share. Buffers kept per
+  // calling thread: a decode step makes over a hundred of these calls.
+  thread_local std::vector<float> xsum;
+  xsum.resize(w.m != nullptr ? rows * groups : 0);
+  // Pointers, not the thread_local names: inside the tasks below those would name the
+  // pool threads' own (empty) buffers.
+  const float* xsp = xsum.data();
+#if defined(__AVX2__) && defined(__FMA__)
+  // x in 16-bit steps of its block's largest magnitude: sx * xq, |xq| <= 32767.
+  thread_local std::vector<int16_t> xq;
+  thread_local std::vector<float> sx;
+  xq.resize(rows * w.in);
+  sx.resize(rows * groups);
+  quantize_activations(xp, rows * groups, xq.data(), sx.data(),
+                       w.m != nullptr ? xsum.data() : nullptr);
+  const int16_t* xqp = xq.data();
+  const float* sxp = sx.data();
+#else
   if (w.m != nullptr) {
-    xsum.resize(rows * groups);
     for (int64_t i = 0; i < rows * groups; ++i) {
       float s = 0.0f;
       for (int64_t j = 0; j < kGroup; ++j) s += xp[i * kGroup + j];
       xsum[i] = s;
     }
-  }
-#if defined(__AVX2__) && defined(__FMA__)
-  // x in 16-bit steps of its block's largest magnitude: sx * xq, |xq| <= 32767.
-  std::vector<int16_t> xq(rows * w.in);
-  std::vector<float> sx(rows * groups);
-  for (int64_t i = 0; i < rows * groups; ++i) {
-    const float* xb = xp + i * kGroup;
-    float amax = 0.0f;
-    for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::abs(xb[j]));
-    const float step = amax > 0.0f ? amax / kXSteps : 1.0f;
-    const float inv = 1.0f / step;
-    for (int64_t j = 0; j < kGroup; ++j) {
-      xq[i * kGroup + j] = static_cast<int16_t>(std::lrint(xb[j] * inv));
-    }
-    sx[i] = step;
   }
 #endif
   at::parallel_for(0, out, kGrainRows, [&](int64_t r0, int64_t r1) {
@@ -183,8 +222,8 @@ torch::Tensor matmul_direct(const torch::Tensor& x, const Matrix& matrix) {
     for (int64_t row = r0; row < r1; ++row) {
 #if defined(__AVX2__) && defined(__FMA__)
       for (int64_t r = 0; r < rows; r += 4) {
-        const int16_t* xr = xq.data() + r * w.in;
-        const float* sr = sx.data() + r * groups;
+        const int16_t* xr = xqp + r * w.in;
+        const float* sr = sxp + r * groups;
         switch (std::min<int64_t>(4, rows - r)) {
           case 1: dot_rows<1>(w, row, xr, sr, sums + r); break;
           case 2: dot_rows<2>(w, row, xr, sr, sums + r); break;
@@ -199,10 +238,10 @@ torch::Tensor matmul_direct(const torch::Tensor& x, const Matrix& matrix) {
         const float* mrow = w.m + row * groups;
         for (int64_t r = 0; r < rows; ++r) {
 #if defined(__AVX2__) && defined(__FMA__)
-          sums[r] += dot_short(mrow, xsum.data() + r * groups, groups);
+          sums[r] += dot_short(mrow, xsp + r * groups, groups);
 #else
           float s = 0.0f;
-          for (int64_t b = 0; b < groups; ++b) s += mrow[b] * xsum[r * groups + b];
+          for (int64_t b = 0; b < groups; ++b) s += mrow[b] * xsp[r * groups + b];
           sums[r] += s;
 #endif
         }
