@@ -4,7 +4,10 @@ One decode token of the default model multiplies one row through every linear
 weight (30 layers' qkv, o, gate+up and down, and the lm_head: 538 MB in float32).
 This times that whole set of products with each candidate, in alternating rounds
 within one run (this machine's speed drifts), next to the memory floor: the same
-bytes at the read bandwidth of a sum over a filled 512 MiB tensor.
+bytes at the read bandwidth of a sum over a filled 512 MiB tensor. Quantized
+candidates hold every one of those weights quantized: zmqllm's own int8 and int4
+(group-32 with scale and minimum) and PyTorch's CPU ops for int8 (per output
+channel) and int4 (group-32, float32 and bfloat16 activations).
 
     python benchmarks/linear_kernels.py [--threads 2] [--rounds 7]
 
@@ -27,7 +30,7 @@ import torch.nn.functional as F
 from report import write_json
 
 from zmqllm.config import default_model_dir
-from zmqllm.engine import native
+from zmqllm.engine import native, quant
 from zmqllm.engine.generator import load_shard
 from zmqllm.models import prepare_default_model
 
@@ -44,6 +47,24 @@ def timed(fn: Callable[[], object], inner: int) -> float:
 def floor_seconds_per_byte(buf: torch.Tensor) -> float:
     """Seconds per byte of a streaming read (a sum) over a buffer beyond every cache."""
     return timed(buf.sum, 3) / (buf.numel() * buf.element_size())
+
+
+def torch_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric int8, as aten._weight_int8pack_mm takes it."""
+    scale = w.abs().amax(1).clamp(min=1e-8) / 127
+    return torch.round(w / scale[:, None]).to(torch.int8), scale
+
+
+def torch_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-32 asymmetric int4 packed for aten._weight_int4pack_mm_for_cpu, with its
+    [groups, out, 2] scales and zeros (w = (q - 8) * scale + zero)."""
+    out, inn = w.shape
+    g = w.reshape(out, inn // 32, 32)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = (hi - lo).clamp(min=1e-8) / 15
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.reshape(out, inn), 1)
+    return packed, torch.stack([scale, lo + 8 * scale], -1).transpose(0, 1).contiguous()
 
 
 def main() -> None:
@@ -80,8 +101,33 @@ def main() -> None:
             F.linear(x, w) for x, w in zip(xs16, bf16, strict=True)
         ],
     }
+    sizes = {name: nbytes for name in candidates}
+    sizes["F.linear bf16 (not exact)"] = nbytes // 2
     if kernel is not None:
         candidates["zmqllm gemv fp32 (AVX2)"] = lambda: [kernel.gemv(x, w) for x, w in pairs]
+        sizes["zmqllm gemv fp32 (AVX2)"] = nbytes
+        for kind, fn in (("int8", quant.quantize_int8), ("int4", quant.quantize_int4)):
+            qts = [fn(w) for w in weights]
+            mats = [kernel.Matrix(quant.KIND[kind], t.q, t.d, t.m) for t in qts]
+            name = f"zmqllm {kind} (group-32)"
+            candidates[name] = lambda mats=mats: [
+                kernel.matmul(x, m) for x, m in zip(xs, mats, strict=True)
+            ]
+            sizes[name] = sum(t.nbytes for t in qts)
+    q8 = [torch_int8(w) for w in weights]
+    candidates["torch int8pack (per channel)"] = lambda: [
+        torch.ops.aten._weight_int8pack_mm(x, q, sc) for x, (q, sc) in zip(xs, q8, strict=True)
+    ]
+    sizes["torch int8pack (per channel)"] = nbytes // 4
+    q4 = [torch_int4(w) for w in weights]
+    for dtype, label in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        xd = [x.to(dtype) for x in xs]
+        sz = [s.to(dtype) for _, s in q4]
+        candidates[f"torch int4pack {label} x"] = lambda xd=xd, sz=sz: [
+            torch.ops.aten._weight_int4pack_mm_for_cpu(x, p, 32, s)
+            for x, (p, _), s in zip(xd, q4, sz, strict=True)
+        ]
+        sizes[f"torch int4pack {label} x"] = nbytes // 8
     buf = torch.ones(FLOOR_BYTES // 4)
     times: dict[str, list[float]] = {name: [] for name in [*candidates, "floor"]}
     for fn in candidates.values():
@@ -100,10 +146,11 @@ def main() -> None:
         f"{a.threads} threads, {a.rounds} alternating rounds"
     )
     print(f"{'':28} {'ms median':>10} {'range':>15} {'GB/s':>6} {'x floor':>8}")
+    print("(GB/s: the bytes each reads; x floor: against the float32 bytes' floor)")
     summary = {}
     for name, ts in times.items():
         med = statistics.median(ts)
-        gbs = (nbytes if "bf16" not in name else nbytes / 2) / med / 1e6
+        gbs = sizes.get(name, nbytes) / med / 1e6
         print(f"{name:28} {med:10.2f} {min(ts):7.2f}-{max(ts):<7.2f} {gbs:6.1f} {med / floor:8.2f}")
         summary[name] = {"median_ms": med, "min_ms": min(ts), "max_ms": max(ts), "gb_s": gbs}
     meta = {"threads": a.threads, "rounds": a.rounds, "weight_bytes": nbytes}
