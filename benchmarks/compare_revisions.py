@@ -8,7 +8,7 @@ streamed over `POST /v1/completions`, inter-token latency p50) for the old and t
 working tree in turn, round after round, and reports both medians, their run-to-run
 ranges and the ratio of every round's pair.
 
-    python benchmarks/compare_revisions.py --before 8809ed1 [--rounds 6] [--stages 2]
+    python benchmarks/compare_revisions.py --before 8809ed1 [--rounds 6] [--stages 2] [--quant int4]
 
 Writes benchmarks/results/compare_revisions.json. Each round runs in a fresh process
 whose `zmqllm` is imported from the tree under test; the older tree must have
@@ -33,7 +33,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
 
-def measure(root: Path, stages: int, new_tokens: int, requests: int, threads: int) -> float:
+def measure(
+    root: Path, stages: int, new_tokens: int, requests: int, threads: int, quant: str = "none"
+) -> float:
     """In a fresh process whose sys.path starts at ``root``: ITL p50 in ms."""
     sys.path.insert(0, str(root))
     import numpy as np
@@ -60,6 +62,7 @@ def measure(root: Path, stages: int, new_tokens: int, requests: int, threads: in
             heartbeat=1.0,
             threads=threads,
             batch_threads=max(1, (os.cpu_count() or 1) // stages),
+            **({"quant": quant} if quant != "none" else {}),  # older trees: float32 only
         )
         try:
             cluster.start_all(tuple(f"{a}:{b}" for a, b in layers))
@@ -76,7 +79,7 @@ def measure(root: Path, stages: int, new_tokens: int, requests: int, threads: in
 def run_round(root: Path, a: argparse.Namespace, cache: Path | None) -> float:
     cmd = [sys.executable, __file__, "--measure", str(root)]
     cmd += ["--stages", str(a.stages), "--new-tokens", str(a.new_tokens)]
-    cmd += ["--requests", str(a.requests), "--threads", str(a.threads)]
+    cmd += ["--requests", str(a.requests), "--threads", str(a.threads), "--quant", a.quant]
     env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{HERE}")
     if cache is not None:  # the older tree builds and caches its own native kernel
         env["XDG_CACHE_HOME"] = str(cache)
@@ -94,11 +97,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--requests", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quant", choices=("none", "int8", "int4"), default="none")
     ap.add_argument("--out", default="benchmarks/results/compare_revisions.json")
     ap.add_argument("--measure", metavar="ROOT", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.measure:
-        print(measure(Path(a.measure), a.stages, a.new_tokens, a.requests, a.threads))
+        print(measure(Path(a.measure), a.stages, a.new_tokens, a.requests, a.threads, a.quant))
         return
     if not a.before:
         ap.error("--before REV is required")
@@ -139,7 +143,8 @@ def main() -> None:
         f"{a.new_tokens} tokens x {a.requests} requests each; before = {sha[:10]}, "
         "after = the working tree\n" + describe(result, "before", "after", "ms")
     )
-    meta = {k: getattr(a, k) for k in ("rounds", "stages", "new_tokens", "requests", "threads")}
+    keys = ("rounds", "stages", "new_tokens", "requests", "threads", "quant")
+    meta = {k: getattr(a, k) for k in keys}
     write_json(Path(a.out), {"meta": meta, "results": result})
 
 

@@ -1,6 +1,6 @@
-"""The broker link on its own: a real link thread between a ROUTER the test drives and the
-compute loop's end of the pipe, which the test reads (or leaves unread, as a long forward
-would). No model, no torch."""
+"""The broker link on its own, against a ROUTER the test drives: the test plays the
+compute loop, pumping the socket itself (or leaving it to the keeper thread, as during a
+long forward). No model, no torch."""
 
 from __future__ import annotations
 
@@ -31,9 +31,7 @@ from zmqllm.protocol import (
 from zmqllm.worker_faults import Faults
 from zmqllm.worker_link import (
     DELIVER,
-    FAIL,
     RESET,
-    SEND,
     BrokerLink,
     LinkSettings,
     named_session,
@@ -59,7 +57,6 @@ REGISTER = Register(
 class Linked:
     router: zmq.Socket[bytes]
     link: BrokerLink
-    pipe: zmq.Socket[bytes]
     identity: bytes = b""
 
     def recv(self) -> Any:
@@ -71,13 +68,26 @@ class Linked:
     def send(self, frames: list[Any]) -> None:
         self.router.send_multipart([self.identity, *frames])
 
-    def from_link(self) -> list[zmq.Frame]:
-        assert self.pipe.poll(int(TIMEOUT * 1000)), "nothing on the pipe"
-        return self.pipe.recv_multipart(copy=False)
+    def from_link(self, pump: bool = True) -> tuple[str, Any]:
+        """The next event for the compute loop: pumped by the test, or (``pump=False``)
+        taken in by the keeper."""
+        return next_event(self.link, pump)
 
     def registered(self) -> None:
         assert isinstance(self.recv(), Register)
         self.send(encode(Registered(worker_id="w", boot="b1")))
+
+
+def next_event(link: BrokerLink, pump: bool = True) -> tuple[str, Any]:
+    deadline = time.monotonic() + TIMEOUT
+    while not link.inbox:
+        assert time.monotonic() < deadline, "nothing from the link"
+        if pump:
+            with link.lock:
+                link.pump(0.05)
+        else:
+            time.sleep(0.01)
+    return link.inbox.popleft()
 
 
 def start(ctx: zmq.Context[Any], address: str, liveness: int = 1000) -> BrokerLink:
@@ -92,13 +102,12 @@ def linked_to_a_router(liveness: int = 1000) -> Iterator[Linked]:
     router.setsockopt(zmq.LINGER, 0)
     router.bind("tcp://127.0.0.1:0")
     link = start(ctx, router.getsockopt_string(zmq.LAST_ENDPOINT), liveness)
-    pipe = link.start()
+    link.start()
     try:
-        yield Linked(router, link, pipe)
+        yield Linked(router, link)
     finally:
-        link.stop(pipe)
+        link.stop()
         assert not link.alive()
-        pipe.close(linger=0)
         router.close(linger=0)
         ctx.term()
 
@@ -132,24 +141,35 @@ def test_heartbeats_go_on_while_the_compute_loop_reads_nothing(linked: Linked) -
             assert msg.draining is True
 
 
-def test_session_messages_go_to_the_compute_loop_whole(linked: Linked) -> None:
+@pytest.mark.parametrize("pump", [True, False], ids=["pumped", "kept"])
+def test_session_messages_go_to_the_compute_loop_whole(linked: Linked, pump: bool) -> None:
     linked.registered()
     hidden = np.arange(128, dtype=np.float32).reshape(2, 64)
     act = Activation(session="s", attempt=1, step=0, hidden=Payload(hidden, "float32"))
     linked.send(encode(act))
-    kind, *frames = linked.from_link()
-    assert kind.bytes == DELIVER
+    kind, frames = linked.from_link(pump)
+    assert kind == DELIVER
     got = decode(frames)
     assert isinstance(got, Activation) and got.attempt == 1
     np.testing.assert_array_equal(got.hidden.array, hidden)
+
+
+def test_results_go_to_the_broker_from_the_compute_loop(linked: Linked) -> None:
+    linked.registered()
+    step = Step(session="s", step=1, token=5)
+    with linked.link.lock:
+        assert linked.link.send(encode(step), "s/0") == ""
+    while not isinstance(msg := linked.recv(), Step):
+        assert isinstance(msg, Heartbeat)
+    assert msg.token == 5
 
 
 def test_an_over_long_message_is_dropped_and_the_next_one_delivered(linked: Linked) -> None:
     linked.registered()
     linked.send([b"x"] * (MAX_FRAMES + 100))
     linked.send(encode(Step(session="s", step=1, token=5)))
-    kind, *frames = linked.from_link()
-    assert kind.bytes == DELIVER
+    kind, frames = linked.from_link()
+    assert kind == DELIVER
     assert isinstance(decode(frames), Step)
     assert linked.link.faults.count("malformed") == 1
 
@@ -158,7 +178,7 @@ def test_disconnect_resets_the_sessions_and_registers_again(linked: Linked) -> N
     linked.registered()
     linked.send(encode(Disconnect(reason="unknown worker")))
     kind, reason = linked.from_link()
-    assert kind.bytes == RESET and b"unknown worker" in reason.bytes
+    assert kind == RESET and "unknown worker" in reason
     while not isinstance(msg := linked.recv(), Register):
         assert isinstance(msg, Heartbeat)
 
@@ -167,35 +187,34 @@ def test_a_message_that_cannot_be_queued_fails_its_session(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Nobody listens at the address and the send queue holds one message (the REGISTER):
-    # the next one cannot be queued, and the compute loop is told to fail its session.
+    # the next one cannot be queued, and the compute loop hears why, to fail its session.
     monkeypatch.setattr(link_module, "SOCKET_HWM", 1)
     ctx: zmq.Context[Any] = zmq.Context()
     probe = ctx.socket(zmq.ROUTER)
     port = probe.bind_to_random_port("tcp://127.0.0.1")
     probe.close(linger=0)
     link = start(ctx, f"tcp://127.0.0.1:{port}")
-    pipe = link.start()
+    link.start()
     try:
         step = encode(Step(session="s", step=1, token=5))
-        for _ in range(100):
-            pipe.send_multipart([SEND, b"s/0", *step])
-            if pipe.poll(100):
-                break
-        kind, key, why = pipe.recv_multipart()
-        assert (kind, key) == (FAIL, b"s/0")
-        assert b"full" in why
+        with link.lock:
+            why = ""
+            for _ in range(100):
+                why = link.send(step, "s/0")
+                if why:
+                    break
+        assert "full" in why
         assert link.faults.count("unsent") >= 1
     finally:
-        link.stop(pipe)
-        pipe.close(linger=0)
+        link.stop()
         ctx.term()
 
 
 def test_a_silent_broker_is_left_and_rejoined() -> None:
     with linked_to_a_router(liveness=3) as linked:
         linked.registered()
-        kind, reason = linked.from_link()  # no word from the test: gone after 3 intervals
-        assert kind.bytes == RESET and b"no word" in reason.bytes
+        kind, reason = linked.from_link(pump=False)  # no word: gone after 3 intervals
+        assert kind == RESET and "no word" in reason
         # A fresh socket registers again (after the heartbeats the broker never read).
         while not isinstance(msg := linked.recv(), Register):
             assert isinstance(msg, Heartbeat)
@@ -204,14 +223,9 @@ def test_a_silent_broker_is_left_and_rejoined() -> None:
 def test_a_malformed_broker_address_ends_the_link() -> None:
     ctx: zmq.Context[Any] = zmq.Context()
     link = start(ctx, "nonsense://here")
-    pipe = link.start()
+    link.start()
     try:
-        deadline = time.monotonic() + TIMEOUT
-        while link.alive():
-            assert time.monotonic() < deadline, "the link kept running"
-            time.sleep(0.01)
         assert not link.alive()
     finally:
-        link.stop(pipe)
-        pipe.close(linger=0)
+        link.stop()
         ctx.term()

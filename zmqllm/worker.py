@@ -1,8 +1,9 @@
 """The worker process: one pipeline :class:`Stage` behind a link to the broker.
 
-:class:`Worker` is the compute loop: it takes the session messages the broker link
-(``worker_link.py``, its own thread) hands over, validates each before any tensor op sees
-it, runs one batched forward of what is ready, and hands the results back to send. Each
+:class:`Worker` is the compute loop: between forwards it drives the broker link's socket
+itself (``worker_link.py``; a keeper thread beats while a forward runs), validates each
+session message before any tensor op sees it, runs one batched forward of what is ready,
+and sends the results. Each
 message is handled in isolation: one the worker cannot process answers an ERROR for its
 session and closes it here; nothing fails a session it does not name. SIGTERM drains
 (no new sessions, finish the running ones, then exit); SIGINT or a second SIGTERM exits
@@ -11,7 +12,6 @@ at once. A refusal by the broker exits with status 3.
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import socket
@@ -56,10 +56,8 @@ from zmqllm.shard_loader import Loaded, load_stage, max_frame_bytes, register_me
 from zmqllm.worker_faults import Faults
 from zmqllm.worker_link import (
     DELIVER,
-    FAIL,
     REFUSED,
     RESET,
-    SEND,
     BrokerLink,
     LinkSettings,
     named_session,
@@ -121,7 +119,7 @@ class Worker:
             keys=keys,
         )
         self.link = BrokerLink(self.ctx, settings, register_message(cfg, loaded), self.faults)
-        self.pipe: zmq.Socket[Any] | None = None
+        self._started = False
         self._published = 0.0
 
     # -- signals ---------------------------------------------------------------
@@ -140,7 +138,8 @@ class Worker:
 
     # -- main loop -------------------------------------------------------------
     def run(self) -> int:
-        self.pipe = self.link.start()
+        self.link.start()
+        self._started = True
         log.info(
             "worker started",
             worker=self.identity,
@@ -171,17 +170,18 @@ class Worker:
         return 0
 
     def _turn(self) -> None:
-        assert self.pipe is not None
         if not self.link.alive():
-            raise LinkLost("the broker link thread ended")
+            raise LinkLost("the broker link ended")
         now = time.monotonic()
         if now - self._published >= min(IDLE_POLL_S, self.cfg.broker.heartbeat_interval / 2):
             self.publish_load(now)
         busy = self.stage.has_work()
         wait = self.turns.wait() if busy and self.turns is not None else 0.0
         timeout = wait if busy else IDLE_POLL_S
-        if self.pipe.poll(math.ceil(timeout * 1000), zmq.POLLIN):
-            self.drain_pipe()
+        with self.link.lock:
+            if not self.link.inbox:  # what the keeper took in during a forward comes first
+                self.link.pump(timeout)
+            self.drain_inbox()
         if self.stage.has_work() and not (self.turns is not None and self.turns.wait()):
             self.run_batch()
         elif self.turns is not None and self.turns.holding and not self.stage.has_work():
@@ -192,38 +192,33 @@ class Worker:
         self.link.publish(self.stage.load(), self.draining)
 
     def close(self) -> None:
-        if self.pipe is not None:
-            self.link.stop(self.pipe)
-            self.pipe.close(linger=0)
-            self.pipe = None
+        if self._started:
+            self.link.stop()
+            self._started = False
         if self.turns is not None:
             self.turns.close()
             self.turns = None
         log.info("worker stopped")
 
-    def drain_pipe(self) -> None:
-        assert self.pipe is not None
+    def drain_inbox(self) -> None:
+        """(Link lock held.) Act on what the link took in, in arrival order."""
+        inbox = self.link.inbox
         for _ in range(MAX_MESSAGES_PER_TURN):
-            try:
-                frames = self.pipe.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            if not inbox:
                 return
-            kind = frames[0].bytes
+            kind, value = inbox.popleft()
             if kind == DELIVER:
-                self.handle_frames(frames[1:])
+                self.handle_frames(value)
             elif kind == RESET:
                 if self.stage.sessions:
                     log.warning(
                         "the broker forgot this worker's sessions; dropping them",
-                        reason=frames[1].bytes.decode(errors="replace"),
+                        reason=value,
                         sessions=len(self.stage.sessions),
                     )
                 self.stage.reset()
-            elif kind == FAIL:
-                # The link counted and reported it; only the session is left to close.
-                self.stage.close(frames[1].bytes.decode())
             elif kind == REFUSED:
-                raise WorkerRefused(frames[1].bytes.decode(errors="replace"))
+                raise WorkerRefused(value)
 
     # -- messages ----------------------------------------------------------------
     def handle_frames(self, frames: list[Any]) -> None:
@@ -401,16 +396,18 @@ class Worker:
         self.send(err, key)
 
     def send(self, msg: Message, key: str = "") -> None:
-        """Hand a message to the link; one that cannot be handed over fails its session
-        here (the broker's inactivity deadline does the rest)."""
-        assert self.pipe is not None
+        """Send a message to the broker; one that cannot be sent fails its session here
+        (the broker's inactivity deadline does the rest)."""
         try:
             frames = encode(msg)
-            self.pipe.send_multipart([SEND, key.encode(), *frames], copy=False, flags=zmq.NOBLOCK)
-        except (zmq.Again, ProtocolError) as exc:
+        except ProtocolError as exc:
             self.faults.report("unsent", "message not sent; session failed", exc, session=key)
-            if key:
-                self.stage.close(key)
+            why = "cannot be encoded"
+        else:
+            with self.link.lock:
+                why = self.link.send(frames, key)
+        if why and key:
+            self.stage.close(key)
 
 
 def serve(cfg: Config) -> int:

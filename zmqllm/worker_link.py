@@ -1,21 +1,28 @@
-"""A worker's connection to the broker, in its own thread (the ZeroMQ guide's mdwrkapi.py).
+"""A worker's connection to the broker (the ZeroMQ guide's mdwrkapi.py).
 
 :class:`BrokerLink` owns the DEALER socket: it connects, registers, heartbeats both ways,
 reconnects with backoff when the broker goes quiet and registers again when the broker
-restarts or asks for it. It runs beside the compute loop, so heartbeats go out while a
-long forward runs (torch releases the GIL in its ops). The compute loop talks to it over
-an inproc PAIR socket, frames moved without copying:
+restarts or asks for it. Whichever thread holds ``lock`` drives the socket (ZeroMQ lets a
+socket move between threads across a full memory barrier, which the lock is):
 
-    link -> loop   [DELIVER, *frames]   a session message from the broker (OPEN, STEP, ...)
-                   [RESET, reason]      the broker forgot this worker's sessions: drop them
-                   [REFUSED, reason]    the broker refused this worker
-                   [FAIL, key, reason]  a message about it could not be sent: close it
-    loop -> link   [SEND, key, *frames] a message for the broker about session ``key``
-                   [STOP, reason]       say goodbye (DISCONNECT) and end the thread
+- the compute loop, between forwards: it waits on the socket itself (``pump``), takes
+  what came from ``inbox`` and sends its results (``send``), so a message to or from
+  the broker crosses no thread on its way;
+- a keeper thread while the compute loop runs a forward (the lock is free then; torch
+  releases the GIL in its ops): every ``KEEP_POLL_S`` it takes the lock if it can, reads
+  what arrived into ``inbox`` and beats, so a long forward never looks like a dead
+  worker.
+
+``inbox`` holds, in arrival order, what the compute loop must act on:
+
+    (DELIVER, frames)   a session message from the broker (OPEN, STEP, ...)
+    (RESET, reason)     the broker forgot this worker's sessions: drop them
+    (REFUSED, reason)   the broker refused this worker
 
 Nothing blocks on the broker: a message that cannot be queued to it fails its session
-locally (the broker's inactivity deadline does the rest), a message over MAX_FRAMES
-frames is read frame by frame and dropped unbuilt, and MAXMSGSIZE bounds every frame.
+(``send`` says so; the broker's inactivity deadline does the rest), a message over
+MAX_FRAMES frames is read frame by frame and dropped unbuilt, MAXMSGSIZE bounds every
+frame, and past INBOX_MAX waiting messages a session message is answered "overloaded".
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-import uuid
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,20 +62,31 @@ from zmqllm.protocol import (
 )
 from zmqllm.worker_faults import Faults
 
-__all__ = ["BrokerLink", "LinkSettings", "named_session", "session_key", "split_key"]
+__all__ = [
+    "DELIVER",
+    "REFUSED",
+    "RESET",
+    "BrokerLink",
+    "LinkSettings",
+    "named_session",
+    "session_key",
+    "split_key",
+]
 
 log = get_logger("zmqllm.worker")
 
-DELIVER, RESET, REFUSED, FAIL = b"deliver", b"reset", b"refused", b"fail"
-SEND, STOP = b"send", b"stop"
+DELIVER, RESET, REFUSED = "deliver", "reset", "refused"
 SESSION_TYPES = (Open, Step, Activation, Close, Cancel)
 
 RECONNECT_MAX_S = 30.0
-MAX_MESSAGES_PER_TURN = 1024
-PIPE_HWM = 100_000  # link <-> loop messages; past it a session is answered "overloaded"
+MAX_MESSAGES_PER_PUMP = 1024
+INBOX_MAX = 100_000  # messages waiting for the compute loop; past it: "overloaded"
 SOCKET_HWM = 10_000
 CLOSE_LINGER_MS = 500  # long enough for the goodbye DISCONNECT, short enough to exit
 JOIN_TIMEOUT_S = 5.0
+# How often the keeper looks for a free lock (a forward running): well inside a
+# heartbeat interval, and rare enough to cost nothing.
+KEEP_POLL_S = 0.05
 
 
 def session_key(session: str, attempt: int) -> str:
@@ -110,99 +128,99 @@ class BrokerLink:
         self.settings = settings
         self.register = register
         self.faults = faults
-        self.pipe_address = f"inproc://zmqllm-link-{uuid.uuid4().hex}"
+        # Reentrant: the compute loop sends while it holds it for a pump.
+        self.lock = threading.RLock()
+        self.inbox: deque[tuple[str, Any]] = deque()
         self._status: tuple[dict[str, Any], bool] = ({}, False)
         self._thread: threading.Thread | None = None
-        # The thread's own state from here on.
-        self._pipe: zmq.Socket[Any] | None = None
+        self._done = threading.Event()  # set: the keeper ends
+        self._dead = False  # the socket cannot be made (a malformed address)
+        # Driven under ``lock``, by whichever thread holds it.
         self._sock: zmq.Socket[Any] | None = None
-        self._poller = zmq.Poller()  # the pipe, and the broker's socket while connected
         self._registered = False
         self._refused = False
-        self._stopping = False
-        self._goodbye = "worker shutting down"
         self._boot: str | None = None
         self._last_broker = 0.0
         self._next_beat = 0.0
         self._reconnect_at = 0.0
         self._backoff = settings.interval
-        self._reset_pending: str | None = None
 
     # -- the compute loop's side ---------------------------------------------------
-    def start(self) -> zmq.Socket[Any]:
-        """Start the thread; returns the compute loop's end of the pipe."""
-        pipe = self.ctx.socket(zmq.PAIR)
-        pipe.setsockopt(zmq.LINGER, 0)
-        pipe.setsockopt(zmq.SNDHWM, PIPE_HWM)
-        pipe.setsockopt(zmq.RCVHWM, PIPE_HWM)
-        pipe.bind(self.pipe_address)
-        self._thread = threading.Thread(target=self._run, name="broker-link", daemon=True)
-        self._thread.start()
-        return pipe
-
-    def publish(self, load: dict[str, Any], draining: bool) -> None:
-        """What the next heartbeats report (one reference swap: safe across threads)."""
-        self._status = (load, draining)
-
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def stop(self, pipe: zmq.Socket[Any], reason: str = "worker shutting down") -> None:
-        """Ask the thread to say goodbye and end; wait for it (bounded)."""
-        try:
-            pipe.send_multipart([STOP, reason.encode()], flags=zmq.NOBLOCK)
-        except zmq.ZMQError:
-            self._stopping = True  # the pipe is full or gone: the flag still ends it
-        if self._thread is not None:
-            self._thread.join(timeout=JOIN_TIMEOUT_S)
-
-    # -- the thread --------------------------------------------------------------
-    def _run(self) -> None:
-        pipe = self.ctx.socket(zmq.PAIR)
-        pipe.setsockopt(zmq.LINGER, 0)
-        pipe.setsockopt(zmq.SNDHWM, PIPE_HWM)
-        pipe.setsockopt(zmq.RCVHWM, PIPE_HWM)
-        pipe.connect(self.pipe_address)
-        self._pipe = pipe
-        self._poller.register(pipe, zmq.POLLIN)
-        try:
+    def start(self) -> None:
+        """Connect and register, and start the keeper."""
+        with self.lock:
             try:
                 self._connect()
             except zmq.ZMQError as exc:  # e.g. a malformed endpoint: nothing to retry
                 log.error(
                     "cannot connect to the broker", address=self.settings.address, error=str(exc)
                 )
+                self._dead = True
                 return
-            while not self._stopping:
-                try:
-                    self._turn()
-                except Exception as exc:  # the link must outlive any one message
-                    self.faults.report("internal", "broker link turn failed", exc)
-                    time.sleep(0.01)
-        finally:
-            self._close_socket(goodbye=self._registered and not self._refused)
-            pipe.close(linger=0)
+        self._thread = threading.Thread(target=self._keep, name="broker-link", daemon=True)
+        self._thread.start()
 
-    def _turn(self) -> None:
-        assert self._pipe is not None
+    def publish(self, load: dict[str, Any], draining: bool) -> None:
+        """What the next heartbeats report (one reference swap: safe across threads)."""
+        self._status = (load, draining)
+
+    def alive(self) -> bool:
+        return not self._dead and self._thread is not None and self._thread.is_alive()
+
+    def stop(self, reason: str = "worker shutting down") -> None:
+        """End the keeper, say goodbye (DISCONNECT) and close the socket."""
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join(timeout=JOIN_TIMEOUT_S)
+        with self.lock:
+            self._close_socket(goodbye=self._registered and not self._refused, why=reason)
+
+    def pump(self, timeout: float) -> None:
+        """(Lock held.) Wait up to ``timeout`` seconds, never past the next heartbeat,
+        for the broker; read what came into ``inbox``; beat, notice a silent broker and
+        reconnect when due."""
         now = time.monotonic()
         due = self._next_beat if self._sock is not None else self._reconnect_at
-        events = dict(self._poller.poll(max(0, math.ceil((due - now) * 1000))))
-        if self._pipe in events:
-            self._from_loop()
-        if self._sock is not None and self._sock in events:
-            self._from_broker()
-        if self._reset_pending is not None:
-            self._reset(self._reset_pending)
+        wait = max(0.0, min(timeout, due - now))
+        if self._sock is not None:
+            if self._sock.poll(math.ceil(wait * 1000), zmq.POLLIN):
+                self._from_broker()
+        elif wait > 0:
+            time.sleep(wait)
         now = time.monotonic()
-        if self._stopping:
-            return
         if self._sock is None:
-            if now >= self._reconnect_at:
+            if now >= self._reconnect_at and not self._done.is_set():
                 self._connect()
         elif now >= self._next_beat:
             self._beat(now)
 
+    def send(self, frames: list[Any], key: str = "") -> str:
+        """(Lock held.) Queue a message to the broker; "" when queued, else why not (the
+        caller fails session ``key``)."""
+        why = "not connected to the broker"
+        if self._sock is not None:
+            try:
+                self._sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+                return ""
+            except zmq.Again:
+                why = "send queue to the broker is full"
+        if key:
+            self.faults.report("unsent", "message to the broker not sent; session failed", why=why)
+        return why
+
+    # -- the keeper ----------------------------------------------------------------
+    def _keep(self) -> None:
+        while not self._done.wait(KEEP_POLL_S):
+            if not self.lock.acquire(blocking=False):
+                continue  # the compute loop drives the socket
+            try:
+                self.pump(0.0)
+            except Exception as exc:  # the link must outlive any one message
+                self.faults.report("internal", "broker link turn failed", exc)
+            finally:
+                self.lock.release()
+
+    # -- the socket ----------------------------------------------------------------
     def _connect(self) -> None:
         s = self.settings
         sock = self.ctx.socket(zmq.DEALER)
@@ -213,21 +231,23 @@ class BrokerLink:
         sock.setsockopt(zmq.MAXMSGSIZE, s.max_message_bytes)
         if s.keys is not None:
             as_client(sock, s.keys)
-        sock.connect(s.address)
+        try:
+            sock.connect(s.address)
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            raise
         self._sock = sock
-        self._poller.register(sock, zmq.POLLIN)
         self._registered = False
         now = time.monotonic()
         self._last_broker = now
         self._next_beat = now + s.interval
         self._send(self.register)
 
-    def _close_socket(self, goodbye: bool) -> None:
+    def _close_socket(self, goodbye: bool, why: str = "") -> None:
         if self._sock is None:
             return
         if goodbye:
-            self._send(Disconnect(reason=self._goodbye))
-        self._poller.unregister(self._sock)
+            self._send(Disconnect(reason=why[:200] or "worker shutting down"))
         self._sock.close(linger=CLOSE_LINGER_MS if goodbye else 0)
         self._sock = None
 
@@ -252,7 +272,7 @@ class BrokerLink:
 
     def _lost(self, why: str) -> None:
         log.warning("reconnecting to the broker", reason=why, backoff_s=round(self._backoff, 2))
-        self._reset(why)
+        self.inbox.append((RESET, why))
         self._close_socket(goodbye=False)
         self._reconnect_at = time.monotonic() + self._backoff
         self._backoff = min(self._backoff * 2, RECONNECT_MAX_S)
@@ -260,35 +280,12 @@ class BrokerLink:
     def _register_again(self, why: str) -> None:
         log.warning("registering with the broker again", reason=why)
         self._registered = False
-        self._reset(why)
+        self.inbox.append((RESET, why))
         self._send(self.register)
 
-    def _reset(self, why: str) -> None:
-        """The broker forgot our sessions: the compute loop must drop them (retried
-        until the pipe takes it, or their KV caches would be held forever)."""
-        if self._tell_loop([RESET, why.encode()]):
-            self._reset_pending = None
-        else:
-            self._reset_pending = why
-
     # -- messages ------------------------------------------------------------------
-    def _from_loop(self) -> None:
-        assert self._pipe is not None
-        for _ in range(MAX_MESSAGES_PER_TURN):
-            try:
-                frames = self._pipe.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            kind = frames[0].bytes
-            if kind == SEND:
-                self._send_frames(frames[2:], frames[1].bytes.decode())
-            elif kind == STOP:
-                self._goodbye = frames[1].bytes.decode()[:200] or self._goodbye
-                self._stopping = True
-                return
-
     def _from_broker(self) -> None:
-        for _ in range(MAX_MESSAGES_PER_TURN):
+        for _ in range(MAX_MESSAGES_PER_PUMP):
             if self._sock is None:
                 return
             frames = self._recv_bounded(self._sock)
@@ -348,7 +345,7 @@ class BrokerLink:
             log.info("registered with the broker", worker=msg.worker_id)
         elif isinstance(msg, Refused):
             self._refused = True
-            self._tell_loop([REFUSED, msg.reason.encode()])
+            self.inbox.append((REFUSED, msg.reason))
         elif isinstance(msg, Disconnect):
             # Unregistered, it answers a message sent before our pending REGISTER (e.g.
             # a second heartbeat in flight to a restarted broker): that REGISTER suffices.
@@ -360,9 +357,8 @@ class BrokerLink:
             self.faults.report("unexpected", "unexpected message dropped", type=msg.TYPE.value)
 
     def _deliver(self, head: dict[str, Any], frames: list[zmq.Frame]) -> None:
-        if self._reset_pending is not None:
-            self._reset(self._reset_pending)  # what came after a reset must follow it
-        if self._reset_pending is None and self._tell_loop([DELIVER, *frames]):
+        if len(self.inbox) < INBOX_MAX:
+            self.inbox.append((DELIVER, frames))
             return
         self.faults.report("overloaded", "compute loop inbox full; message refused")
         named = named_session(head)
@@ -371,30 +367,10 @@ class BrokerLink:
             why = "worker overloaded"
             self._send(Error.of(ErrorCode.INTERNAL, why, session, attempt=attempt, request_id=rid))
 
-    def _send(self, msg: Message, key: str = "") -> None:
+    def _send(self, msg: Message) -> None:
         try:
             frames = encode(msg)
         except ProtocolError as exc:
             self.faults.report("internal", "message cannot be encoded", exc, type=msg.TYPE.value)
             return
-        self._send_frames(frames, key)
-
-    def _send_frames(self, frames: list[Any], key: str) -> None:
-        why = "not connected to the broker"
-        if self._sock is not None:
-            try:
-                self._sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
-                return
-            except zmq.Again:
-                why = "send queue to the broker is full"
-        if key:
-            self.faults.report("unsent", "message to the broker not sent; session failed", why=why)
-            self._tell_loop([FAIL, key.encode(), why.encode()])
-
-    def _tell_loop(self, frames: list[Any]) -> bool:
-        assert self._pipe is not None
-        try:
-            self._pipe.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
-        except zmq.Again:
-            return False
-        return True
+        self.send(frames)

@@ -95,6 +95,16 @@ def kill_serving(c: Cluster, layers: str) -> dict[str, Any]:
     return victim
 
 
+def wait_idle(c: Cluster) -> None:
+    """No session left on any worker: the last test's may still be closing, and a worker
+    still holding one would look like the one serving the next request."""
+    c.wait_for(
+        lambda: all(w["sessions"] == 0 for w in c.status()["workers"]),
+        timeout=30,
+        what="no sessions left on the workers",
+    )
+
+
 def replace_killed(c: Cluster, layers: str) -> None:
     c.start_worker(layers)
     c.wait_for(lambda: len(c.status()["workers"]) == 4, timeout=60, what="4 workers again")
@@ -125,6 +135,7 @@ def test_greedy_stream_survives_its_worker(replicas: Cluster, greedy_ids, layers
     c = replicas
     tok = c_tokenizer(c)
     expected = tok.decode(greedy_ids(tok.encode(PROMPT), TOKENS, stop_at_eos=False))
+    wait_idle(c)
     before = failovers(c)
     killed: list[dict[str, Any]] = []
     text, finish, raw = completion(c, {}, lambda: killed.append(kill_serving(c, layers)))
@@ -141,6 +152,7 @@ def test_sampled_stream_survives_its_worker(replicas: Cluster, layers: str) -> N
     undisturbed, _, _ = completion(c, SAMPLED)
     again, _, _ = completion(c, SAMPLED)
     assert again == undisturbed  # seeded: the same request gives the same text
+    wait_idle(c)
     before = failovers(c)
     killed: list[dict[str, Any]] = []
     text, finish, _ = completion(c, SAMPLED, lambda: killed.append(kill_serving(c, layers)))
@@ -154,6 +166,7 @@ def test_non_streamed_answer_survives_its_worker(replicas: Cluster, greedy_ids) 
     c = replicas
     tok = c_tokenizer(c)
     expected = tok.decode(greedy_ids(tok.encode(PROMPT), WHOLE_TOKENS, stop_at_eos=False))
+    wait_idle(c)
     before = failovers(c)
     out: dict[str, Any] = {}
 
