@@ -178,7 +178,7 @@ def cmd_broker(ns: argparse.Namespace) -> int:
 
 # OpenMP threads that finished a parallel region spin for a while before they
 # sleep. Pipeline stages sharing cores then steal each other's CPU right when the
-# next stage starts (measured: +9 ms per hop on 2 cores with libgomp's default).
+# next stage starts (the README's per-token latency section has the figure).
 # A short spin keeps a busy stage's speed and frees the cores within microseconds.
 WORKER_THREAD_ENV = {"GOMP_SPINCOUNT": "10000", "KMP_BLOCKTIME": "0"}
 

@@ -124,7 +124,7 @@ def plan(cfg: Config, config_path: Path | None, python: str = sys.executable) ->
     backend = connect_address(cfg.broker.backend)
     # Every worker here shares this machine's cores. Unless the config says how, they
     # take turns (cpu_lock): each forward gets every core and batches merge across
-    # stages, measured well ahead of all computing at once on a share of the cores.
+    # stages, ahead of all computing at once on a share of the cores (README: throughput).
     n_workers = sum(stage.count for stage in stages_of(cfg))
     share = []
     if not cfg.worker.batch_threads and not cfg.worker.cpu_lock and n_workers > 1:
