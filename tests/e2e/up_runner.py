@@ -85,6 +85,12 @@ class UpRun:
 
     def start(self) -> UpRun:
         self.root.mkdir(parents=True, exist_ok=True)
+        # Fresh, but with the compiled kernels of the tests' home (tests/conftest.py):
+        # keyed by what determines the binary, they are built once, not in each `up`.
+        kernels = Path(os.environ.get("ZMQLLM_HOME", "")) / "kernels"
+        if os.environ.get("ZMQLLM_HOME") and kernels.is_dir():
+            self.home.mkdir(parents=True, exist_ok=True)
+            (self.home / "kernels").symlink_to(kernels.resolve(), target_is_directory=True)
         config = self.root / "up.toml"
         stages = "".join(f'[[stages]]\nlayers = "{layers}"\n' for layers in self.stages)
         config.write_text(
