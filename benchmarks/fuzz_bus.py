@@ -142,8 +142,10 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             r.error is None and tok.decode(r.tokens) == greedy.ids(tuple(r.prompt), args.max_tokens)
             for r in victims.results
         ]
+        # /chat leaves out a character cut by max_tokens and ends with a newline.
         chat_ok = [
-            r.status == 200 and r.text == greedy.chat(r.prompt, args.max_tokens)
+            r.status == 200
+            and r.text == greedy.chat(r.prompt, args.max_tokens).rstrip("\ufffd") + "\n"
             for r in chats.results
         ]
         during = sum(

@@ -336,11 +336,14 @@ def per_token_rows(model_dir: Path, ids: list[int], a: argparse.Namespace) -> di
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--requests", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=2)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3], help="cluster sizes")
+    ap.add_argument("--new-tokens", type=int, default=128, help="tokens per request")
+    ap.add_argument("--requests", type=int, default=5, help="requests per measurement")
+    ap.add_argument("--threads", type=int, default=2, help="threads of each engine and worker")
     ap.add_argument(
         "--quant",
         choices=("none", "int8", "int4"),
@@ -348,13 +351,15 @@ def main() -> None:
         help="engine and workers",
     )
     ap.add_argument("--no-hf", action="store_true", help="leave out HF generate")
-    ap.add_argument("--out", default="benchmarks/results/per_token_latency.json")
+    ap.add_argument(
+        "--out", default="benchmarks/results/per_token_latency.json", help="JSON; PNG beside it"
+    )
     ap.add_argument(
         "--curve",
         action="store_true",
         help="instead: each cluster with CURVE keys against --insecure, alternating rounds",
     )
-    ap.add_argument("--rounds", type=int, default=4, help="--curve, --link-delay-ms: rounds")
+    ap.add_argument("--rounds", type=int, default=4, help="alternating rounds")
     ap.add_argument(
         "--link-delay-ms",
         type=float,

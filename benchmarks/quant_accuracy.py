@@ -25,25 +25,11 @@ import torch.nn.functional as F
 from report import write_json
 
 from zmqllm.config import default_model_dir
-from zmqllm.engine.cache import KVCache
 from zmqllm.engine.generator import Generator
-from zmqllm.engine.model import Segment
 from zmqllm.models import prepare_default_model
 from zmqllm.tokenizer import Tokenizer
 
 QUANTS = ("none", "int8", "int4")
-
-
-def all_logits(gen: Generator, ids: list[int]) -> torch.Tensor:
-    """float32 logits [len(ids), vocab] at every position, in one prefill."""
-    h = torch.tensor(ids)
-    a = gen.args
-    for shard in gen.shards:
-        cache = KVCache(
-            shard.num_local_layers, a.num_kv_heads, len(ids), a.head_dim, shard.dtype, shard.device
-        )
-        h = shard(h, [Segment(cache, len(ids))], all_logits=shard.is_last)
-    return h
 
 
 def main() -> None:
@@ -56,7 +42,7 @@ def main() -> None:
     model_dir = prepare_default_model(default_model_dir())
     ids = Tokenizer.from_dir(model_dir).encode(Path(a.text).read_text())
     target = torch.tensor(ids[1:])
-    logits = {q: all_logits(Generator(model_dir, quant=q), ids)[:-1] for q in QUANTS}
+    logits = {q: Generator(model_dir, quant=q).all_logits(ids)[:-1] for q in QUANTS}
     ref = logits["none"]
     ref_logp = F.log_softmax(ref, -1)
     rows: dict[str, dict[str, Any]] = {}

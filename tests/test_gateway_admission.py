@@ -18,6 +18,7 @@ import pytest
 from tests.fake_broker_client import FakeBrokerClient, Script
 from tests.test_gateway_support import (
     ANSWER,
+    CHAT_ANSWER,
     answer_script,
     make_app,
     running_server,
@@ -161,7 +162,7 @@ async def test_requests_past_max_concurrent_wait_and_all_complete(tok: Tokenizer
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
         responses = await asyncio.gather(*(c.post("/chat", content=b"Hi") for _ in range(40)))
     assert [r.status_code for r in responses] == [200] * 40
-    assert all(r.text == ANSWER for r in responses)
+    assert all(r.text == CHAT_ANSWER for r in responses)
     assert fake.most_open == 4  # never more sessions than slots
     assert service(app).in_flight == 0 and service(app).queued == 0
 
@@ -191,7 +192,7 @@ async def test_past_the_queue_bound_429_then_normal_service(tok: Tokenizer) -> N
         }
         # Everything that was let in is served, and the gateway serves normally after.
         for response in await asyncio.gather(running, *queued):
-            assert response.status_code == 200 and response.text == ANSWER
+            assert response.status_code == 200 and response.text == CHAT_ANSWER
         assert len(fake.request_streams) == 3
         after = await c.post("/v1/completions", json={"prompt": "Hi"})
         assert after.status_code == 200
@@ -208,7 +209,7 @@ async def test_past_the_queue_timeout_503(tok: Tokenizer) -> None:
         late = await c.post("/chat", content=b"Hi")
         assert late.status_code == 503 and late.headers["retry-after"] == "1"
         assert late.json()["error"]["code"] == "queue_timeout"
-        assert (await running).text == ANSWER
+        assert (await running).text == CHAT_ANSWER
     assert len(fake.request_streams) == 1  # the late one never reached the broker
     assert service(app).queued == 0
 
@@ -235,8 +236,8 @@ def test_a_client_that_hangs_up_while_queued_frees_its_place(tok: Tokenizer) -> 
             wait_for(lambda: gateway.queued == 0)
             # Its place is free: another request queues (no 429) and is served.
             with httpx.Client(timeout=30) as other:
-                assert other.post(f"{url}/chat", content=b"Hi").text == long_answer
-            assert first.read().decode() == long_answer
+                assert other.post(f"{url}/chat", content=b"Hi").text == long_answer + "\n"
+            assert first.read().decode() == long_answer + "\n"
         assert len(fake.request_streams) == 2  # the client that hung up never got a session
         wait_for(lambda: gateway.in_flight == 0)
 
@@ -258,4 +259,4 @@ def test_a_client_that_hangs_up_before_its_first_token_frees_its_slot(tok: Token
         wait_for(lambda: gateway.in_flight == 0 and stream.session not in fake.open_streams)
         # The slot is free: the next request is served.
         fake.default_script = answer_script(tok)
-        assert httpx.post(f"{url}/chat", content=b"Hi", timeout=30).text == ANSWER
+        assert httpx.post(f"{url}/chat", content=b"Hi", timeout=30).text == CHAT_ANSWER

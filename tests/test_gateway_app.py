@@ -16,6 +16,7 @@ import pytest
 from tests.fake_broker_client import FakeBrokerClient, FakeBrokerError, Script
 from tests.test_gateway_support import (
     ANSWER,
+    CHAT_ANSWER,
     CONTEXT,
     MODEL,
     answer_script,
@@ -80,7 +81,7 @@ async def test_chat_returns_the_answer_whatever_the_content_type(
     prompt = "What is 1+1 %21 café?"
     response = await client.post("/chat", content=prompt.encode(), headers=headers)
     assert response.status_code == 200
-    assert response.text == ANSWER
+    assert response.text == CHAT_ANSWER
     assert response.headers["content-type"].startswith("text/plain")
     assert fake.calls[0].prompt == user_prompt(tok, prompt)
     assert fake.calls[0].stop_ids == sorted(tok.eos_token_ids)
@@ -95,6 +96,22 @@ async def test_chat_query_parameters_reach_generate(client: Any, fake: FakeBroke
     assert call.max_tokens == 7
     assert (call.sampling.temperature, call.sampling.top_p) == (0.5, 0.9)
     assert (call.sampling.top_k, call.sampling.seed) == (5, 42)
+
+
+async def test_chat_refuses_a_query_parameter_it_does_not_take(
+    client: Any, fake: FakeBrokerClient
+) -> None:
+    response = await client.post("/chat", content=b"Hi", params={"max_tokns": 3})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("unknown_parameter", "max_tokns")
+    assert "'max_tokns'" in error["message"] and "max_tokens" in error["message"]
+    # Many long names: the message stays short and names a few of them, cut.
+    names = {f"{'x' * 300}{i}": "1" for i in range(50)}
+    response = await client.post("/chat", content=b"Hi", params=names)
+    assert response.status_code == 400 and len(response.text) < 1000
+    assert "and 46 more" in response.json()["error"]["message"]
+    assert fake.calls == []  # nothing was generated for either
 
 
 async def test_chat_defaults_are_greedy_with_256_tokens(
@@ -117,7 +134,7 @@ async def test_default_max_tokens_is_clipped_to_the_context(
 
 async def test_chat_max_tokens_gives_a_cut_answer(client: Any, tok: Tokenizer) -> None:
     response = await client.post("/chat", content=b"Hi", params={"max_tokens": 3})
-    assert response.text == tok.decode(tok.encode(ANSWER)[:3])
+    assert response.text == tok.decode(tok.encode(ANSWER)[:3]) + "\n"
 
 
 def test_chat_streams_chunks_as_tokens_are_made(tok: Tokenizer) -> None:
@@ -128,7 +145,7 @@ def test_chat_streams_chunks_as_tokens_are_made(tok: Tokenizer) -> None:
             assert response.status_code == 200
             for text in response.iter_text():
                 arrivals.append((time.perf_counter(), text))
-    assert "".join(text for _, text in arrivals) == ANSWER
+    assert "".join(text for _, text in arrivals) == CHAT_ANSWER
     assert len(arrivals) >= 3
     produced = fake.request_streams[0].produced_at
     # The first piece was on the client before the model had made the last token.
@@ -311,7 +328,7 @@ async def test_broker_failure_before_first_token_is_503(
     assert error["code"] == code and error["message"] == f"{code} here"
     # The server keeps serving.
     fake.default_script = answer_script(tok)
-    assert (await client.post("/chat", content=b"Hi")).text == ANSWER
+    assert (await client.post("/chat", content=b"Hi")).text == CHAT_ANSWER
 
 
 async def test_disconnected_client_fails_fast_with_503(client: Any, fake: FakeBrokerClient) -> None:
@@ -322,7 +339,7 @@ async def test_disconnected_client_fails_fast_with_503(client: Any, fake: FakeBr
     assert "broker" in response.json()["error"]["message"]
     assert not fake.calls
     fake.unreachable = False
-    assert (await client.post("/chat", content=b"Hi")).text == ANSWER
+    assert (await client.post("/chat", content=b"Hi")).text == CHAT_ANSWER
 
 
 async def test_a_link_that_only_looks_stale_is_given_a_moment(
@@ -339,7 +356,7 @@ async def test_a_link_that_only_looks_stale_is_given_a_moment(
     task = asyncio.ensure_future(broker_message_read())
     response = await client.post("/chat", content=b"Hi")
     await task
-    assert response.status_code == 200 and response.text == ANSWER
+    assert response.status_code == 200 and response.text == CHAT_ANSWER
 
 
 async def test_chat_error_after_streaming_began_is_a_last_line(
@@ -407,7 +424,7 @@ def test_client_disconnect_mid_stream_cancels_the_session(
         wait_for(lambda: not fake.open_streams)
         # And it keeps serving.
         fake.default_script = answer_script(tok)
-        assert http.post(f"{url}/chat", content=b"Hi").text == ANSWER
+        assert http.post(f"{url}/chat", content=b"Hi").text == CHAT_ANSWER
 
 
 def test_client_disconnect_during_a_non_streamed_answer_cancels(tok: Tokenizer) -> None:

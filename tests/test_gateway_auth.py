@@ -91,7 +91,7 @@ def generations(fake: FakeBrokerClient) -> list[Any]:
 def answer_of(path: str, response: Any) -> str | None:
     """The generated text in a 200 answer (None where the path generates none)."""
     if path == "/chat":
-        return str(response.text)
+        return str(response.text).removesuffix("\n")
     if path == "/v1/completions":
         return str(response.json()["choices"][0]["text"])
     if path == "/v1/chat/completions":
@@ -159,7 +159,7 @@ async def test_refusals_are_counted_and_logged_without_the_key(
     assert 'zmqllm_http_unauthorized_total{reason="missing"} 1.0' in text
     assert 'zmqllm_http_unauthorized_total{reason="invalid"} 2.0' in text
     assert 'zmqllm_http_unauthorized_total{reason="malformed"} 1.0' in text
-    assert 'zmqllm_requests_total{path="other",status="401"} 4.0' in text
+    assert 'zmqllm_requests_total{path="/v1/models",status="401"} 4.0' in text
 
     lines = [json.loads(line) for line in log_stream.getvalue().splitlines()]
     refused = [line for line in lines if line["event"] == "request refused: no valid API key"]

@@ -14,6 +14,7 @@ import pytest
 from tests.fake_broker_client import FakeBrokerClient, Script
 from tests.test_gateway_support import (
     ANSWER,
+    CHAT_ANSWER,
     answer_script,
     make_app,
     post_raw,
@@ -68,7 +69,7 @@ async def test_no_first_token_in_time_is_504_and_cancels(
         assert not fake.open_streams
         # The gateway serves normally afterwards.
         fake.default_script = answer_script(tok)
-        assert (await client.post("/chat", content=b"Hi")).text == ANSWER
+        assert (await client.post("/chat", content=b"Hi")).text == CHAT_ANSWER
 
 
 async def test_a_stream_that_stalls_ends_with_an_error_line(tok: Tokenizer) -> None:
@@ -124,5 +125,5 @@ async def test_tokens_in_time_are_not_cut(tok: Tokenizer) -> None:
     fake = FakeBrokerClient(answer_script(tok, delay=0.01))
     settings = {"first_token_timeout": 5.0, "inter_token_timeout": 5.0, "request_timeout": 30.0}
     async with client_for(fake, tok, **settings) as client:
-        assert (await client.post("/chat", content=b"Hi")).text == ANSWER
+        assert (await client.post("/chat", content=b"Hi")).text == CHAT_ANSWER
     assert fake.cancels == []

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from tests.fake_broker_client import FakeBrokerClient, Script
-from tests.test_gateway_support import ANSWER, answer_script, make_app, tiny_tokenizer
+from tests.test_gateway_support import ANSWER, CHAT_ANSWER, answer_script, make_app, tiny_tokenizer
 from zmqllm.gateway.backend import broker_error_fields
 from zmqllm.gateway.errors import broker_failure
 from zmqllm.messages import ErrorCode, SessionError
@@ -66,7 +66,7 @@ async def expect_error(
     assert says.lower() in error["message"].lower()
     # The server keeps serving.
     ok = await client.post("/chat", content=b"Hi")
-    assert (ok.status_code, ok.text) == (200, ANSWER)
+    assert (ok.status_code, ok.text) == (200, CHAT_ANSWER)
     return error
 
 
@@ -279,7 +279,7 @@ async def test_a_broker_failure_before_the_first_token(
         "code": code.value,
     }
     fake.default_script = answer_script(tok)
-    assert (await client.post("/chat", content=b"Hi")).text == ANSWER
+    assert (await client.post("/chat", content=b"Hi")).text == CHAT_ANSWER
 
 
 def test_broker_failure_takes_the_code_or_its_word() -> None:

@@ -17,6 +17,7 @@ from tests.fake_broker_client import FakeBrokerClient, Script
 from tests.test_gateway_metrics import gauge
 from tests.test_gateway_support import (
     ANSWER,
+    CHAT_ANSWER,
     answer_script,
     make_app,
     post_raw,
@@ -75,7 +76,7 @@ async def test_chat_stream_goes_on_after_its_route_failed(failing: Any, tok: Tok
     _, fake, app = failing
     status, body, complete = await post_raw(app, "/chat", b"Hi")
     assert status == 200 and complete
-    assert body == ANSWER
+    assert body == CHAT_ANSWER
     first, replayed = fake.request_streams
     assert replayed.call.sampling.first_step == FAIL_AFTER
     assert replayed.call.sampling.seed == first.call.sampling.seed
@@ -97,7 +98,7 @@ async def test_sse_and_non_streamed_answers_are_whole(failing: Any) -> None:
 
 async def test_metrics_count_failovers_and_pauses(failing: Any) -> None:
     http, _, _ = failing
-    assert (await http.post("/chat", content=b"Hi")).text == ANSWER
+    assert (await http.post("/chat", content=b"Hi")).text == CHAT_ANSWER
     text = (await http.get("/metrics")).text
     assert 'zmqllm_failovers_total{cause="worker_lost",outcome="recovered"} 1.0' in text
     assert gauge(text, "zmqllm_failover_pause_seconds_count") == 1.0

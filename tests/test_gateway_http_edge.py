@@ -19,7 +19,13 @@ from urllib.parse import urlsplit
 import pytest
 
 from tests.fake_broker_client import FakeBrokerClient
-from tests.test_gateway_support import ANSWER, answer_script, make_app, serving, tiny_tokenizer
+from tests.test_gateway_support import (
+    CHAT_ANSWER,
+    answer_script,
+    make_app,
+    serving,
+    tiny_tokenizer,
+)
 from zmqllm.tokenizer import Tokenizer
 
 httpx = pytest.importorskip("httpx")
@@ -109,7 +115,7 @@ def test_slow_header_clients_do_not_keep_others_out(tok: Tokenizer, enough_files
                 time.sleep(0.05)
             # With every slow client connected and sending, a normal request is served.
             response = httpx.post(f"{url}/chat", content=b"Hi", timeout=SLACK)
-            assert response.status_code == 200 and response.text == ANSWER
+            assert response.status_code == 200 and response.text == CHAT_ANSWER
             # And every slow client is cut off at the header deadline, trickle as it may.
             open_ = list(slow)
             deadline = time.monotonic() + HEADER_TIMEOUT + SLACK
@@ -171,4 +177,4 @@ def test_a_body_that_trickles_gets_408(tok: Tokenizer) -> None:
         assert b"did not arrive within 1 s" in body
         assert fake.request_streams == []  # it never reached the broker
         # The server serves normally after.
-        assert httpx.post(f"{url}/chat", content=b"Hi", timeout=SLACK).text == ANSWER
+        assert httpx.post(f"{url}/chat", content=b"Hi", timeout=SLACK).text == CHAT_ANSWER

@@ -134,3 +134,19 @@ async def test_worker_faults_are_exported_by_reason(tok: Tokenizer) -> None:
         text = (await c.get("/metrics")).text
     line = 'zmqllm_worker_faults_total{layers="0:2",reason="bad_request",worker="w0"} 2.0'
     assert line in text
+
+
+async def test_health_ready_and_metrics_are_counted_under_their_own_paths(tok: Tokenizer) -> None:
+    fake = FakeBrokerClient(answer_script(tok))
+    app, _clock = await scrape_app(fake, tok)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+        await c.get("/health")
+        await c.get("/ready")
+        await c.get("/metrics")
+        await c.get("/no-such-page")
+        text = (await c.get("/metrics")).text
+    assert 'zmqllm_requests_total{path="/health",status="200"} 1.0' in text
+    assert 'zmqllm_requests_total{path="/metrics",status="200"} 1.0' in text
+    assert 'zmqllm_requests_total{path="/ready",' in text
+    # Any path outside the fixed list shares one label: the label set stays bounded.
+    assert 'zmqllm_requests_total{path="other",status="404"} 1.0' in text

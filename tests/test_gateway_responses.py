@@ -17,6 +17,7 @@ import pytest
 from tests.fake_broker_client import FakeBrokerClient, Script
 from tests.test_gateway_support import (
     ANSWER,
+    CHAT_ANSWER,
     MODEL,
     answer_script,
     make_app,
@@ -53,7 +54,7 @@ def test_curl_fails_on_a_chat_stream_cut_by_an_error(tok: Tokenizer) -> None:
     assert cut.returncode == 18, (cut.returncode, cut.stderr)  # CURLE_PARTIAL_FILE
     text = tok.decode(tok.encode(ANSWER)[:4])
     assert cut.stdout == f"{text}\n[error: worker w1 stopped answering]\n"
-    assert whole.returncode == 0 and whole.stdout == ANSWER
+    assert whole.returncode == 0 and whole.stdout == CHAT_ANSWER
 
 
 def sse(url: str, fake: FakeBrokerClient) -> list[str]:

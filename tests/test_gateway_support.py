@@ -32,6 +32,7 @@ from zmqllm.tokenizer import Tokenizer
 MODEL = "tiny-test"
 CONTEXT = 2048
 ANSWER = "The capital of France is Paris."
+CHAT_ANSWER = ANSWER + "\n"  # what /chat sends: the answer, then a newline
 
 
 def tiny_tokenizer(directory: Path) -> Tokenizer:

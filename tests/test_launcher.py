@@ -224,6 +224,7 @@ def test_run_up_reports_ready_and_stops_on_sigint(
     assert "zmqllm is up: broker tcp://127.0.0.1:" in out
     assert f'curl -N -d "Why is the sky blue?" http://127.0.0.1:{port}/chat' in out
     assert f"logs: {tmp_path / 'logs'}" in out
+    assert "status: zmqllm status --broker tcp://127.0.0.1:" in out
     assert "Traceback" not in err
     logs = tmp_path / "logs"
     assert "gateway stopped" in (logs / "gateway.log").read_text()
@@ -362,3 +363,35 @@ def test_a_stop_during_a_backoff_starts_nothing_more(
     assert "started again" not in err
     assert len(pids_started(tmp_path / "logs" / "worker-1of1-0.log")) == 1
     assert "stopped by SIGINT" in broker.read_text()
+
+
+@pytest.mark.parametrize("code", [0, 1])
+def test_preparing_the_model_keeps_its_output_in_a_log(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+    code: int,
+) -> None:
+    """Progress bars and the directory prepare-model prints for scripts go to a log; the
+    terminal gets one line before and one after (or the log's last lines on failure)."""
+    monkeypatch.setenv("ZMQLLM_HOME", str(tmp_path / "home"))
+    stand_in = tmp_path / "python"  # stands in for sys.executable -m zmqllm.cli prepare-model
+    stand_in.write_text(
+        "#!/bin/sh\nprintf 'converting  10%%\\rconverting 100%%\\n' >&2\n"
+        f"echo /some/model/dir\nexit {code}\n"
+    )
+    stand_in.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(stand_in))
+    cfg = cfg_with(Config(), "model", path="tiny")
+    if code:
+        with pytest.raises(launcher.UpError, match="could not prepare the tiny model") as err:
+            launcher.prepare_model(cfg)
+        assert "/some/model/dir" in str(err.value)  # the log's last lines
+    else:
+        launcher.prepare_model(cfg)
+    out, errs = capfd.readouterr()
+    log = tmp_path / "home" / "prepare-model.log"
+    assert "/some/model/dir" in log.read_text() and "converting 100%" in log.read_text()
+    assert "/some/model/dir" not in out + errs and "\r" not in out + errs
+    assert f"its log: {log}" in errs
+    assert ("model ready" in errs) == (code == 0)

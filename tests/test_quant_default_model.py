@@ -11,11 +11,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from zmqllm.engine import quant  # noqa: E402
-from zmqllm.engine.cache import KVCache  # noqa: E402
 from zmqllm.engine.generator import Generator, load_shard  # noqa: E402
 from zmqllm.engine.gguf_weights import GGUFShardReader, gguf_source  # noqa: E402
 from zmqllm.engine.linear import QuantLinear  # noqa: E402
-from zmqllm.engine.model import Segment  # noqa: E402
 from zmqllm.engine.weights import load_shard_tensors, shard_tensor_names  # noqa: E402
 from zmqllm.model_args import ModelArgs  # noqa: E402
 
@@ -86,18 +84,6 @@ def test_int4_greedy_equals_hf_float32(
         assert ours == _hf_greedy(ref_model, ids, 32), text
 
 
-def _all_logits(gen: Generator, ids: list[int]) -> torch.Tensor:
-    """Logits at every position of ``ids`` in one prefill: [len(ids), vocab]."""
-    h: torch.Tensor = torch.tensor(ids)
-    for shard in gen.shards:
-        a = gen.args
-        cache = KVCache(
-            shard.num_local_layers, a.num_kv_heads, len(ids), a.head_dim, shard.dtype, shard.device
-        )
-        h = shard(h, [Segment(cache, len(ids))], all_logits=shard.is_last)
-    return h
-
-
 def test_int8_teacher_forced_agreement_with_float32(default_model_dir: Path) -> None:
     """Top-1 of int8 against float32 at every position of a text the tests ship
     (the perplexities are in the README, from benchmarks/quant_accuracy.py)."""
@@ -105,8 +91,8 @@ def test_int8_teacher_forced_agreement_with_float32(default_model_dir: Path) -> 
 
     ids = Tokenizer.from_dir(default_model_dir).encode(TEXT.read_text())
     assert len(ids) > 300
-    ref = _all_logits(Generator(default_model_dir), ids).argmax(-1)
+    ref = Generator(default_model_dir).all_logits(ids).argmax(-1)
     for kind, floor in (("int8", 0.99), ("int4", 0.99)):
-        ours = _all_logits(Generator(default_model_dir, quant=kind), ids).argmax(-1)
+        ours = Generator(default_model_dir, quant=kind).all_logits(ids).argmax(-1)
         agreement = (ours == ref).float().mean().item()
         assert agreement >= floor, (kind, agreement)

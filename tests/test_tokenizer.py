@@ -259,6 +259,15 @@ def test_flush_returns_incomplete_tail(tiny: Tokenizer) -> None:
     assert decoder.flush() == ""
 
 
+def test_flush_can_leave_a_cut_character_out(tiny: Tokenizer) -> None:
+    ids = tiny.encode("ok 🚀")[:-1]  # cut inside the emoji
+    decoder = tiny.incremental_decoder()
+    pushed = "".join(decoder.push(token) for token in ids)
+    tail = decoder.flush(drop_incomplete=True)
+    assert REPLACEMENT not in tail
+    assert pushed + tail == tiny.decode(ids).rstrip(REPLACEMENT)
+
+
 def test_incremental_window_is_bounded(tiny: Tokenizer) -> None:
     text = " ".join(TEXTS) * 5
     ids = tiny.encode(text)

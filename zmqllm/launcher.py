@@ -58,10 +58,12 @@ from zmqllm.launch_plan import (
     stages_of,
     up_config,
 )
+from zmqllm.log import KERNELS_BUILDING, KERNELS_BUILT
 from zmqllm.supervision import GiveUp, RestartPolicy
 
 POLL_S = 0.5  # how often readiness and children are checked
 STOP_GRACE_S = 10.0  # after this, children still running get SIGKILL
+LOG_PEEK_BYTES = 16384  # how much of a worker log's end is read for the kernel build
 
 
 class UpError(RuntimeError):
@@ -81,12 +83,22 @@ def prepare_model(cfg: Config) -> None:
     if alias not in (DEFAULT_MODEL, TINY_MODEL) or is_prepared(target):
         return
     extra = [] if alias == DEFAULT_MODEL else ["--tiny", str(target)]
-    say(f"preparing the {alias} model in {target} (once)")
-    # Its stdout (the directory) goes to stderr too: stdout is for the "is up" lines.
+    home = zmqllm_home()
+    home.mkdir(parents=True, exist_ok=True)
+    log = home / "prepare-model.log"
+    say(f"preparing the {alias} model in {target} (once; its log: {log})")
     cmd = [sys.executable, "-m", "zmqllm.cli", "prepare-model", *extra]
-    sys.stderr.flush()
-    if subprocess.call(cmd, stdout=2) != 0:
-        raise UpError(f"could not prepare the {alias} model: {' '.join(cmd)} failed")
+    # Its output (progress bars, the directory it prints for scripts) goes to the log:
+    # the terminal gets the lines above and below.
+    started = time.monotonic()
+    with log.open("wb") as out:
+        code = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT)
+    if code != 0:
+        raise UpError(
+            f"could not prepare the {alias} model: {' '.join(cmd)} failed\n"
+            f"last lines of {log}:\n{tail(log)}"
+        )
+    say(f"model ready ({time.monotonic() - started:.0f}s)")
 
 
 class Cluster:
@@ -118,6 +130,23 @@ class Cluster:
 
     def log_of(self, child: Child) -> Path:
         return log_path(self.dir, child)
+
+    def kernels_building(self) -> bool:
+        """Whether a worker's log says it is compiling the kernels right now (the first
+        start on a machine waits for that)."""
+        for child in self.children:
+            if not child.name.startswith("worker"):
+                continue
+            try:
+                with self.log_of(child).open("rb") as f:
+                    f.seek(0, os.SEEK_END)
+                    f.seek(max(0, f.tell() - LOG_PEEK_BYTES))
+                    text = f.read()
+            except OSError:
+                continue
+            if text.rfind(KERNELS_BUILDING.encode()) > text.rfind(KERNELS_BUILT.encode()):
+                return True
+        return False
 
     def newly_exited(self) -> list[tuple[Child, int]]:
         out = []
@@ -295,7 +324,7 @@ def _supervise(
                 say(f"{name} started again (pid {cluster.restart(name).pid})")
             if not ready:
                 waited = time.monotonic() - begun
-                state = _check_ready(cfg, f"{url}/ready", waited, progress)
+                state = _check_ready(cfg, f"{url}/ready", waited, progress, cluster)
                 if state == "ready":
                     ready = True
                     _say_up(cluster, cfg, url)
@@ -315,7 +344,9 @@ def _supervise(
     return 0
 
 
-def _check_ready(cfg: Config, url: str, waited: float, progress: _Progress) -> str:
+def _check_ready(
+    cfg: Config, url: str, waited: float, progress: _Progress, cluster: Cluster
+) -> str:
     """One look at the gateway's /ready: "ready", or "waiting" after noting progress."""
     status = http_status(url)
     if status == 200:
@@ -327,6 +358,8 @@ def _check_ready(cfg: Config, url: str, waited: float, progress: _Progress) -> s
         known = "?" if workers is None else str(len(workers))
         gateway = "not listening yet" if status is None else f"/ready {status}"
         text = f"{known}/{expected} workers registered, gateway {gateway}"
+        if cluster.kernels_building():
+            text += "; compiling the kernels (once per machine: 1-2 minutes)"
         progress.note(waited, f"waiting ({waited:.0f}s): {text}")
     return "waiting"
 
@@ -339,9 +372,14 @@ def _say_up(cluster: Cluster, cfg: Config, url: str) -> None:
     frontend = connect_address(cfg.broker.frontend)
     keyed = cfg.gateway.api_keys_file or os.environ.get("ZMQLLM_API_KEY")
     auth = ' -H "Authorization: Bearer $KEY"' if keyed else ""
+    # The bus address and key folder as this cluster has them: status works as printed.
+    status = f"{os.environ.get('ZMQLLM_CLI', 'zmqllm')} status --broker {frontend}"
+    if cfg.security.keys and not cfg.security.insecure:
+        status += f" --keys {cfg.security.keys}"
     print(
         f"zmqllm is up: broker {frontend}, {count} workers (layers {layers}), gateway {url}\n"
         f'try:  curl -N{auth} -d "Why is the sky blue?" {url}/chat\n'
+        f"status: {status}\n"
         f"logs: {cluster.dir}\n"
         "stop: Ctrl-C",
         flush=True,

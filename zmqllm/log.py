@@ -22,6 +22,8 @@ from structlog.tracebacks import ExceptionDictTransformer
 from structlog.typing import EventDict, FilteringBoundLogger, Processor, WrappedLogger
 
 __all__ = [
+    "KERNELS_BUILDING",
+    "KERNELS_BUILT",
     "LOG_FORMATS",
     "LOG_LEVELS",
     "bind_request",
@@ -38,6 +40,11 @@ LOG_LEVELS: dict[str, int] = {
     "critical": logging.CRITICAL,
 }
 LOG_FORMATS = ("auto", "json", "console")
+
+# Events another process looks for in a worker's log: `zmqllm up` tells its user while
+# a worker compiles the kernels (engine/native.py logs them).
+KERNELS_BUILDING = "building the compiled kernels"
+KERNELS_BUILT = "compiled kernels built"
 
 # Keys a reader scans first; the rest follow in the order they were bound.
 _LEADING_KEYS = ("timestamp", "level", "service", "event")

@@ -333,11 +333,14 @@ class IncrementalDecoder:
             return self._emit(text)
         return ""
 
-    def flush(self) -> str:
-        """Return whatever is still pending (it may end in U+FFFD); call at end of stream."""
+    def flush(self, drop_incomplete: bool = False) -> str:
+        """Return whatever is still pending; call at end of stream. A character cut by the
+        end (a token budget ran out inside it) decodes as U+FFFD: ``drop_incomplete``
+        leaves it out instead."""
         if len(self._ids) == self._read:
             return ""
-        return self._emit(self._decode(self._ids))
+        chunk = self._emit(self._decode(self._ids))
+        return chunk.rstrip(_REPLACEMENT_CHAR) if drop_incomplete else chunk
 
     def _emit(self, text: str) -> str:
         chunk = text[len(self._context_text) :]

@@ -119,7 +119,6 @@ class Worker:
             keys=keys,
         )
         self.link = BrokerLink(self.ctx, settings, register_message(cfg, loaded), self.faults)
-        self._started = False
         self._published = 0.0
 
     # -- signals ---------------------------------------------------------------
@@ -139,7 +138,6 @@ class Worker:
     # -- main loop -------------------------------------------------------------
     def run(self) -> int:
         self.link.start()
-        self._started = True
         log.info(
             "worker started",
             worker=self.identity,
@@ -192,9 +190,7 @@ class Worker:
         self.link.publish(self.stage.load(), self.draining)
 
     def close(self) -> None:
-        if self._started:
-            self.link.stop()
-            self._started = False
+        self.link.stop()  # once stopped, or never started, it does nothing
         if self.turns is not None:
             self.turns.close()
             self.turns = None

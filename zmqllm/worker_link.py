@@ -134,7 +134,6 @@ class BrokerLink:
         self._status: tuple[dict[str, Any], bool] = ({}, False)
         self._thread: threading.Thread | None = None
         self._done = threading.Event()  # set: the keeper ends
-        self._dead = False  # the socket cannot be made (a malformed address)
         # Driven under ``lock``, by whichever thread holds it.
         self._sock: zmq.Socket[Any] | None = None
         self._registered = False
@@ -155,8 +154,7 @@ class BrokerLink:
                 log.error(
                     "cannot connect to the broker", address=self.settings.address, error=str(exc)
                 )
-                self._dead = True
-                return
+                return  # no keeper: alive() says so
         self._thread = threading.Thread(target=self._keep, name="broker-link", daemon=True)
         self._thread.start()
 
@@ -165,7 +163,7 @@ class BrokerLink:
         self._status = (load, draining)
 
     def alive(self) -> bool:
-        return not self._dead and self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive()
 
     def stop(self, reason: str = "worker shutting down") -> None:
         """End the keeper, say goodbye (DISCONNECT) and close the socket."""

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.expected import sent_text
+
 pytest.importorskip("torch")
 pytest.importorskip("fastapi")
 
@@ -28,7 +30,8 @@ def e2e_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def reference(e2e_model: Path):
-    """Greedy text from HF MistralForCausalLM on the same weights, stopping at EOS."""
+    """Greedy text from HF MistralForCausalLM on the same weights, stopping at EOS, as
+    the gateway sends it (``.body``: as /chat sends it)."""
     import torch
     from transformers import MistralForCausalLM
 
@@ -47,7 +50,7 @@ def reference(e2e_model: Path):
             eos_token_id=sorted(tok.eos_token_ids),
             pad_token_id=0,
         )[0, len(ids) :].tolist()
-        return tok.decode(out), out
+        return sent_text(tok, out), out
 
     def chat(prompt: str, max_tokens: int) -> str:
         return text_for(tok.encode_chat([{"role": "user", "content": prompt}]), max_tokens)[0]
@@ -55,7 +58,12 @@ def reference(e2e_model: Path):
     def raw(prompt: str, max_tokens: int) -> str:
         return text_for(tok.encode(prompt), max_tokens)[0]
 
+    def body(prompt: str, max_tokens: int) -> str:
+        """What POST /chat sends: the answer, then a newline."""
+        return chat(prompt, max_tokens) + "\n"
+
     chat.raw = raw  # type: ignore[attr-defined]
+    chat.body = body  # type: ignore[attr-defined]
     chat.tokenizer = tok  # type: ignore[attr-defined]
     return chat
 

@@ -69,7 +69,7 @@ def test_chat_equals_hf_greedy_and_streams(cluster: Cluster, reference) -> None:
     status, chunks, headers = post_chat(cluster, "Tell me a story about a robot.")
     assert status == 200, chunks
     text = b"".join(p for _, p in chunks).decode()
-    assert text == reference("Tell me a story about a robot.", 40)
+    assert text == reference.body("Tell me a story about a robot.", 40)
     assert len(chunks) > 3  # streamed as tokens are made, not one buffered body
     assert chunks[0][0] < chunks[-1][0]
     assert headers.get("x-request-id") or headers.get("X-Request-ID")
@@ -80,7 +80,7 @@ def test_eight_concurrent_requests_are_each_exact(cluster: Cluster, reference) -
         results = list(pool.map(lambda p: post_chat(cluster, p, "max_tokens=32"), PROMPTS))
     for prompt, (status, chunks, _) in zip(PROMPTS, results, strict=True):
         assert status == 200
-        assert b"".join(p for _, p in chunks).decode() == reference(prompt, 32), prompt
+        assert b"".join(p for _, p in chunks).decode() == reference.body(prompt, 32), prompt
 
 
 def test_openai_package_chat_and_completions(cluster: Cluster, reference) -> None:
@@ -147,7 +147,7 @@ def test_bad_inputs_get_4xx_and_the_server_keeps_serving(cluster: Cluster, refer
     conn.close()
     status, chunks, _ = post_chat(cluster, "Hello there!", "max_tokens=16")
     assert status == 200
-    assert b"".join(p for _, p in chunks).decode() == reference("Hello there!", 16)
+    assert b"".join(p for _, p in chunks).decode() == reference.body("Hello there!", 16)
 
 
 def test_request_id_on_every_process_log(cluster: Cluster) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from testbed.cluster import Cluster
+from tests.e2e.expected import sent_text
 
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 
@@ -134,7 +135,7 @@ def failovers(c: Cluster) -> float:
 def test_greedy_stream_survives_its_worker(replicas: Cluster, greedy_ids, layers: str) -> None:
     c = replicas
     tok = c_tokenizer(c)
-    expected = tok.decode(greedy_ids(tok.encode(PROMPT), TOKENS, stop_at_eos=False))
+    expected = sent_text(tok, greedy_ids(tok.encode(PROMPT), TOKENS, stop_at_eos=False))
     wait_idle(c)
     before = failovers(c)
     killed: list[dict[str, Any]] = []
@@ -165,7 +166,7 @@ def test_sampled_stream_survives_its_worker(replicas: Cluster, layers: str) -> N
 def test_non_streamed_answer_survives_its_worker(replicas: Cluster, greedy_ids) -> None:
     c = replicas
     tok = c_tokenizer(c)
-    expected = tok.decode(greedy_ids(tok.encode(PROMPT), WHOLE_TOKENS, stop_at_eos=False))
+    expected = sent_text(tok, greedy_ids(tok.encode(PROMPT), WHOLE_TOKENS, stop_at_eos=False))
     wait_idle(c)
     before = failovers(c)
     out: dict[str, Any] = {}
@@ -200,7 +201,7 @@ def test_stream_survives_a_broker_restart(fresh_cluster: Cluster, greedy_ids) ->
     c = fresh_cluster
     c.start_all()
     tok = c_tokenizer(c)
-    expected = tok.decode(greedy_ids(tok.encode(PROMPT), TOKENS, stop_at_eos=False))
+    expected = sent_text(tok, greedy_ids(tok.encode(PROMPT), TOKENS, stop_at_eos=False))
 
     def restart_broker() -> None:
         c.kill(c.by_name("broker")[0], signal.SIGKILL)

@@ -65,7 +65,7 @@ def test_killed_worker_ends_stream_with_error_and_cluster_heals(
     c.wait_for(lambda: c.status()["complete_route"], timeout=60, what="route again")
     status, chunks, _ = post_chat(c, "Hello there!", "max_tokens=16")
     assert status == 200
-    assert b"".join(p for _, p in chunks).decode() == reference("Hello there!", 16)
+    assert b"".join(p for _, p in chunks).decode() == reference.body("Hello there!", 16)
 
 
 def test_broker_restart_workers_reregister(fresh_cluster: Cluster, reference) -> None:
@@ -80,7 +80,7 @@ def test_broker_restart_workers_reregister(fresh_cluster: Cluster, reference) ->
     c.wait_ready(60)
     status, chunks, _ = post_chat(c, "Why is the sky blue?", "max_tokens=16")
     assert status == 200
-    assert b"".join(p for _, p in chunks).decode() == reference("Why is the sky blue?", 16)
+    assert b"".join(p for _, p in chunks).decode() == reference.body("Why is the sky blue?", 16)
 
 
 def test_worker_of_another_model_is_refused(
@@ -99,7 +99,7 @@ def test_worker_of_another_model_is_refused(
     assert len(c.status()["workers"]) == 2
     status, chunks, _ = post_chat(c, "Count to five.", "max_tokens=16")
     assert status == 200
-    assert b"".join(p for _, p in chunks).decode() == reference("Count to five.", 16)
+    assert b"".join(p for _, p in chunks).decode() == reference.body("Count to five.", 16)
 
 
 def test_no_route_waits_then_fails_with_no_capacity(fresh_cluster: Cluster) -> None:

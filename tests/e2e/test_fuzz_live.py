@@ -18,6 +18,7 @@ import pytest
 import zmq
 
 from testbed.cluster import Cluster
+from tests.e2e.expected import sent_text
 from tests.e2e.test_cluster import PROMPTS
 from zmqllm.fuzz_peers import ChatStreams, StatusPoller, VictimStreams, blast
 
@@ -121,10 +122,10 @@ def test_hostile_messages_on_both_sockets_while_streams_run(
     assert _during(spans, fuzz_start, fuzz_end) >= 1
     prompts = {tuple(tok.encode(p)): p for p in PROMPTS}
     raw_greedy = functools.cache(lambda prompt: reference.raw(prompt, MAX_TOKENS))
-    chat_greedy = functools.cache(lambda prompt: reference(prompt, MAX_TOKENS))
+    chat_greedy = functools.cache(lambda prompt: reference.body(prompt, MAX_TOKENS))
     for r in victims.results:
         assert r.error is None, (r.session, r.error)
-        assert tok.decode(r.tokens) == raw_greedy(prompts[tuple(r.prompt)]), r.session
+        assert sent_text(tok, r.tokens) == raw_greedy(prompts[tuple(r.prompt)]), r.session
     assert _during([(r.started, r.ended) for r in chats.results], fuzz_start, fuzz_end) >= 1
     for chat in chats.results:
         assert chat.status == 200, chat

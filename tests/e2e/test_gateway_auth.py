@@ -156,7 +156,7 @@ def curl(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_curl_with_the_key_gets_the_greedy_answer(secured: Secured, reference) -> None:
-    want = reference(PROMPT, 40)
+    want = reference.body(PROMPT, 40)
     url = secured.url + "/chat?max_tokens=40"
     done = curl("-H", f"Authorization: Bearer {KEY}", "-d", PROMPT, url)
     assert done.returncode == 0, done.stderr

@@ -25,6 +25,7 @@ import zmq
 
 from testbed.cluster import Cluster
 from tests.e2e.conftest import ConfiguredCluster
+from tests.e2e.expected import sent_text
 from tests.e2e.test_cluster import post_chat
 from zmqllm.messages import Open, Status
 from zmqllm.protocol import PROTOCOL_VERSION, Payload, encode
@@ -219,7 +220,7 @@ def test_disconnect_storm_leaves_nothing_behind(roomy_cluster: Cluster, referenc
 
     status, chunks, _ = post_chat(c, "Why is the sky blue?", "max_tokens=24")
     assert status == 200
-    assert b"".join(p for _, p in chunks).decode() == reference("Why is the sky blue?", 24)
+    assert b"".join(p for _, p in chunks).decode() == reference.body("Why is the sky blue?", 24)
 
 
 # -- 2. abort ----------------------------------------------------------------------------
@@ -243,7 +244,7 @@ def test_abort_every_eighth_stream_others_exact(
     tok = reference.tokenizer
     started = time.monotonic()
     want = {
-        p: tok.decode(greedy_ids(tok.encode(p), ABORT_MAX_TOKENS, stop_at_eos=False))
+        p: sent_text(tok, greedy_ids(tok.encode(p), ABORT_MAX_TOKENS, stop_at_eos=False))
         for p in ABORT_PROMPTS
     }
     referenced = time.monotonic()
@@ -304,7 +305,7 @@ def test_lying_tensor_spec_on_both_sockets_kills_nothing(
     c = roomy_cluster
     tok = reference.tokenizer
     prompt = "Tell me a story about a robot."
-    want = tok.decode(greedy_ids(tok.encode(prompt), LYING_STREAM_TOKENS, stop_at_eos=False))
+    want = sent_text(tok, greedy_ids(tok.encode(prompt), LYING_STREAM_TOKENS, stop_at_eos=False))
     before = c.status()
     procs = {p.name: p.popen.pid for p in c.procs if p.alive()}
     worker_pids = sorted(w["info"]["pid"] for w in before["workers"])
@@ -468,7 +469,7 @@ def test_slow_reader_does_not_slow_others_and_loses_its_sessions(
     c = small_queue_cluster
     tok = reference.tokenizer
     prompt = "Once upon a time in a quiet town"
-    want = tok.decode(greedy_ids(tok.encode(prompt), NORMAL_TOKENS, stop_at_eos=False))
+    want = sent_text(tok, greedy_ids(tok.encode(prompt), NORMAL_TOKENS, stop_at_eos=False))
 
     def normal() -> SSEStream:
         r = stream_completion(c, prompt, NORMAL_TOKENS)

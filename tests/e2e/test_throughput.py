@@ -30,7 +30,7 @@ def test_sixteen_concurrent_streams_each_exact_and_batched(cluster: Cluster, ref
         results = list(pool.map(lambda pm: _chat_text(cluster, *pm), BURST))
     for (prompt, n), (status, text) in zip(BURST, results, strict=True):
         assert status == 200
-        assert text == reference(prompt, n), prompt
+        assert text == reference.body(prompt, n), prompt
     # The workers really ran several sessions in one forward.
     stats = cluster.wait_for(
         lambda: [w["stats"] for w in cluster.status()["workers"] if w["stats"].get("forwards")],
@@ -114,10 +114,10 @@ def test_scale_out_and_drain_lose_no_request(fresh_cluster: Cluster, reference) 
     assert original.popen.returncode == 0
     for r in results + more:
         assert r is not None and r[1] == 200, r
-        assert r[2] == reference(r[0], 60)
+        assert r[2] == reference.body(r[0], 60)
     # The newcomer alone now serves layers 2:4.
     status, text = _chat_text(c, "Hello there!", 16)
-    assert status == 200 and text == reference("Hello there!", 16)
+    assert status == 200 and text == reference.body("Hello there!", 16)
 
 
 def test_whole_model_worker_beside_a_two_stage_pipeline(fresh_cluster: Cluster, reference) -> None:
@@ -147,7 +147,7 @@ def test_whole_model_worker_beside_a_two_stage_pipeline(fresh_cluster: Cluster, 
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(one, PROMPTS))
     for prompt, (status, text) in zip(PROMPTS, results, strict=True):
-        assert status == 200 and text == reference(prompt, 40), prompt
+        assert status == 200 and text == reference.body(prompt, 40), prompt
     # Both kinds of route served sessions: one hop and two hops.
     gateway = c.by_name("gateway")[0]
     for line in c.log_lines(gateway):
@@ -166,7 +166,7 @@ def test_workers_taking_turns_on_shared_cores_stay_exact(
         with ThreadPoolExecutor(8) as pool:
             results = list(pool.map(lambda pm: _chat_text(c, *pm), BURST[:8]))
         for (prompt, n), (status, text) in zip(BURST[:8], results, strict=True):
-            assert status == 200 and text == reference(prompt, n), prompt
+            assert status == 200 and text == reference.body(prompt, n), prompt
         assert (c.root / "cpu.lock").exists()
     finally:
         c.stop()

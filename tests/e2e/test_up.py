@@ -50,7 +50,7 @@ def test_up_serves_chat_and_stops_on_ctrl_c(tmp_path: Path, e2e_model: Path, ref
         assert st["curve"] is True
         assert {w["info"]["pid"] for w in st["workers"]} <= set(pids)
 
-        assert up.chat("Hello", 8) == (200, reference("Hello", 8))
+        assert up.chat("Hello", 8) == (200, reference.body("Hello", 8))
 
         up.running().send_signal(signal.SIGINT)
         assert up.running().wait(timeout=20) == 0

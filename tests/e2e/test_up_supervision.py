@@ -19,6 +19,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("fastapi")
 
+from tests.e2e.expected import sent_text
 from tests.e2e.up_runner import UpRun, alive
 
 pytestmark = [
@@ -71,7 +72,7 @@ def test_a_killed_broker_comes_back_on_its_ports_and_the_workers_register_again(
         name: pid for name, pid in before.items() if name != "broker"
     }
     up.wait_for(up.ready, "/ready 200 again")
-    assert up.chat(PROMPT, 16) == (200, reference(PROMPT, 16))
+    assert up.chat(PROMPT, 16) == (200, reference.body(PROMPT, 16))
 
 
 def test_a_killed_worker_is_started_again_and_the_route_comes_back(up: UpRun, reference) -> None:
@@ -80,7 +81,7 @@ def test_a_killed_worker_is_started_again_and_the_route_comes_back(up: UpRun, re
     # The broker forgets the dead worker (heartbeats) and registers its successor.
     up.wait_for(lambda: up.worker_pids() == sorted([other, new]), "the new worker registered")
     up.wait_for(up.ready, "/ready 200 again")
-    assert up.chat(PROMPT, 16) == (200, reference(PROMPT, 16))
+    assert up.chat(PROMPT, 16) == (200, reference.body(PROMPT, 16))
     # Its log goes on after the killed run's lines instead of starting over.
     log = (up.logs / "worker-2of2-0.log").read_text()
     assert log.count('"shard loaded"') == 2
@@ -103,7 +104,7 @@ def test_a_stream_survives_a_broker_killed_mid_way(up: UpRun, greedy_ids) -> Non
 
     up.wait_for(up.ready, "/ready 200")
     tok = Tokenizer.from_dir(up.model)
-    expected = tok.decode(greedy_ids(tok.encode(PROMPT), 400, stop_at_eos=False))
+    expected = sent_text(tok, greedy_ids(tok.encode(PROMPT), 400, stop_at_eos=False))
     before = recovered_failovers(up)
     body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
     conn = http.client.HTTPConnection("127.0.0.1", up.port, timeout=120)

@@ -135,6 +135,18 @@ class Generator:
             h = shard(h, segs)
         return h
 
+    def all_logits(self, ids: Sequence[int], session: str = "all-logits") -> torch.Tensor:
+        """Logits at every position of ``ids`` from one prefill: [len(ids), vocab]
+        (teacher-forced agreement and perplexity)."""
+        self.open(session, len(ids))
+        try:
+            h = torch.tensor(list(ids), dtype=torch.long)
+            for shard, pool in zip(self.shards, self.pools, strict=True):
+                h = shard(h, [Segment(pool.get(session), len(ids))], all_logits=shard.is_last)
+            return h
+        finally:
+            self.close(session)
+
     def open(self, session: str, max_len: int) -> None:
         for pool in self.pools:
             pool.allocate(session, max_len)

@@ -33,7 +33,7 @@ from types import ModuleType
 import torch
 
 from zmqllm.config import zmqllm_home
-from zmqllm.log import get_logger
+from zmqllm.log import KERNELS_BUILDING, KERNELS_BUILT, get_logger
 
 log = get_logger("zmqllm.engine.native")
 
@@ -173,8 +173,7 @@ def _build(directory: Path, built: Path) -> None:
         if src in SOURCES:
             copies.append(str(copy))
     log.info(
-        "building the compiled kernels: once per source, torch, compiler and CPU"
-        " (1-2 minutes on 2 cores)",
+        f"{KERNELS_BUILDING}: once per source, torch, compiler and CPU (1-2 minutes on 2 cores)",
         directory=str(directory),
     )
     t0 = time.perf_counter()
@@ -191,5 +190,5 @@ def _build(directory: Path, built: Path) -> None:
         tail = (done.stderr or done.stdout).strip().splitlines()[-20:]
         raise RuntimeError("kernel build failed: " + " | ".join(tail))
     os.replace(scratch / f"{NAME}.so", built)
-    log.info("compiled kernels built", seconds=round(time.perf_counter() - t0, 1))
+    log.info(KERNELS_BUILT, seconds=round(time.perf_counter() - t0, 1))
     shutil.rmtree(scratch, ignore_errors=True)

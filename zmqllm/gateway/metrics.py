@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Paths counted under their own label; anything else is "other" (bounded label set).
 GENERATION_PATHS = ("/chat", "/v1/chat/completions", "/v1/completions")
+LABELLED_PATHS = (*GENERATION_PATHS, "/v1/models", "/health", "/ready", "/metrics")
 # Seconds; decode steps are tens of ms on a CPU, first tokens up to seconds.
 ITL_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -261,7 +262,7 @@ class GatewayMetrics:
             self.failover_pause.observe(event.pause)
 
     def observe(self, record: RequestRecord) -> None:
-        path = record.path if record.path in GENERATION_PATHS else "other"
+        path = record.path if record.path in LABELLED_PATHS else "other"
         self.requests.labels(path, str(record.status or 0)).inc()
         if record.prompt_tokens:
             self.prompt.inc(record.prompt_tokens)

@@ -2,8 +2,9 @@
 
 Made for ``curl -N -d "Why is the sky blue?" localhost:8080/chat``. The prompt goes through
 the chat template as one user message; sampling and the token budget come as query
-parameters. A failure after the first bytes were sent can no longer change the status
-code, so it is appended as a last line ``[error: ...]``.
+parameters (an unknown one is a 400 naming it). The answer ends with a newline. A failure
+after the first bytes were sent can no longer change the status code, so it is appended
+as a last line ``[error: ...]``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,12 @@ __all__ = ["router"]
 router = APIRouter()
 log = get_logger("zmqllm.gateway")
 
+# The query parameters /chat takes (its handler's arguments); a typo in one would
+# otherwise be ignored without a word.
+CHAT_QUERY = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+NAMES_SHOWN = 4  # unknown names repeated in the error, each cut to NAME_CHARS
+NAME_CHARS = 40
+
 
 @router.post("/chat", response_class=Response)
 async def chat(
@@ -36,6 +43,7 @@ async def chat(
     top_k: int | None = None,
     seed: int | None = None,
 ) -> Response:
+    _check_query(request)
     service = service_of(request)
     record = record_of(request)
     settings = service.settings
@@ -66,10 +74,24 @@ async def chat(
     )
 
 
+def _check_query(request: Request) -> None:
+    unknown = sorted({name for name in request.query_params if name not in CHAT_QUERY})
+    if unknown:
+        named = ", ".join(repr(name[:NAME_CHARS]) for name in unknown[:NAMES_SHOWN])
+        more = f" and {len(unknown) - NAMES_SHOWN} more" if len(unknown) > NAMES_SHOWN else ""
+        raise APIError(
+            400,
+            f"unknown query parameter {named}{more}: /chat takes {', '.join(CHAT_QUERY)}",
+            param=unknown[0][:NAME_CHARS],
+            code="unknown_parameter",
+        )
+
+
 async def _text_chunks(generation: TextStream, record: RequestRecord) -> AsyncIterator[str]:
     try:
         async for text in generation.chunks():
             yield text
+        yield "\n"  # so a shell's prompt starts on a line of its own after curl
     except GenerationError as exc:
         record.error = exc.code
         log.warning("generation failed mid-stream", code=exc.code, error=exc.message)

@@ -257,10 +257,9 @@ class TextStream:
             return released, True
         if finish is None:
             return released, False
-        # Bytes still pending when the model stopped (max_tokens can cut a character) go
-        # out as U+FFFD, as decode() renders them: the streamed text always equals the
-        # decoded tokens, the same text HF generate + decode gives.
-        tail = self._decoder.flush()
+        # Bytes still pending when the model stopped (max_tokens can cut a character) are
+        # left out: a client would show them as U+FFFD.
+        tail = self._decoder.flush(drop_incomplete=True)
         tail_released, hit = self._matcher.push(tail)
         released += tail_released
         if not hit:
