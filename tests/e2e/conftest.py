@@ -62,7 +62,12 @@ def reference(e2e_model: Path):
         """What POST /chat sends: the answer, then a newline."""
         return chat(prompt, max_tokens) + "\n"
 
+    def turns(messages: list[dict[str, str]], max_tokens: int) -> str:
+        """The next reply of a conversation (a list of role/content messages)."""
+        return text_for(tok.encode_chat(messages), max_tokens)[0]
+
     chat.raw = raw  # type: ignore[attr-defined]
+    chat.turns = turns  # type: ignore[attr-defined]
     chat.body = body  # type: ignore[attr-defined]
     chat.tokenizer = tok  # type: ignore[attr-defined]
     return chat

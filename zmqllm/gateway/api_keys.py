@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from zmqllm.config import ConfigError
 from zmqllm.gateway.errors import APIError
+from zmqllm.gateway.pages import PAGE_PATHS
 from zmqllm.gateway.request_context import record_of
 from zmqllm.log import get_logger
 
@@ -49,7 +50,9 @@ __all__ = [
 ENV_VAR = "ZMQLLM_API_KEY"
 # Paths answered without a key: probes (load balancers, Kubernetes) carry none. Every other
 # path needs one, including unknown ones, so a 404 reveals nothing to a caller without a key.
-OPEN_PATHS = frozenset({"/health", "/ready"})
+# The chat and cluster pages and their files carry no data: a browser loads them without a
+# header, and the page then asks for the key its requests need.
+OPEN_PATHS = frozenset({"/health", "/ready", *PAGE_PATHS})
 # Seconds between checks of the key file: a stat a second costs nothing, and a rotated key
 # takes effect about this long after the file is written.
 RELOAD_INTERVAL_S = 1.0

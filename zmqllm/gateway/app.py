@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from zmqllm import __version__
 from zmqllm.config import GatewaySettings
-from zmqllm.gateway import openai_routes, plain_routes
+from zmqllm.gateway import openai_routes, pages, plain_routes
 from zmqllm.gateway.api_keys import ApiKeyMiddleware, ApiKeys
 from zmqllm.gateway.backend import BrokerClientLike
 from zmqllm.gateway.errors import RETRY_AFTER_S, install_error_handlers
@@ -108,6 +108,7 @@ def create_app(
         # outermost): a refused request still has its id, log line and metrics.
         app.add_middleware(ApiKeyMiddleware, keys=api_keys, metrics=app.state.metrics)
     app.add_middleware(RequestContextMiddleware)
+    app.include_router(pages.router)
     app.include_router(plain_routes.router)
     app.include_router(openai_routes.router)
 

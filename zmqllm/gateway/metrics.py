@@ -180,6 +180,11 @@ class StatusCache:
         self._fetched_at = -math.inf
         self._pending: asyncio.Future[dict[str, Any] | None] | None = None
 
+    @property
+    def fetched_at(self) -> float:
+        """When the value ``get`` returns was fetched (``clock`` seconds)."""
+        return self._fetched_at
+
     async def get(self) -> dict[str, Any] | None:
         if self.clock() - self._fetched_at < self.max_age:
             return self._value

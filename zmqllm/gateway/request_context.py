@@ -24,8 +24,9 @@ __all__ = ["REQUEST_ID_HEADER", "RequestContextMiddleware", "RequestRecord", "re
 
 REQUEST_ID_HEADER = "X-Request-ID"
 _STATE_KEY = "zmqllm_record"
-# Probes hit these every second or two; their lines would drown the real traffic.
-_QUIET_PATHS = frozenset({"/health", "/ready"})
+# Probes and the cluster page's poll hit these every second or two; their lines would
+# drown the real traffic.
+_QUIET_PATHS = frozenset({"/health", "/ready", "/cluster/status"})
 
 log = get_logger("zmqllm.gateway")
 

@@ -1,0 +1,156 @@
+"use strict";
+// The cluster page: GET /cluster/status about once a second, drawn as the pipeline
+// (stages left to right, replicas stacked). Rates (tokens/s, each worker's busy share)
+// are the counters' differences between two snapshots, over their "at" seconds.
+(() => {
+  const { $ } = page;
+  const POLL_MS = 1000;
+  // The latest two snapshots with a broker status and different "at" (the gateway reuses
+  // a status for up to a second): rates are taken between them.
+  let latest = null;
+  let before = null;
+
+  function el(tag, className, text) {
+    const node = document.createElement(tag);
+    if (className) node.className = className;
+    if (text !== undefined) node.textContent = String(text); // never markup: ids come from peers
+    return node;
+  }
+
+  function mib(bytes) {
+    return `${(bytes / 1048576).toFixed(0)} MiB`;
+  }
+
+  // Per second, from a counter's values in two snapshots; null without a usable pair
+  // (a restarted process counts from 0 again).
+  function rate(now, then, seconds) {
+    if (now === undefined || then === undefined || now < then || !(seconds > 0)) return null;
+    return (now - then) / seconds;
+  }
+
+  // One term and its value; "name" marks the value for tests and styles.
+  function pair(list, term, value, name) {
+    const item = el("div");
+    const dd = el("dd", "", value);
+    if (name) dd.dataset.figure = name;
+    item.append(el("dt", "", term), dd);
+    list.append(item);
+  }
+
+  function drawSummary(snap, old) {
+    const list = $("summary");
+    list.replaceChildren();
+    const st = snap.broker;
+    pair(list, "Broker", st ? `up ${Math.round(st.uptime_s)} s` : "not answering");
+    if (!st) return;
+    const seconds = old ? snap.at - old.at : 0;
+    const perSecond = old ? rate(st.counters.tokens, old.broker.counters.tokens, seconds) : null;
+    pair(list, "Workers", st.workers.length);
+    pair(list, "Routes", st.routes.length);
+    pair(list, "Sessions", st.sessions);
+    pair(list, "Queue", `${st.queue} in the broker, ${snap.gateway.queued} in the gateway`);
+    pair(list, "Requests running", snap.gateway.in_flight);
+    pair(list, "Tokens/s", perSecond === null ? "…" : perSecond.toFixed(1), "tokens-per-s");
+  }
+
+  function workerCard(w, old, seconds) {
+    const card = el("article", "worker");
+    card.setAttribute("aria-label", `worker ${w.id}`);
+    if (w.draining) card.classList.add("draining");
+    card.append(el("h4", "name", w.id));
+    card.append(el("p", "range", `${w.layers[0]}:${w.layers[1]}`));
+    const list = el("dl", "figures");
+    const info = w.info || {};
+    pair(list, "host", info.pid ? `${info.host} (pid ${info.pid})` : info.host || "?");
+    pair(list, "sessions", `${w.sessions} / ${w.capacity}`);
+    const kv = w.max_kv_tokens ? (100 * w.kv_tokens_reserved) / w.max_kv_tokens : 0;
+    pair(list, "KV", `${w.kv_tokens_reserved} / ${w.max_kv_tokens} tokens (${kv.toFixed(0)} %)`);
+    const stats = w.stats || {};
+    pair(list, "batch", stats.last_batch === undefined ? "?" : stats.last_batch);
+    const busy = old && old.stats ? rate(stats.busy_s, old.stats.busy_s, seconds) : null;
+    pair(list, "busy", busy === null ? "…" : `${Math.min(100, 100 * busy).toFixed(0)} %`, "busy");
+    pair(list, "RSS", stats.rss_bytes ? mib(stats.rss_bytes) : "?");
+    if (w.draining) pair(list, "state", "draining");
+    card.append(list);
+    const meter = el("div", "meter");
+    meter.setAttribute("role", "meter");
+    meter.setAttribute("aria-label", "KV use");
+    meter.setAttribute("aria-valuenow", kv.toFixed(0));
+    meter.setAttribute("aria-valuemin", "0");
+    meter.setAttribute("aria-valuemax", "100");
+    const fill = el("span", "fill");
+    fill.style.width = `${Math.min(100, kv)}%`;
+    meter.append(fill);
+    card.append(meter);
+    return card;
+  }
+
+  function drawPipeline(snap, old) {
+    const pipeline = $("pipeline");
+    pipeline.replaceChildren();
+    const st = snap.broker;
+    if (!st) return;
+    const seconds = old ? snap.at - old.at : 0;
+    const oldWorkers = new Map(old ? old.broker.workers.map((w) => [w.id, w]) : []);
+    const stages = new Map(); // "a:b" -> workers, in the order of their layers
+    const sorted = [...st.workers].sort(
+      (x, y) => x.layers[0] - y.layers[0] || x.layers[1] - y.layers[1] || (x.id < y.id ? -1 : 1)
+    );
+    for (const w of sorted) {
+      const key = `${w.layers[0]}:${w.layers[1]}`;
+      if (!stages.has(key)) stages.set(key, []);
+      stages.get(key).push(w);
+    }
+    let firstStage = true;
+    for (const [range, workers] of stages) {
+      if (!firstStage) pipeline.append(el("div", "arrow", "→"));
+      firstStage = false;
+      const column = el("section", "stage");
+      column.setAttribute("aria-label", `layers ${range}`);
+      column.append(el("h3", "", `layers ${range}`));
+      for (const w of workers) column.append(workerCard(w, oldWorkers.get(w.id), seconds));
+      pipeline.append(column);
+    }
+    if (!st.workers.length) pipeline.append(el("p", "hint", "No worker is registered."));
+  }
+
+  function drawRoutes(snap) {
+    const list = $("routes");
+    list.replaceChildren();
+    const routes = snap.broker ? snap.broker.routes : [];
+    for (const route of routes) list.append(el("li", "", route.join(" → ")));
+    if (snap.broker && !routes.length) {
+      list.append(el("li", "", "none: the workers do not cover every layer"));
+    }
+  }
+
+  async function poll() {
+    try {
+      const response = await fetch("/cluster/status", { headers: page.headers(), cache: "no-store" });
+      if (!response.ok) {
+        page.notice(await page.errorText(response));
+        return;
+      }
+      let snap = await response.json();
+      if (snap.broker) {
+        if (!latest || snap.at > latest.at) {
+          before = latest;
+          latest = snap;
+        }
+        snap = { ...latest, gateway: snap.gateway }; // the gateway's own figures are live
+      }
+      const old = snap.broker ? before : null;
+      drawSummary(snap, old);
+      drawPipeline(snap, old);
+      drawRoutes(snap);
+      page.notice(snap.broker ? "" : "The broker does not answer.");
+    } catch (error) {
+      page.notice(`The gateway does not answer (${error.message}).`);
+    } finally {
+      setTimeout(poll, POLL_MS);
+    }
+  }
+
+  page.init();
+  poll();
+})();
