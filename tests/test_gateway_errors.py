@@ -184,7 +184,9 @@ async def test_unparsable_bodies(
         ({"messages": HI, "stop": 5}, 400, "stop", "string"),
         ({"messages": HI, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),
         ({"messages": HI, "stop": ""}, 400, "stop", "empty"),
-        ({"messages": HI, "n": 2}, 400, "n", "n=1"),
+        ({"messages": HI, "n": 9}, 400, "n", "1..8"),
+        ({"messages": HI, "n": 0}, 400, "n", "1..8"),
+        ({"messages": HI, "n": 1.5}, 400, "n", "integer"),
         ({"messages": HI, "stream": "yes"}, 400, "stream", "boolean"),
         ({"messages": HI, "stream_options": 3}, 400, "stream_options", ""),
         ({"messages": HI, "model": 7}, 400, "model", "string"),
@@ -228,6 +230,48 @@ async def test_unknown_model_is_404(client: Any, path: str) -> None:
     response = await client.post(path, json=payload)
     error = await expect_error(client, response, 404, param="model", code="model_not_found")
     assert "gpt-4o" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "value"),
+    [
+        (CHAT, "logprobs", True),
+        (CHAT, "top_logprobs", 3),
+        (CHAT, "presence_penalty", 0.5),
+        (CHAT, "frequency_penalty", -1),
+        (CHAT, "response_format", {"type": "json_object"}),
+        (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]),
+        (CHAT, "tool_choice", "auto"),
+        (CHAT, "logit_bias", {"50256": -100}),
+        (CHAT, "modalities", ["text", "audio"]),
+        (COMPLETIONS, "logprobs", 0),  # 0 still asks for the chosen tokens' logprobs
+        (COMPLETIONS, "echo", True),
+        (COMPLETIONS, "best_of", 3),
+        (COMPLETIONS, "suffix", "end"),
+    ],
+)
+async def test_a_feature_this_server_lacks_is_refused_by_name(
+    client: Any, path: str, field: str, value: Any
+) -> None:
+    payload = {"messages": HI, "prompt": "Hi", field: value}
+    response = await client.post(path, json=payload)
+    error = await expect_error(client, response, 400, param=field, code="unsupported_parameter")
+    assert repr(field) in error["message"]
+
+
+@pytest.mark.parametrize(
+    "off",
+    [
+        {"logprobs": False, "top_logprobs": 0},
+        {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}},
+        {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none"},
+        {"echo": False, "best_of": 1, "suffix": None, "modalities": ["text"]},
+    ],
+)
+async def test_the_same_features_left_off_are_fine(client: Any, off: dict[str, Any]) -> None:
+    for path in (CHAT, COMPLETIONS):
+        response = await client.post(path, json={"messages": HI, "prompt": "Hi", **off})
+        assert response.status_code == 200, (path, response.text)
 
 
 async def test_unknown_fields_are_ignored(client: Any) -> None:

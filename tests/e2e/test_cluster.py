@@ -105,6 +105,35 @@ def test_openai_package_chat_and_completions(cluster: Cluster, reference) -> Non
     assert "".join(ch.choices[0].text for ch in stream if ch.choices) == want_raw
 
 
+def test_n_choices_through_the_openai_package(cluster: Cluster, reference) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused")
+    msgs = [{"role": "user", "content": "Why is the sky blue?"}]
+    sampled = client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=16, n=3, temperature=1.0, seed=5
+    )
+    texts = [c.message.content for c in sampled.choices]
+    assert [c.index for c in sampled.choices] == [0, 1, 2]
+    assert len(set(texts)) == 3, texts  # each choice samples with a seed of its own
+    again = client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=16, n=3, temperature=1.0, seed=5
+    )
+    assert [c.message.content for c in again.choices] == texts  # seeded: reproducible
+    greedy = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=16, n=2)
+    want = reference("Why is the sky blue?", 16)
+    assert [c.message.content for c in greedy.choices] == [want, want]
+    stream = client.completions.create(
+        model="tiny", prompt="The quick brown fox", max_tokens=16, n=2, stream=True
+    )
+    parts = {0: "", 1: ""}
+    for chunk in stream:
+        for choice in chunk.choices:
+            parts[choice.index] += choice.text
+    want_raw = reference.raw("The quick brown fox", 16)
+    assert parts == {0: want_raw, 1: want_raw}
+    cluster.wait_for(lambda: cluster.status()["sessions"] == 0, timeout=10, what="sessions end")
+
+
 def test_bad_inputs_get_4xx_and_the_server_keeps_serving(cluster: Cluster, reference) -> None:
     def post(path: str, body: bytes, ctype: str = "application/json") -> tuple[int, dict]:
         req = urllib.request.Request(

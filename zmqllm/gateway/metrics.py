@@ -274,7 +274,7 @@ class GatewayMetrics:
         gen = record.generation
         if gen is None:
             return
-        self.generated.inc(gen.generated_tokens)
+        self.generated.inc(record.generated_tokens)
         if gen.first_token_at is not None:
             self.ttft.observe(max(0.0, gen.first_token_at - record.started_at))
         for gap in gen.token_gaps:

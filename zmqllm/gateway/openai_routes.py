@@ -20,7 +20,14 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from zmqllm.gateway.body import read_json_object
-from zmqllm.gateway.errors import CLIENT_CLOSED, broker_failure, error_payload, validation_failure
+from zmqllm.gateway.choices import Choices, check_choices, choice_plans, open_choices
+from zmqllm.gateway.errors import (
+    CLIENT_CLOSED,
+    APIError,
+    broker_failure,
+    error_payload,
+    validation_failure,
+)
 from zmqllm.gateway.request_context import RequestRecord, record_of
 from zmqllm.gateway.responses import GenerationResponse, collect_unless_disconnected
 from zmqllm.gateway.schemas import (
@@ -37,9 +44,10 @@ from zmqllm.gateway.schemas import (
     ModelList,
     ResponseMessage,
     Usage,
+    unsupported_field,
 )
 from zmqllm.gateway.service import GatewayService, GenerationPlan, service_of
-from zmqllm.gateway.streaming import GenerationError, TextStream
+from zmqllm.gateway.streaming import GenerationError
 from zmqllm.log import get_logger
 
 __all__ = ["router"]
@@ -59,6 +67,14 @@ def _sse(model: BaseModel | dict[str, Any]) -> str:
 async def _parse(request: Request, schema: type[BaseModel]) -> Any:
     settings = service_of(request).settings
     data = await read_json_object(request, settings.max_body_bytes, settings.body_timeout)
+    field = unsupported_field(data)
+    if field is not None:
+        raise APIError(
+            400,
+            f"{field!r} is not supported by this server; leave it out",
+            param=field,
+            code="unsupported_parameter",
+        )
     try:
         return schema.model_validate(data)
     except ValidationError as exc:
@@ -73,31 +89,36 @@ class _ChatShapes:
         self.created = int(time.time())
         self.model = model
 
-    def _chunk(self, delta: DeltaMessage, finish: str | None = None) -> ChatCompletionChunk:
-        choice = ChatChunkChoice(delta=delta, finish_reason=finish)
+    def _chunk(
+        self, delta: DeltaMessage, finish: str | None = None, index: int = 0
+    ) -> ChatCompletionChunk:
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish)
         return ChatCompletionChunk(
             id=self.id, created=self.created, model=self.model, choices=[choice]
         )
 
-    def opening(self) -> BaseModel | None:
+    def opening(self, index: int = 0) -> BaseModel | None:
         # OpenAI's first chunk announces the role with empty content.
-        return self._chunk(DeltaMessage(role="assistant", content=""))
+        return self._chunk(DeltaMessage(role="assistant", content=""), index=index)
 
-    def piece(self, text: str) -> BaseModel:
-        return self._chunk(DeltaMessage(content=text))
+    def piece(self, text: str, index: int = 0) -> BaseModel:
+        return self._chunk(DeltaMessage(content=text), index=index)
 
-    def closing(self, finish: str | None) -> BaseModel:
-        return self._chunk(DeltaMessage(), finish)
+    def closing(self, finish: str | None, index: int = 0) -> BaseModel:
+        return self._chunk(DeltaMessage(), finish, index)
 
     def usage_only(self, usage: Usage) -> BaseModel:
         return ChatCompletionChunk(
             id=self.id, created=self.created, model=self.model, choices=[], usage=usage
         )
 
-    def whole(self, text: str, finish: str | None, usage: Usage) -> BaseModel:
-        choice = ChatChoice(message=ResponseMessage(content=text), finish_reason=finish)
+    def whole(self, answers: list[tuple[str, str | None]], usage: Usage) -> BaseModel:
+        choices = [
+            ChatChoice(index=i, message=ResponseMessage(content=text), finish_reason=finish)
+            for i, (text, finish) in enumerate(answers)
+        ]
         return ChatCompletion(
-            id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
         )
 
 
@@ -114,27 +135,32 @@ class _CompletionShapes:
             id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
         )
 
-    def opening(self) -> BaseModel | None:
+    def opening(self, index: int = 0) -> BaseModel | None:
         return None
 
-    def piece(self, text: str) -> BaseModel:
-        return self._make([CompletionChoice(text=text)])
+    def piece(self, text: str, index: int = 0) -> BaseModel:
+        return self._make([CompletionChoice(index=index, text=text)])
 
-    def closing(self, finish: str | None) -> BaseModel:
-        return self._make([CompletionChoice(text="", finish_reason=finish)])
+    def closing(self, finish: str | None, index: int = 0) -> BaseModel:
+        return self._make([CompletionChoice(index=index, text="", finish_reason=finish)])
 
     def usage_only(self, usage: Usage) -> BaseModel:
         return self._make([], usage)
 
-    def whole(self, text: str, finish: str | None, usage: Usage) -> BaseModel:
-        return self._make([CompletionChoice(text=text, finish_reason=finish)], usage)
+    def whole(self, answers: list[tuple[str, str | None]], usage: Usage) -> BaseModel:
+        choices = [
+            CompletionChoice(index=i, text=text, finish_reason=finish)
+            for i, (text, finish) in enumerate(answers)
+        ]
+        return self._make(choices, usage)
 
 
 _Shapes = _ChatShapes | _CompletionShapes
 
 
-def _usage(plan: GenerationPlan, generation: TextStream) -> Usage:
-    prompt, completion = len(plan.prompt_ids), generation.generated_tokens
+def _usage(plan: GenerationPlan, choices: Choices) -> Usage:
+    # OpenAI counts the prompt once however many choices share it.
+    prompt, completion = len(plan.prompt_ids), choices.generated_tokens
     return Usage(
         prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
     )
@@ -142,46 +168,50 @@ def _usage(plan: GenerationPlan, generation: TextStream) -> Usage:
 
 async def _answer(
     request: Request,
-    plan: GenerationPlan,
+    plans: list[GenerationPlan],
     shapes: _Shapes,
     *,
     stream: bool,
     include_usage: bool,
 ) -> Response:
     service, record = service_of(request), record_of(request)
-    generation = await service.open(plan, record, request)
+    choices = await open_choices(service, plans, record, request)
     if stream:
-        events = _events(generation, plan, shapes, record, include_usage)
-        return GenerationResponse(events, generation, record, media_type="text/event-stream")
+        events = _events(choices, plans[0], shapes, record, include_usage)
+        return GenerationResponse(events, choices, record, media_type="text/event-stream")
     try:
-        text = await collect_unless_disconnected(generation, request, record)
+        texts = await collect_unless_disconnected(choices, request, record)
     except GenerationError as exc:
         # Nothing was sent yet, so the failure still gets its proper status.
         record.error = exc.code
         raise broker_failure(exc.code, exc.message) from None
-    if text is None:
+    if texts is None:
         return Response(status_code=CLIENT_CLOSED)
-    body = shapes.whole(text, generation.finish_reason, _usage(plan, generation))
+    answers = [(t, s.finish_reason) for t, s in zip(texts, choices.streams, strict=True)]
+    body = shapes.whole(answers, _usage(plans[0], choices))
     return JSONResponse(body.model_dump(mode="json"))
 
 
 async def _events(
-    generation: TextStream,
+    choices: Choices,
     plan: GenerationPlan,
     shapes: _Shapes,
     record: RequestRecord,
     include_usage: bool,
 ) -> AsyncIterator[str]:
     try:
-        opening = shapes.opening()
-        if opening is not None:
-            yield _sse(opening)
-        async for text in generation.chunks():
-            yield _sse(shapes.piece(text))
-        yield _sse(shapes.closing(generation.finish_reason))
+        for index in range(len(choices.streams)):
+            opening = shapes.opening(index)
+            if opening is not None:
+                yield _sse(opening)
+        async for index, text in choices.chunks():
+            if text is None:  # this choice is done
+                yield _sse(shapes.closing(choices.streams[index].finish_reason, index))
+            else:
+                yield _sse(shapes.piece(text, index))
         if include_usage:
-            yield _sse(shapes.usage_only(_usage(plan, generation)))
-        yield _DONE  # only after a whole answer: a stream that failed ends at its error
+            yield _sse(shapes.usage_only(_usage(plan, choices)))
+        yield _DONE  # only after whole answers: a stream that failed ends at its error
     except GenerationError as exc:
         record.error = exc.code
         log.warning("generation failed mid-stream", code=exc.code, error=exc.message)
@@ -192,14 +222,16 @@ async def _events(
         yield _sse(error_payload("internal error in the gateway", "server_error", None, "internal"))
 
 
-def _plan(
+def _plans(
     service: GatewayService,
     body: ChatCompletionRequest | CompletionRequest,
     prompt_ids: list[int],
     prompt_param: str,
-) -> GenerationPlan:
-    """The sampling fields both endpoints share, checked against the context."""
-    return service.plan(
+) -> list[GenerationPlan]:
+    """The sampling fields both endpoints share, checked against the context: one plan
+    per choice (``n``)."""
+    n = check_choices(body.n, service.settings.max_concurrent)
+    plan = service.plan(
         prompt_ids,
         max_tokens=body.token_limit,
         temperature=body.temperature,
@@ -207,10 +239,10 @@ def _plan(
         top_k=body.top_k,
         seed=body.seed,
         stops=body.stop or (),
-        n=body.n,
         prompt_param=prompt_param,
         ignore_eos=body.ignore_eos,
     )
+    return choice_plans(plan, n)
 
 
 @router.post("/chat/completions")
@@ -222,10 +254,10 @@ async def chat_completions(request: Request) -> Response:
         {"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
         for m in body.messages
     ]
-    plan = _plan(service, body, service.encode_chat(messages), "messages")
+    plans = _plans(service, body, service.encode_chat(messages), "messages")
     return await _answer(
         request,
-        plan,
+        plans,
         _ChatShapes(service.model_name),
         stream=bool(body.stream),
         include_usage=body.include_usage,
@@ -237,10 +269,10 @@ async def completions(request: Request) -> Response:
     service = service_of(request)
     body: CompletionRequest = await _parse(request, CompletionRequest)
     service.check_model(body.model)
-    plan = _plan(service, body, service.encode_text(body.prompt), "prompt")
+    plans = _plans(service, body, service.encode_text(body.prompt), "prompt")
     return await _answer(
         request,
-        plan,
+        plans,
         _CompletionShapes(service.model_name),
         stream=bool(body.stream),
         include_usage=body.include_usage,

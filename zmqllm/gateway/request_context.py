@@ -49,10 +49,24 @@ class RequestRecord:
     started_at: float = field(default_factory=time.perf_counter)
     status: int | None = None
     prompt_tokens: int | None = None
+    # The first choice's stream; the others (OpenAI's n) in ``more``.
     generation: TextStream | None = None
+    more: list[TextStream] = field(default_factory=list)
     # Set when the answer ends abnormally: a broker error code, "cancelled" (client left).
     error: str | None = None
     finish_reason: str | None = None
+
+    def add_generation(self, stream: TextStream) -> None:
+        if self.generation is None:
+            self.generation = stream
+        else:
+            self.more.append(stream)
+
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens of every choice."""
+        streams = [self.generation, *self.more] if self.generation else []
+        return sum(s.generated_tokens for s in streams)
 
     def fields(self) -> dict[str, Any]:
         now = time.perf_counter()
@@ -65,7 +79,9 @@ class RequestRecord:
         gen = self.generation
         if gen is not None or self.prompt_tokens is not None:
             out["prompt_tokens"] = self.prompt_tokens
-            out["generated_tokens"] = gen.generated_tokens if gen else 0
+            out["generated_tokens"] = self.generated_tokens
+            if self.more:
+                out["choices"] = 1 + len(self.more)
             out["route"] = gen.route if gen else []
             out["session"] = gen.session if gen else None
             first, last = (gen.first_token_at, gen.last_token_at) if gen else (None, None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Mapping
+from typing import Protocol, TypeVar
 
 import anyio
 from starlette.requests import Request
@@ -18,11 +19,11 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from zmqllm.gateway.request_context import RequestRecord
-from zmqllm.gateway.streaming import TextStream
 
 __all__ = [
     "INCOMPLETE_RESPONSE_LOG",
     "STREAM_HEADERS",
+    "Generation",
     "GenerationResponse",
     "collect_unless_disconnected",
 ]
@@ -32,12 +33,26 @@ __all__ = [
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+T = TypeVar("T", covariant=True)
+
+
+class Generation(Protocol[T]):
+    """What is delivered here: a TextStream (its text) or a request's Choices (theirs)."""
+
+    @property
+    def finished(self) -> bool: ...
+
+    async def close(self) -> None: ...
+
+    async def text(self) -> T: ...
+
+
 # What uvicorn logs when a response is left incomplete on purpose (see abort_on_error).
 INCOMPLETE_RESPONSE_LOG = "ASGI callable returned without completing response."
 
 
 class GenerationResponse(StreamingResponse):
-    """A streamed answer that always closes its TextStream (CANCEL if unfinished).
+    """A streamed answer that always closes its generation (CANCEL if unfinished).
 
     With ``abort_on_error``, a stream whose generation failed after the headers went out
     ends without its last (terminating) chunk: the server then closes the connection, and
@@ -48,7 +63,7 @@ class GenerationResponse(StreamingResponse):
     def __init__(
         self,
         content: AsyncIterator[str],
-        generation: TextStream,
+        generation: Generation[object],
         record: RequestRecord,
         *,
         media_type: str,
@@ -90,14 +105,14 @@ class GenerationResponse(StreamingResponse):
 
 
 async def collect_unless_disconnected(
-    generation: TextStream, request: Request, record: RequestRecord
-) -> str | None:
+    generation: Generation[T], request: Request, record: RequestRecord
+) -> T | None:
     """The whole answer, or None if the client disconnected first (the session is cancelled).
 
     A non-streamed answer can take a long time; without watching the connection, a client
     that gave up would keep its workers busy until max_tokens.
     """
-    text: str | None = None
+    text: T | None = None
     failure: Exception | None = None
     try:
         async with anyio.create_task_group() as tasks:

@@ -1,20 +1,24 @@
 """Request and response bodies of the OpenAI-compatible API.
 
 Requests validate strictly (``"5"`` is not an integer, ``true`` is not a number), as
-OpenAI does, and ignore fields they do not know (``user``, ``logprobs`` …), so clients
-written for OpenAI work unchanged. Fields that OpenAI types as a union (``stop``, a
-message's ``content``, a completion ``prompt``) are normalized by ``before`` validators
-whose messages name the accepted forms, instead of pydantic's one-error-per-branch output.
+OpenAI does, and ignore fields they do not know (``user``, ``metadata`` …), so clients
+written for OpenAI work unchanged; a field of OpenAI's that this server does not implement
+(``UNSUPPORTED``) is refused when its value asks for something. Fields that OpenAI types
+as a union (``stop``, a message's ``content``, a completion ``prompt``) are normalized by
+``before`` validators whose messages name the accepted forms, instead of pydantic's
+one-error-per-branch output.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
 __all__ = [
     "MAX_STOP_STRINGS",
+    "UNSUPPORTED",
     "ChatChoice",
     "ChatChunkChoice",
     "ChatCompletion",
@@ -30,10 +34,48 @@ __all__ = [
     "ResponseMessage",
     "StreamOptions",
     "Usage",
+    "unsupported_field",
 ]
 
 # OpenAI accepts up to 4 stop sequences.
 MAX_STOP_STRINGS = 4
+
+
+def _absent(value: Any) -> bool:
+    # ``is``, not ``in``: 0 == False, and 0 asks for something (completions' logprobs).
+    return value is None or value is False
+
+
+# OpenAI fields this server does not implement, each with the values that ask for nothing
+# (what a client sends when it leaves the feature off). Any other value is a 400 naming the
+# field: an answer without what was asked for would be wrong without a word. Fields not
+# listed and not known are ignored, as OpenAI does.
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "logprobs": _absent,
+    "top_logprobs": lambda v: _absent(v) or v == 0,
+    "logit_bias": lambda v: _absent(v) or v == {},
+    "presence_penalty": lambda v: _absent(v) or v == 0,
+    "frequency_penalty": lambda v: _absent(v) or v == 0,
+    "response_format": lambda v: _absent(v) or v == {"type": "text"},
+    "tools": lambda v: _absent(v) or v == [],
+    "tool_choice": lambda v: _absent(v) or v == "none",
+    "functions": lambda v: _absent(v) or v == [],
+    "function_call": lambda v: _absent(v) or v == "none",
+    "best_of": lambda v: _absent(v) or v == 1,
+    "echo": _absent,
+    "suffix": lambda v: _absent(v) or v == "",
+    "audio": _absent,
+    "modalities": lambda v: _absent(v) or v == ["text"],
+    "prediction": _absent,
+}
+
+
+def unsupported_field(data: Mapping[str, Any]) -> str | None:
+    """The first field of a request body that asks for what this server cannot do."""
+    for name, harmless in UNSUPPORTED.items():
+        if name in data and not harmless(data[name]):
+            return name
+    return None
 
 
 class _Request(BaseModel):

@@ -119,15 +119,10 @@ class GatewayService:
         top_k: int | None = None,
         seed: int | None = None,
         stops: Sequence[str] = (),
-        n: int | None = None,
         prompt_param: str | None = "prompt",
         ignore_eos: bool = False,
     ) -> GenerationPlan:
         """Check a request against the model's context and build its plan (400 if bad)."""
-        if n is not None and n != 1:
-            raise APIError(
-                400, f"only n=1 is supported, got n={n}", param="n", code="invalid_value"
-            )
         prompt_len = len(prompt_ids)
         room = self.context_length - prompt_len
         if room < 1:
@@ -217,7 +212,7 @@ class GatewayService:
                 inter_token_timeout=self.settings.inter_token_timeout,
                 on_close=release,
             )
-            record.generation = text_stream
+            record.add_generation(text_stream)
             await self._first_token(text_stream, record, request)
         except GenerationError as exc:
             await release()

@@ -1,0 +1,127 @@
+"""Several answers to one request (OpenAI's ``n``): one session per choice, opened together
+so the workers batch their steps, read and closed as one.
+
+Each choice samples with a seed of its own (the request's ``seed + i`` when it gives one),
+so sampled choices differ and a seeded request is reproducible; greedy ones are equal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+
+import anyio
+from starlette.requests import Request
+
+from zmqllm.gateway.errors import APIError
+from zmqllm.gateway.request_context import RequestRecord
+from zmqllm.gateway.service import GatewayService, GenerationPlan
+from zmqllm.gateway.streaming import TextStream
+from zmqllm.sampling_params import MAX_SEED
+
+__all__ = ["MAX_CHOICES", "Choices", "check_choices", "choice_plans", "open_choices"]
+
+MAX_CHOICES = 8
+
+
+def choice_plans(plan: GenerationPlan, n: int) -> list[GenerationPlan]:
+    """``n`` plans, choice i with seed ``plan.sampling.seed + i`` (wrapping at 2**63)."""
+    return [
+        dataclasses.replace(
+            plan,
+            sampling=dataclasses.replace(
+                plan.sampling, seed=(plan.sampling.seed + i) % (MAX_SEED + 1)
+            ),
+        )
+        for i in range(n)
+    ]
+
+
+def check_choices(n: int | None, max_concurrent: int) -> int:
+    """The number of choices asked for, 1 when not given; a 400 beyond what can run."""
+    if n is None:
+        return 1
+    if not 1 <= n <= MAX_CHOICES:
+        raise APIError(
+            400, f"n must be in 1..{MAX_CHOICES}, got {n}", param="n", code="invalid_value"
+        )
+    if n > max_concurrent:
+        # Each choice holds a generation slot: more than all of them would wait on itself.
+        raise APIError(
+            400,
+            f"n={n} is more than this gateway's max_concurrent of {max_concurrent}",
+            param="n",
+            code="invalid_value",
+        )
+    return n
+
+
+class Choices:
+    """The streams of one request's choices, index i for plan i."""
+
+    def __init__(self, streams: list[TextStream]) -> None:
+        self.streams = streams
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.streams)
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(s.generated_tokens for s in self.streams)
+
+    async def close(self) -> None:
+        """Close every stream (CANCEL where unfinished), even while being cancelled."""
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*(s.close() for s in self.streams), return_exceptions=True)
+
+    async def text(self) -> list[str]:
+        return list(await asyncio.gather(*(s.text() for s in self.streams)))
+
+    async def chunks(self) -> AsyncIterator[tuple[int, str | None]]:
+        """``(index, text)`` as each choice's text arrives, and ``(index, None)`` when that
+        choice is done; the first failure of any choice is raised."""
+        iterators = [s.chunks() for s in self.streams]
+        pending: dict[asyncio.Future[str], int] = {
+            asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)
+        }
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for future in sorted(done, key=pending.__getitem__):
+                    index = pending.pop(future)
+                    try:
+                        text = future.result()
+                    except StopAsyncIteration:
+                        yield index, None
+                        continue
+                    yield index, text
+                    pending[asyncio.ensure_future(anext(iterators[index]))] = index
+        finally:
+            for future in pending:
+                future.cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def open_choices(
+    service: GatewayService,
+    plans: list[GenerationPlan],
+    record: RequestRecord,
+    request: Request,
+) -> Choices:
+    """Open every choice's session at once; if one fails, close the others and raise."""
+    results: list[TextStream | BaseException] = list(
+        await asyncio.gather(
+            *(service.open(p, record, request) for p in plans),
+            return_exceptions=True,
+        )
+    )
+    streams = [r for r in results if isinstance(r, TextStream)]
+    failures = [r for r in results if not isinstance(r, TextStream)]
+    if failures:
+        await Choices(streams).close()
+        raise failures[0]
+    return Choices(streams)
