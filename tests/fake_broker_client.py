@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zmqllm.messages import ErrorCode, SessionError
-from zmqllm.sampling_params import SamplingParams
+from zmqllm.sampling_params import NO_LOGPROBS, SamplingParams
 
 
 @dataclass
@@ -23,6 +23,7 @@ class FakeTokenEvent:
     token: int
     step: int
     finish: str | None
+    logprobs: tuple[tuple[int, ...], tuple[float, ...]] | None = None
 
 
 # The real client's one error class: the gateway matches on it. The old name stays for the
@@ -56,6 +57,17 @@ class GenerateCall:
     sampling: SamplingParams
     stop_ids: list[int]
     session: str | None = None
+
+
+def fake_logprobs(
+    token: int, sampling: SamplingParams
+) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
+    """What a worker would send when asked: the token at -0.5, then the top ones (the token
+    itself first, then ids after it) at -0.5, -1, -1.5 ..."""
+    if sampling.logprobs == NO_LOGPROBS:
+        return None
+    top = tuple(token + i for i in range(sampling.logprobs))
+    return (token, *top), (-0.5, *(-0.5 * (i + 1) for i in range(sampling.logprobs)))
 
 
 class FakeTokenStream:
@@ -107,7 +119,7 @@ class FakeTokenStream:
             self.produced_at.append(time.perf_counter())
             if finish is not None:
                 self.finished = True
-            yield FakeTokenEvent(token, step, finish)
+            yield FakeTokenEvent(token, step, finish, fake_logprobs(token, self.call.sampling))
             if finish is not None:
                 return
         # A script that runs out behaves like a model that keeps repeating its last token.

@@ -235,8 +235,6 @@ async def test_unknown_model_is_404(client: Any, path: str) -> None:
 @pytest.mark.parametrize(
     ("path", "field", "value"),
     [
-        (CHAT, "logprobs", True),
-        (CHAT, "top_logprobs", 3),
         (CHAT, "presence_penalty", 0.5),
         (CHAT, "frequency_penalty", -1),
         (CHAT, "response_format", {"type": "json_object"}),
@@ -244,7 +242,6 @@ async def test_unknown_model_is_404(client: Any, path: str) -> None:
         (CHAT, "tool_choice", "auto"),
         (CHAT, "logit_bias", {"50256": -100}),
         (CHAT, "modalities", ["text", "audio"]),
-        (COMPLETIONS, "logprobs", 0),  # 0 still asks for the chosen tokens' logprobs
         (COMPLETIONS, "echo", True),
         (COMPLETIONS, "best_of", 3),
         (COMPLETIONS, "suffix", "end"),

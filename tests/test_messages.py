@@ -309,7 +309,15 @@ EXAMPLES: dict[type[Message], Message] = {
     Activation: Activation(
         session="s", group=("g", 1), hidden=Payload(np.zeros((2, 4), np.float32), "float32")
     ),
-    Token: Token(session="s", token=5, finish=Finish.STOP, route=("w-1",), boot="b"),
+    Token: Token(
+        session="s",
+        token=5,
+        finish=Finish.STOP,
+        route=("w-1",),
+        boot="b",
+        logprob_ids=(5, 5, 7),
+        logprobs=(-0.25, -0.25, -1.5),
+    ),
     Close: Close(session="s"),
     Cancel: Cancel(session="s"),
     Error: Error(code=ErrorCode.BUSY, message="m", session="s"),
@@ -428,6 +436,20 @@ BAD: dict[type[Message], dict[str, list[Any]]] = {
         "group": _GROUPS,
         "route": [5, "w-1", [5], ["a b"], [""], [None], ["w"] * (MAX_LAYERS + 1)],
         "boot": _without(_texts(64), None),
+        # Alone, or one id too many: the two lists come together and alike long.
+        "logprob_ids": [5, "x", [-1], [1.5], [True], [0] * 22, [5, 5], [5, 5, 7, 8], None],
+        "logprobs": [
+            5,
+            [0.5, 0, 0],
+            [NAN, 0, 0],
+            [-INF, 0, 0],
+            [-1e9, 0, 0],
+            ["x", 0, 0],
+            [True, 0, 0],
+            [-1.0] * 22,
+            [-1.0],
+            None,
+        ],
     },
     Close: _SESSION,
     Cancel: _SESSION,
@@ -507,7 +529,15 @@ def test_optional_fields_default_when_absent_and_unknown_keys_are_ignored() -> N
 
 
 def test_optional_fields_accept_nil() -> None:
-    got = _decode_with(EXAMPLES[Token], finish=None, group=None, route=None, boot=None)
+    got = _decode_with(
+        EXAMPLES[Token],
+        finish=None,
+        group=None,
+        route=None,
+        boot=None,
+        logprob_ids=None,
+        logprobs=None,
+    )
     assert got == Token(session="s", token=5)
     assert _decode_with(EXAMPLES[Heartbeat], load=None, boot=None) == Heartbeat()
 

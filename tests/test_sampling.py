@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from zmqllm.engine.sampling import SamplingParams, sample, sample_batch
+from zmqllm.engine.sampling import SamplingParams, logprobs_of, sample, sample_batch
+from zmqllm.sampling_params import LOGPROB_FLOOR, MAX_LOGPROBS, NO_LOGPROBS
 
 
 def _random_logits(rng: np.random.Generator, vocab: int = 200) -> np.ndarray:
@@ -259,3 +260,33 @@ def test_a_replay_draws_what_the_lost_session_would_have() -> None:
     assert [sample(rows[t], replay, t - 5) for t in range(5, 12)] == whole[5:]
     # ...and the steps really matter: draws at other steps differ somewhere.
     assert [sample(rows[t], params, t + 1) for t in range(12)] != whole
+
+
+def test_logprobs_are_the_log_softmax_chosen_first_then_the_most_likely() -> None:
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(3)
+    logits = rng.normal(0, 4, 5000).astype(np.float32)
+    logits[[10, 20]] = 30.0  # a tie at the top: the lower id first
+    ids, values = logprobs_of(logits, 1234, 5)
+    assert ids[0] == 1234 and len(ids) == len(values) == 6
+    want = torch.log_softmax(torch.from_numpy(logits).double(), -1).numpy()
+    assert ids[1:] == tuple(int(i) for i in np.argsort(-want, kind="stable")[:5])
+    assert ids[1:3] == (10, 20)
+    np.testing.assert_allclose(values, want[list(ids)], atol=1e-9)
+    assert list(values[1:]) == sorted(values[1:], reverse=True)
+    assert logprobs_of(logits, 7, 0) == ((7,), (float(want[7]),))
+
+
+def test_logprobs_of_an_impossible_token_stop_at_the_floor() -> None:
+    logits = np.array([0.0, -np.inf, 5.0], np.float32)
+    ids, values = logprobs_of(logits, 1, 2)
+    assert ids == (1, 2, 0) and values[0] == LOGPROB_FLOOR
+
+
+def test_logprobs_travel_with_the_params_only_when_asked() -> None:
+    assert "logprobs" not in SamplingParams().to_dict()
+    asked = SamplingParams(logprobs=3)
+    assert SamplingParams.from_dict(asked.to_dict()) == asked
+    for bad in (NO_LOGPROBS - 1, MAX_LOGPROBS + 1):
+        with pytest.raises(ValueError, match="logprobs"):
+            SamplingParams(logprobs=bad).validate()

@@ -256,6 +256,8 @@ class SessionTable:
             step=msg.step,
             token=msg.token,
             finish=msg.finish,
+            logprob_ids=msg.logprob_ids,
+            logprobs=msg.logprobs,
             route=tuple(s.route) if first else None,
             boot=self.boot if first else None,
         )

@@ -324,7 +324,10 @@ class BrokerClient:
             stream.boot = msg.boot
             stream.orphan_deadline = None
         finish = msg.finish.value if msg.finish is not None else None
-        stream.push_event(TokenEvent(msg.token, msg.step, finish))
+        logprobs = None
+        if msg.logprob_ids is not None and msg.logprobs is not None:
+            logprobs = (msg.logprob_ids, msg.logprobs)
+        stream.push_event(TokenEvent(msg.token, msg.step, finish, logprobs))
         if finish is not None:
             self._streams.forget(stream)
 

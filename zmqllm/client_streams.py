@@ -30,6 +30,8 @@ class TokenEvent:
     token: int
     step: int
     finish: str | None  # None, "length" or "stop"
+    # When asked for: (ids, log-probabilities), the sampled token's first (Token's fields).
+    logprobs: tuple[tuple[int, ...], tuple[float, ...]] | None = None
 
 
 @dataclass

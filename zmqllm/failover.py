@@ -198,7 +198,12 @@ class ReplayStream:
                         self._report(failure, recovered=True)
                         failure = None
                     self._last_seen = time.monotonic()
-                    token_event = TokenEvent(int(event.token), offset + event.step, event.finish)
+                    token_event = TokenEvent(
+                        int(event.token),
+                        offset + event.step,
+                        event.finish,
+                        event.logprobs,
+                    )
                     self.tokens.append(token_event.token)
                     if token_event.finish is not None:
                         self._end()

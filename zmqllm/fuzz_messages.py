@@ -268,6 +268,7 @@ def _token(rng: Rng, sessions: list[str]) -> Token:
         group=_group(rng),
         route=pick(rng, [None, (_name(rng), _name(rng))]),
         boot=pick(rng, [None, _ident(rng)]),
+        **pick(rng, [{}, {"logprob_ids": (1, 1, 2), "logprobs": (-0.5, -0.5, -1.25)}]),
     )
 
 

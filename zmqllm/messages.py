@@ -32,7 +32,7 @@ from typing import Any, ClassVar, TypeVar
 import msgpack
 import numpy as np
 
-from zmqllm.sampling_params import SamplingParams
+from zmqllm.sampling_params import LOGPROB_FLOOR, MAX_LOGPROBS, SamplingParams
 from zmqllm.wire_types import (
     Payload,
     ProtocolError,
@@ -43,6 +43,7 @@ from zmqllm.wire_types import (
     int_list,
     integer,
     name,
+    number_list,
     one_of,
     optional,
     scalar_map,
@@ -360,6 +361,21 @@ class Finish(str, enum.Enum):
 class Token(SessionMessage):
     token: int = wire(integer(0, MAX_TOKEN_ID))
     finish: Finish | None = wire(optional(one_of(Finish)), None)
+    # When the session asked for logprobs: the chosen token's log-probability first, then
+    # the most likely tokens', most likely first (ids and values, the same length).
+    logprob_ids: tuple[int, ...] | None = wire(
+        optional(int_list(0, MAX_TOKEN_ID, MAX_LOGPROBS + 1)), None
+    )
+    logprobs: tuple[float, ...] | None = wire(
+        optional(number_list(LOGPROB_FLOOR, 0.0, MAX_LOGPROBS + 1)), None
+    )
+
+    def _validate(self) -> None:
+        if (self.logprob_ids is None) != (self.logprobs is None) or (
+            self.logprobs is not None and len(self.logprobs) != len(self.logprob_ids or ())
+        ):
+            raise ProtocolError("token: 'logprob_ids' and 'logprobs' come together, alike long")
+
     group: tuple[str, int] | None = wire(_GROUP, None)
     # On the first token the broker sends a client: the route and its boot id.
     route: tuple[str, ...] | None = wire(optional(str_list(name(), MAX_LAYERS)), None)

@@ -13,10 +13,24 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MAX_FIRST_STEP", "MAX_SEED", "SamplingParams", "is_int"]
+__all__ = [
+    "LOGPROB_FLOOR",
+    "MAX_FIRST_STEP",
+    "MAX_LOGPROBS",
+    "MAX_SEED",
+    "NO_LOGPROBS",
+    "SamplingParams",
+    "is_int",
+]
 
 MAX_SEED = 2**63 - 1
 MAX_FIRST_STEP = 2**31 - 1
+# Log-probabilities with each token: NO_LOGPROBS, or the chosen token's and this many of
+# the most likely (OpenAI's top_logprobs goes to 20).
+NO_LOGPROBS = -1
+MAX_LOGPROBS = 20
+# The lowest log-probability sent; OpenAI writes a token of probability 0 as -9999.
+LOGPROB_FLOOR = -9999.0
 
 
 @dataclass(frozen=True)
@@ -31,6 +45,9 @@ class SamplingParams:
     # a lost session with its tokens so far in the prompt and continues at the step it
     # reached, so step t still draws from (seed, t) and the replay repeats the lost tokens.
     first_step: int = 0
+    # The model's log-softmax with each token: NO_LOGPROBS (none), or the chosen token's
+    # and the ``logprobs`` most likely tokens'.
+    logprobs: int = NO_LOGPROBS
 
     @property
     def greedy(self) -> bool:
@@ -48,16 +65,24 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if not is_int(self.seed) or not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {self.seed!r}")
+        if not is_int(self.logprobs) or not NO_LOGPROBS <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"logprobs must be an integer in [{NO_LOGPROBS}, {MAX_LOGPROBS}], "
+                f"got {self.logprobs!r}"
+            )
         if not is_int(self.first_step) or not 0 <= self.first_step <= MAX_FIRST_STEP:
             raise ValueError(
                 f"first_step must be an integer in [0, {MAX_FIRST_STEP}], got {self.first_step!r}"
             )
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain types only: this travels in msgpack headers (first_step only when set)."""
+        """Plain types only: this travels in msgpack headers (first_step and logprobs only
+        when set)."""
         data = asdict(self)
         if not self.first_step:
             del data["first_step"]
+        if self.logprobs == NO_LOGPROBS:
+            del data["logprobs"]
         return data
 
     @classmethod
@@ -89,6 +114,7 @@ _FIELD_KINDS: dict[str, type] = {
     "top_k": int,
     "seed": int,
     "first_step": int,
+    "logprobs": int,
 }
 
 

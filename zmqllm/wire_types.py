@@ -37,6 +37,7 @@ __all__ = [
     "is_valid_id",
     "name",
     "number",
+    "number_list",
     "one_of",
     "optional",
     "payload",
@@ -214,6 +215,17 @@ def int_list(lo: int, hi: int, max_len: int) -> Check:
     def check(field_name: str, value: Any) -> tuple[int, ...]:
         if type(value) is not list or len(value) > max_len:
             raise _fail(field_name, f"a list of at most {max_len} ints", value)
+        return tuple(item(field_name, v) for v in value)
+
+    return check
+
+
+def number_list(lo: float, hi: float, max_len: int) -> Check:
+    item = number(lo, hi)
+
+    def check(field_name: str, value: Any) -> tuple[float, ...]:
+        if type(value) is not list or len(value) > max_len:
+            raise _fail(field_name, f"a list of at most {max_len} numbers", value)
         return tuple(item(field_name, v) for v in value)
 
     return check

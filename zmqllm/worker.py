@@ -370,6 +370,8 @@ class Worker:
                 token=o.token,
                 finish=o.finish,
                 group=group,
+                logprob_ids=o.logprobs[0] if o.logprobs else None,
+                logprobs=o.logprobs[1] if o.logprobs else None,
             )
         assert o.hidden is not None
         return Activation(

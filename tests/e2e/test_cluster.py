@@ -13,6 +13,7 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -132,6 +133,68 @@ def test_n_choices_through_the_openai_package(cluster: Cluster, reference) -> No
     want_raw = reference.raw("The quick brown fox", 16)
     assert parts == {0: want_raw, 1: want_raw}
     cluster.wait_for(lambda: cluster.status()["sessions"] == 0, timeout=10, what="sessions end")
+
+
+def test_logprobs_are_hf_log_softmax(cluster: Cluster, reference, e2e_model: Path) -> None:
+    """Greedy replies' log-probabilities through the openai package against HF float32's
+    log-softmax on the same weights, within 2e-3; top ones sorted, the chosen first."""
+    openai = pytest.importorskip("openai")
+    torch = pytest.importorskip("torch")
+    from transformers import MistralForCausalLM
+
+    tok = reference.tokenizer
+    model = MistralForCausalLM.from_pretrained(e2e_model).eval()
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused")
+    msgs = [{"role": "user", "content": "Why is the sky blue?"}]
+    chat = client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=12, logprobs=True, top_logprobs=3
+    )
+    comp = client.completions.create(model="tiny", prompt="The quick", max_tokens=12, logprobs=3)
+    cases = [
+        (
+            tok.encode_chat(msgs),
+            [
+                (c.logprob, [t.logprob for t in c.top_logprobs])
+                for c in chat.choices[0].logprobs.content
+            ],
+        ),
+        (
+            tok.encode("The quick"),
+            [
+                (lp, sorted(top.values(), reverse=True))
+                for lp, top in zip(
+                    comp.choices[0].logprobs.token_logprobs,
+                    comp.choices[0].logprobs.top_logprobs,
+                    strict=True,
+                )
+            ],
+        ),
+    ]
+    for prompt, got in cases:
+        x = torch.tensor([prompt])
+        with torch.no_grad():
+            new = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=12,
+                do_sample=False,
+                eos_token_id=sorted(tok.eos_token_ids),
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
+            full = torch.tensor([prompt + new])
+            want = torch.log_softmax(model(full).logits[0].double(), -1)
+        shown = [t for t in new if t not in tok.eos_token_ids]
+        assert len(got) == len(shown) and got
+        for k, (chosen, tops) in enumerate(got):
+            row = want[len(prompt) + k - 1]
+            assert abs(chosen - row[new[k]].item()) < 2e-3, k
+            assert tops == sorted(tops, reverse=True) and 1 <= len(tops) <= 3
+            best = torch.topk(row, 3).values.tolist()
+            # Completions key top_logprobs by text: tokens that decode alike share one key.
+            assert all(min(abs(a - b) for b in best) < 2e-3 for a in tops), k
+            if len(tops) == 3:
+                assert max(abs(a - b) for a, b in zip(tops, best, strict=True)) < 2e-3, k
+            assert abs(tops[0] - chosen) < 2e-3  # greedy: the chosen one is the most likely
 
 
 def test_bad_inputs_get_4xx_and_the_server_keeps_serving(cluster: Cluster, reference) -> None:

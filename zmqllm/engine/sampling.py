@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from zmqllm.sampling_params import SamplingParams, is_int
+from zmqllm.sampling_params import LOGPROB_FLOOR, SamplingParams, is_int
 
-__all__ = ["SamplingParams", "sample", "sample_batch"]
+__all__ = ["SamplingParams", "logprobs_of", "sample", "sample_batch"]
 
 # top-p first sorts only this many of the most likely tokens, growing ×8 until the nucleus
 # fits: a full sort of a 32k–150k vocabulary costs milliseconds per token.
@@ -54,6 +54,23 @@ def sample(logits: np.ndarray, params: SamplingParams, step: int) -> int:
     u = np.random.default_rng([params.seed, params.first_step + step]).random()
     pick = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
     return int(kept[min(pick, kept.size - 1)])
+
+
+def logprobs_of(
+    logits: np.ndarray, token: int, top: int
+) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """The model's log-softmax (of the logits as they are, before temperature or top-k/p)
+    at ``token``, then at the ``top`` most likely tokens, most likely first (equal ones by
+    id); none below LOGPROB_FLOOR."""
+    x = np.asarray(logits, dtype=np.float64)
+    peak = x.max()
+    log_total = peak + np.log(np.exp(x - peak).sum())
+    ids = [int(token)]
+    if top > 0:
+        best = np.argpartition(-x, top - 1)[:top]
+        ids += best[np.lexsort((best, -x[best]))].tolist()
+    values = np.maximum(x[ids] - log_total, LOGPROB_FLOOR)
+    return tuple(ids), tuple(float(v) for v in values)
 
 
 def sample_batch(

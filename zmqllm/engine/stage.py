@@ -31,8 +31,9 @@ from zmqllm.engine.cache import (
 )
 from zmqllm.engine.frames import ACTIVATION_DTYPES
 from zmqllm.engine.model import MistralShard, Segment
-from zmqllm.engine.sampling import SamplingParams, sample
+from zmqllm.engine.sampling import SamplingParams, logprobs_of, sample
 from zmqllm.messages import Finish
+from zmqllm.sampling_params import NO_LOGPROBS
 
 # How long ready work may wait for more sessions while the cores are free (see
 # Stage.coalesce_wait; time another stage spends computing does not count, up to
@@ -88,6 +89,9 @@ class Output:
     hidden: torch.Tensor | None = None  # [n, hidden] for the next stage
     token: int | None = None  # last stage: the sampled token
     finish: Finish | None = None  # last stage: why the session ends here, if it does
+    # last stage, when the session asked: the ids and log-probabilities of the sampled
+    # token, then of the most likely ones (engine.sampling.logprobs_of)
+    logprobs: tuple[tuple[int, ...], tuple[float, ...]] | None = None
 
 
 @dataclass
@@ -361,7 +365,11 @@ class Stage:
                 finish = Finish.STOP
             elif w.step + 1 >= s.max_tokens:
                 finish = Finish.LENGTH
-            outputs.append(Output(s.id, s.request_id, w.step, True, token=token, finish=finish))
+            top = s.sampling.logprobs
+            lp = logprobs_of(logits[row], token, top) if top != NO_LOGPROBS else None
+            outputs.append(
+                Output(s.id, s.request_id, w.step, True, token=token, finish=finish, logprobs=lp)
+            )
         return outputs
 
     def warmup(self) -> None:

@@ -35,6 +35,10 @@ class TokenEventLike(Protocol):
     @property
     def finish(self) -> str | None: ...
 
+    @property
+    def logprobs(self) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
+        """(ids, log-probabilities), the sampled token's first; None unless asked for."""
+
 
 class TokenStreamLike(Protocol):
     """One generation session; leaving the context before it finished cancels it."""

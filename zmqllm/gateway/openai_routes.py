@@ -28,6 +28,7 @@ from zmqllm.gateway.errors import (
     error_payload,
     validation_failure,
 )
+from zmqllm.gateway.logprobs import chat_logprobs, completion_logprobs
 from zmqllm.gateway.request_context import RequestRecord, record_of
 from zmqllm.gateway.responses import GenerationResponse, collect_unless_disconnected
 from zmqllm.gateway.schemas import (
@@ -47,8 +48,9 @@ from zmqllm.gateway.schemas import (
     unsupported_field,
 )
 from zmqllm.gateway.service import GatewayService, GenerationPlan, service_of
-from zmqllm.gateway.streaming import GenerationError
+from zmqllm.gateway.streaming import GenerationError, TextStream
 from zmqllm.log import get_logger
+from zmqllm.tokenizer import Tokenizer
 
 __all__ = ["router"]
 
@@ -81,6 +83,30 @@ async def _parse(request: Request, schema: type[BaseModel]) -> Any:
         raise validation_failure(exc.errors(include_url=False)) from None
 
 
+# A whole choice: its text, finish reason and log-probabilities (when asked for).
+_Answer = tuple[str, str | None, dict[str, Any] | None]
+
+
+class _Logprobs:
+    """Formats each choice's token log-probabilities as the request's API shapes them
+    (None when the request did not ask for them)."""
+
+    def __init__(self, tok: Tokenizer, top: int | None, chat: bool, choices: int) -> None:
+        self.tok, self.top, self.chat = tok, top, chat
+        self.offsets = [0] * choices  # completions: characters of each choice so far
+
+    def take(self, stream: TextStream, index: int) -> dict[str, Any] | None:
+        if self.top is None:
+            return None
+        entries = stream.take_logprobs()
+        if self.chat:
+            return chat_logprobs(self.tok, entries, self.top)
+        shape, self.offsets[index] = completion_logprobs(
+            self.tok, entries, self.top, self.offsets[index]
+        )
+        return shape
+
+
 class _ChatShapes:
     """Builds chat.completion / chat.completion.chunk objects for one answer."""
 
@@ -101,21 +127,32 @@ class _ChatShapes:
         # OpenAI's first chunk announces the role with empty content.
         return self._chunk(DeltaMessage(role="assistant", content=""), index=index)
 
-    def piece(self, text: str, index: int = 0) -> BaseModel:
-        return self._chunk(DeltaMessage(content=text), index=index)
+    def piece(self, text: str, index: int = 0, logprobs: dict[str, Any] | None = None) -> BaseModel:
+        chunk = self._chunk(DeltaMessage(content=text), index=index)
+        chunk.choices[0].logprobs = logprobs
+        return chunk
 
-    def closing(self, finish: str | None, index: int = 0) -> BaseModel:
-        return self._chunk(DeltaMessage(), finish, index)
+    def closing(
+        self, finish: str | None, index: int = 0, logprobs: dict[str, Any] | None = None
+    ) -> BaseModel:
+        chunk = self._chunk(DeltaMessage(), finish, index)
+        chunk.choices[0].logprobs = logprobs
+        return chunk
 
     def usage_only(self, usage: Usage) -> BaseModel:
         return ChatCompletionChunk(
             id=self.id, created=self.created, model=self.model, choices=[], usage=usage
         )
 
-    def whole(self, answers: list[tuple[str, str | None]], usage: Usage) -> BaseModel:
+    def whole(self, answers: list[_Answer], usage: Usage) -> BaseModel:
         choices = [
-            ChatChoice(index=i, message=ResponseMessage(content=text), finish_reason=finish)
-            for i, (text, finish) in enumerate(answers)
+            ChatChoice(
+                index=i,
+                message=ResponseMessage(content=text),
+                finish_reason=finish,
+                logprobs=logprobs,
+            )
+            for i, (text, finish, logprobs) in enumerate(answers)
         ]
         return ChatCompletion(
             id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
@@ -138,19 +175,22 @@ class _CompletionShapes:
     def opening(self, index: int = 0) -> BaseModel | None:
         return None
 
-    def piece(self, text: str, index: int = 0) -> BaseModel:
-        return self._make([CompletionChoice(index=index, text=text)])
+    def piece(self, text: str, index: int = 0, logprobs: dict[str, Any] | None = None) -> BaseModel:
+        return self._make([CompletionChoice(index=index, text=text, logprobs=logprobs)])
 
-    def closing(self, finish: str | None, index: int = 0) -> BaseModel:
-        return self._make([CompletionChoice(index=index, text="", finish_reason=finish)])
+    def closing(
+        self, finish: str | None, index: int = 0, logprobs: dict[str, Any] | None = None
+    ) -> BaseModel:
+        choice = CompletionChoice(index=index, text="", finish_reason=finish, logprobs=logprobs)
+        return self._make([choice])
 
     def usage_only(self, usage: Usage) -> BaseModel:
         return self._make([], usage)
 
-    def whole(self, answers: list[tuple[str, str | None]], usage: Usage) -> BaseModel:
+    def whole(self, answers: list[_Answer], usage: Usage) -> BaseModel:
         choices = [
-            CompletionChoice(index=i, text=text, finish_reason=finish)
-            for i, (text, finish) in enumerate(answers)
+            CompletionChoice(index=i, text=text, finish_reason=finish, logprobs=logprobs)
+            for i, (text, finish, logprobs) in enumerate(answers)
         ]
         return self._make(choices, usage)
 
@@ -170,6 +210,7 @@ async def _answer(
     request: Request,
     plans: list[GenerationPlan],
     shapes: _Shapes,
+    logprobs: _Logprobs,
     *,
     stream: bool,
     include_usage: bool,
@@ -177,7 +218,7 @@ async def _answer(
     service, record = service_of(request), record_of(request)
     choices = await open_choices(service, plans, record, request)
     if stream:
-        events = _events(choices, plans[0], shapes, record, include_usage)
+        events = _events(choices, plans[0], shapes, logprobs, record, include_usage)
         return GenerationResponse(events, choices, record, media_type="text/event-stream")
     try:
         texts = await collect_unless_disconnected(choices, request, record)
@@ -187,7 +228,10 @@ async def _answer(
         raise broker_failure(exc.code, exc.message) from None
     if texts is None:
         return Response(status_code=CLIENT_CLOSED)
-    answers = [(t, s.finish_reason) for t, s in zip(texts, choices.streams, strict=True)]
+    answers = [
+        (text, s.finish_reason, logprobs.take(s, i))
+        for i, (text, s) in enumerate(zip(texts, choices.streams, strict=True))
+    ]
     body = shapes.whole(answers, _usage(plans[0], choices))
     return JSONResponse(body.model_dump(mode="json"))
 
@@ -196,6 +240,7 @@ async def _events(
     choices: Choices,
     plan: GenerationPlan,
     shapes: _Shapes,
+    logprobs: _Logprobs,
     record: RequestRecord,
     include_usage: bool,
 ) -> AsyncIterator[str]:
@@ -205,10 +250,12 @@ async def _events(
             if opening is not None:
                 yield _sse(opening)
         async for index, text in choices.chunks():
+            stream = choices.streams[index]
+            lp = logprobs.take(stream, index)
             if text is None:  # this choice is done
-                yield _sse(shapes.closing(choices.streams[index].finish_reason, index))
+                yield _sse(shapes.closing(stream.finish_reason, index, lp))
             else:
-                yield _sse(shapes.piece(text, index))
+                yield _sse(shapes.piece(text, index, lp))
         if include_usage:
             yield _sse(shapes.usage_only(_usage(plan, choices)))
         yield _DONE  # only after whole answers: a stream that failed ends at its error
@@ -231,6 +278,13 @@ def _plans(
     """The sampling fields both endpoints share, checked against the context: one plan
     per choice (``n``)."""
     n = check_choices(body.n, service.settings.max_concurrent)
+    if isinstance(body, ChatCompletionRequest) and body.top_logprobs and not body.logprobs:
+        raise APIError(
+            400,
+            "top_logprobs needs logprobs: true",
+            param="top_logprobs",
+            code="invalid_value",
+        )
     plan = service.plan(
         prompt_ids,
         max_tokens=body.token_limit,
@@ -241,6 +295,7 @@ def _plans(
         stops=body.stop or (),
         prompt_param=prompt_param,
         ignore_eos=body.ignore_eos,
+        logprobs=body.logprobs_top,
     )
     return choice_plans(plan, n)
 
@@ -259,6 +314,7 @@ async def chat_completions(request: Request) -> Response:
         request,
         plans,
         _ChatShapes(service.model_name),
+        _Logprobs(service.tokenizer, body.logprobs_top, chat=True, choices=len(plans)),
         stream=bool(body.stream),
         include_usage=body.include_usage,
     )
@@ -274,6 +330,7 @@ async def completions(request: Request) -> Response:
         request,
         plans,
         _CompletionShapes(service.model_name),
+        _Logprobs(service.tokenizer, body.logprobs_top, chat=False, choices=len(plans)),
         stream=bool(body.stream),
         include_usage=body.include_usage,
     )

@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
+from zmqllm.sampling_params import MAX_LOGPROBS
+
 __all__ = [
     "MAX_STOP_STRINGS",
     "UNSUPPORTED",
@@ -37,8 +39,10 @@ __all__ = [
     "unsupported_field",
 ]
 
-# OpenAI accepts up to 4 stop sequences.
+# OpenAI accepts up to 4 stop sequences, and up to 5 log-probabilities per token on the
+# completions API (20 on chat: MAX_LOGPROBS).
 MAX_STOP_STRINGS = 4
+MAX_COMPLETION_LOGPROBS = 5
 
 
 def _absent(value: Any) -> bool:
@@ -51,8 +55,6 @@ def _absent(value: Any) -> bool:
 # field: an answer without what was asked for would be wrong without a word. Fields not
 # listed and not known are ignored, as OpenAI does.
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "logprobs": _absent,
-    "top_logprobs": lambda v: _absent(v) or v == 0,
     "logit_bias": lambda v: _absent(v) or v == {},
     "presence_penalty": lambda v: _absent(v) or v == 0,
     "frequency_penalty": lambda v: _absent(v) or v == 0,
@@ -155,6 +157,20 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     # The newer name for max_tokens; it wins when both are given.
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_range(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in 0..{MAX_LOGPROBS}, got {value}")
+        return value
+
+    @property
+    def logprobs_top(self) -> int | None:
+        """How many top tokens with each token's log-probability; None: no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("messages")
     @classmethod
@@ -172,6 +188,25 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str
+    # The sampled token's and this many of the most likely tokens' log-probabilities.
+    logprobs: int | None = None
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _false_is_none(cls, value: Any) -> Any:
+        # Clients that share one body between both APIs send chat's "logprobs": false.
+        return None if value is False else value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs_range(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= MAX_COMPLETION_LOGPROBS:
+            raise ValueError(f"logprobs must be in 0..{MAX_COMPLETION_LOGPROBS}, got {value}")
+        return value
+
+    @property
+    def logprobs_top(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -206,7 +241,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: ResponseMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -227,7 +262,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -243,7 +278,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class Completion(BaseModel):

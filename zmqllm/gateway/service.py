@@ -23,7 +23,7 @@ from zmqllm.gateway.backend import BrokerClientLike, TokenStreamLike, broker_err
 from zmqllm.gateway.errors import CLIENT_CLOSED, RETRY_AFTER_S, APIError, broker_failure
 from zmqllm.gateway.request_context import RequestRecord
 from zmqllm.gateway.streaming import GenerationError, TextStream
-from zmqllm.sampling_params import SamplingParams
+from zmqllm.sampling_params import NO_LOGPROBS, SamplingParams
 from zmqllm.tokenizer import ChatTemplateError, Tokenizer
 
 __all__ = ["GatewayService", "GenerationPlan", "client_disconnected", "service_of"]
@@ -121,6 +121,7 @@ class GatewayService:
         stops: Sequence[str] = (),
         prompt_param: str | None = "prompt",
         ignore_eos: bool = False,
+        logprobs: int | None = None,
     ) -> GenerationPlan:
         """Check a request against the model's context and build its plan (400 if bad)."""
         prompt_len = len(prompt_ids)
@@ -161,6 +162,7 @@ class GatewayService:
             # An unseeded request draws a fresh seed, so resampling gives a new answer; the
             # seed still makes a replay on another route reproduce the same tokens.
             seed=secrets.randbelow(_MAX_SEED + 1) if seed is None else seed,
+            logprobs=NO_LOGPROBS if logprobs is None else logprobs,
         )
         try:
             sampling.validate()

@@ -119,6 +119,14 @@ class TextStream:
         self.token_gaps: list[float] = []  # seconds between tokens, for the ITL histogram
         self.generated_tokens = 0
         self.finish_reason: str | None = None
+        # (token, ids, log-probabilities) of shown tokens not yet taken (take_logprobs).
+        self._logprobs: list[tuple[int, tuple[int, ...], tuple[float, ...]]] = []
+
+    def take_logprobs(self) -> list[tuple[int, tuple[int, ...], tuple[float, ...]]]:
+        """The log-probabilities of the tokens accepted since the last call (when the
+        session asked for them): the sampled token's first in each."""
+        taken, self._logprobs = self._logprobs, []
+        return taken
 
     @property
     def session(self) -> str:
@@ -248,6 +256,8 @@ class TextStream:
             text, finish = "", "stop"
         else:
             text = self._decoder.push(event.token)
+            if event.logprobs is not None:
+                self._logprobs.append((event.token, *event.logprobs))
         if finish is None and self.generated_tokens >= self._max_tokens:
             # The workers enforce max_tokens; this only guards against one that did not.
             finish = "length"
