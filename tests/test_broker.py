@@ -1117,7 +1117,9 @@ def test_an_exception_opening_a_session_tells_its_client(
     raised: list[str] = []
 
     def dispatch_once(self: SessionTable, *args: Any) -> Any:
-        if not raised:
+        # Only for the doomed OPEN: every tick dispatches too, and a tick that came first
+        # would take the one failure (seen under load).
+        if not raised and any(p.key[1] == "doomed" for p in self.queue):
             raised.append("once")
             raise RuntimeError("a bug in a handler")
         return real(self, *args)
