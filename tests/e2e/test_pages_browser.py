@@ -192,3 +192,34 @@ def keep_generating(cluster: Cluster, done: threading.Event) -> None:
             conn.getresponse().read()
         finally:
             conn.close()
+
+
+def test_with_api_keys_the_page_asks_for_the_key_and_then_chats(
+    page: Page, tmp_path: Path, shots: Path
+) -> None:
+    """A gateway with API keys (on a fake broker: the key is what is tested here)."""
+    from tests.fake_broker_client import FakeBrokerClient
+    from tests.test_gateway_support import ANSWER, answer_script, running_server, tiny_tokenizer
+    from zmqllm.config import GatewaySettings
+    from zmqllm.gateway.api_keys import ApiKeys
+    from zmqllm.gateway.app import create_app
+
+    key = "sk-browser-5e2b"
+    tok = tiny_tokenizer(tmp_path / "tok")
+    fake = FakeBrokerClient(answer_script(tok))
+    app = create_app(fake, GatewaySettings(), tok, "tiny-test", 2048, api_keys=ApiKeys([key]))
+    with running_server(app) as url:
+        page.goto(url + "/")
+        key_box = page.get_by_label("API key")
+        expect(key_box).to_be_hidden()
+        reply = send(page, "Hi")
+        expect(reply).to_have_class(re.compile("failed"))
+        expect(reply.locator(".meta")).to_contain_text("API key")
+        expect(key_box).to_be_visible()
+        key_box.fill(key)
+        key_box.press("Enter")
+        reply = send(page, "Hi")
+        wait_done(reply)
+        expect(reply.locator(".text")).to_have_text(ANSWER)
+        expect(page.locator("#model")).to_have_text("tiny-test")
+        page.screenshot(path=str(shots / "chat-api-key.png"), full_page=True)
