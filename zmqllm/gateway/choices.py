@@ -83,6 +83,12 @@ class Choices:
     async def chunks(self) -> AsyncIterator[tuple[int, str | None]]:
         """``(index, text)`` as each choice's text arrives, and ``(index, None)`` when that
         choice is done; the first failure of any choice is raised."""
+        if len(self.streams) == 1:
+            # The usual request: read it in place, without a task per token.
+            async for text in self.streams[0].chunks():
+                yield 0, text
+            yield 0, None
+            return
         iterators = [s.chunks() for s in self.streams]
         pending: dict[asyncio.Future[str], int] = {
             asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)

@@ -116,9 +116,13 @@ class _ChatShapes:
         self.model = model
 
     def _chunk(
-        self, delta: DeltaMessage, finish: str | None = None, index: int = 0
+        self,
+        delta: DeltaMessage,
+        finish: str | None = None,
+        index: int = 0,
+        logprobs: dict[str, Any] | None = None,
     ) -> ChatCompletionChunk:
-        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish)
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs)
         return ChatCompletionChunk(
             id=self.id, created=self.created, model=self.model, choices=[choice]
         )
@@ -128,16 +132,12 @@ class _ChatShapes:
         return self._chunk(DeltaMessage(role="assistant", content=""), index=index)
 
     def piece(self, text: str, index: int = 0, logprobs: dict[str, Any] | None = None) -> BaseModel:
-        chunk = self._chunk(DeltaMessage(content=text), index=index)
-        chunk.choices[0].logprobs = logprobs
-        return chunk
+        return self._chunk(DeltaMessage(content=text), index=index, logprobs=logprobs)
 
     def closing(
         self, finish: str | None, index: int = 0, logprobs: dict[str, Any] | None = None
     ) -> BaseModel:
-        chunk = self._chunk(DeltaMessage(), finish, index)
-        chunk.choices[0].logprobs = logprobs
-        return chunk
+        return self._chunk(DeltaMessage(), finish, index, logprobs)
 
     def usage_only(self, usage: Usage) -> BaseModel:
         return ChatCompletionChunk(

@@ -72,6 +72,12 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 }
 
 
+def _count_up_to(name: str, value: int | None, most: int) -> int | None:
+    if value is not None and not 0 <= value <= most:
+        raise ValueError(f"{name} must be in 0..{most}, got {value}")
+    return value
+
+
 def unsupported_field(data: Mapping[str, Any]) -> str | None:
     """The first field of a request body that asks for what this server cannot do."""
     for name, harmless in UNSUPPORTED.items():
@@ -163,9 +169,7 @@ class ChatCompletionRequest(_SamplingFields):
     @field_validator("top_logprobs")
     @classmethod
     def _top_range(cls, value: int | None) -> int | None:
-        if value is not None and not 0 <= value <= MAX_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in 0..{MAX_LOGPROBS}, got {value}")
-        return value
+        return _count_up_to("top_logprobs", value, MAX_LOGPROBS)
 
     @property
     def logprobs_top(self) -> int | None:
@@ -200,9 +204,7 @@ class CompletionRequest(_SamplingFields):
     @field_validator("logprobs")
     @classmethod
     def _logprobs_range(cls, value: int | None) -> int | None:
-        if value is not None and not 0 <= value <= MAX_COMPLETION_LOGPROBS:
-            raise ValueError(f"logprobs must be in 0..{MAX_COMPLETION_LOGPROBS}, got {value}")
-        return value
+        return _count_up_to("logprobs", value, MAX_COMPLETION_LOGPROBS)
 
     @property
     def logprobs_top(self) -> int | None:
