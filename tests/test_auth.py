@@ -4,6 +4,7 @@ real sockets in test_broker_curve.py)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -100,3 +101,17 @@ def test_junk_key_files_do_not_stop_a_rescan(tmp_path: Path) -> None:
     (folder / CLIENTS / "client.key").unlink()
     auth.refresh(force=True)
     assert not auth.allowed(CLIENTS, ours)
+
+
+def test_a_key_added_in_the_same_clock_tick_is_seen_at_once(tmp_path: Path) -> None:
+    """The folder's mtime moves in coarse ticks: a key file added in the tick of the last
+    change leaves it as it was, and the names must show the change."""
+    folder = init_keys(tmp_path / "keys")
+    auth = authenticator(folder)
+    workers = folder / WORKERS
+    before = workers.stat()
+    new = load_peer_keys(add_key(folder, "worker", "second"), "worker").public
+    os.utime(workers, ns=(before.st_atime_ns, before.st_mtime_ns))  # the same tick
+    assert not auth.allowed(WORKERS, new)
+    assert auth.refresh()  # no force, RESCAN_S not passed
+    assert auth.allowed(WORKERS, new)

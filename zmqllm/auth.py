@@ -82,7 +82,7 @@ class Authenticator:
         self._lock = threading.Lock()
         self._allowed: dict[str, frozenset[bytes]] = {d: frozenset() for d in domains}
         self._scanned_at = -RESCAN_S
-        self._seen: tuple[int, ...] = ()
+        self._seen: tuple[tuple[int, tuple[str, ...]], ...] = ()
         self._removed_at: dict[tuple[str, bytes], float] = {}  # (domain, key) -> when
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -90,13 +90,15 @@ class Authenticator:
         self._error: BaseException | None = None
 
     # -- the allowed keys ----------------------------------------------------------
-    def _stamps(self) -> tuple[int, ...]:
+    def _stamps(self) -> tuple[tuple[int, tuple[str, ...]], ...]:
+        """Each folder's mtime and names: the mtime alone moves in the kernel's coarse
+        clock ticks, and a key added in the tick of the last change would wait RESCAN_S."""
         out = []
         for folder in self.domains.values():
             try:
-                out.append(os.stat(folder).st_mtime_ns)
+                out.append((os.stat(folder).st_mtime_ns, tuple(sorted(os.listdir(folder)))))
             except OSError:
-                out.append(-1)
+                out.append((-1, ()))
         return tuple(out)
 
     def refresh(self, force: bool = False) -> bool:

@@ -28,9 +28,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 
 PROMPT = "Once upon a time"
 TOKENS = 400  # ignore_eos: long enough to be mid-stream when the kill lands
-# A non-streamed answer shows no progress: it is long enough to outlast the broker's
-# status (cached for a second) showing its session.
-WHOLE_TOKENS = 900
+WHOLE_TOKENS = 900  # a non-streamed answer: long enough to stop its first stage mid-answer
 KILL_AFTER = 8  # SSE text events read before the kill
 SAMPLED = {"temperature": 0.8, "top_p": 0.95, "seed": 1234}
 STAGES = ("0:2", "2:4")
@@ -80,17 +78,20 @@ def completion(
         conn.close()
 
 
+def serving(c: Cluster, layers: str) -> dict[str, Any] | None:
+    """The status entry of the worker of ``layers`` that holds a session, if any."""
+    start, end = (int(x) for x in layers.split(":"))
+    for w in c.status()["workers"]:
+        if w["layers"] == [start, end] and w["sessions"] > 0:
+            return w
+    return None
+
+
 def kill_serving(c: Cluster, layers: str) -> dict[str, Any]:
     """SIGKILL the worker of ``layers`` that holds a session; its status entry."""
-    start, end = (int(x) for x in layers.split(":"))
-
-    def serving() -> dict[str, Any] | None:
-        for w in c.status()["workers"]:
-            if w["layers"] == [start, end] and w["sessions"] > 0:
-                return w
-        return None
-
-    victim = c.wait_for(serving, timeout=30, what=f"a worker of {layers} with a session")
+    victim = c.wait_for(
+        lambda: serving(c, layers), timeout=30, what=f"a worker of {layers} with a session"
+    )
     (proc,) = [p for p in c.procs if p.alive() and p.popen.pid == victim["info"]["pid"]]
     c.kill(proc, signal.SIGKILL)
     return victim
@@ -167,26 +168,47 @@ def test_non_streamed_answer_survives_its_worker(replicas: Cluster, greedy_ids) 
     c = replicas
     tok = c_tokenizer(c)
     expected = sent_text(tok, greedy_ids(tok.encode(PROMPT), WHOLE_TOKENS, stop_at_eos=False))
-    wait_idle(c)
-    before = failovers(c)
-    out: dict[str, Any] = {}
+    for _ in range(3):  # another try only if the whole answer came before the first stage stopped
+        wait_idle(c)
+        before = failovers(c)
+        out: dict[str, Any] = {}
+        t = threading.Thread(target=post_whole, args=(c, out), daemon=True)
+        t.start()
+        victim = c.wait_for(lambda: serving(c, "2:4"), timeout=30, what="a 2:4 worker serving")
+        # A whole answer shows no progress: the first stage is frozen, so that no token
+        # can be made, and the kill lands mid-answer when the answer has not come.
+        first = c.by_name("worker-0-2")
+        for p in first:
+            p.signal(signal.SIGSTOP)
+        t.join(timeout=0.5)
+        if t.is_alive():
+            (proc,) = [p for p in c.procs if p.alive() and p.popen.pid == victim["info"]["pid"]]
+            c.kill(proc, signal.SIGKILL)
+        for p in first:
+            p.signal(signal.SIGCONT)
+        t.join(timeout=120)
+        assert out["status"] == 200, out
+        assert out["body"]["choices"][0]["text"] == expected
+        if not proc_killed(c, victim):
+            continue
+        assert failovers(c) == before + 1
+        replace_killed(c, "2:4")
+        return
+    pytest.fail("each whole answer came before the first stage could be stopped")
 
-    def post() -> None:
-        conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=120)
-        body = {"prompt": PROMPT, "max_tokens": WHOLE_TOKENS, "ignore_eos": True}
-        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "x/json"})
-        resp = conn.getresponse()
-        out["status"], out["body"] = resp.status, json.loads(resp.read())
-        conn.close()
 
-    t = threading.Thread(target=post, daemon=True)
-    t.start()
-    kill_serving(c, "2:4")  # once the broker shows the session on a worker
-    t.join(timeout=120)
-    assert out["status"] == 200, out
-    assert out["body"]["choices"][0]["text"] == expected
-    assert failovers(c) == before + 1
-    replace_killed(c, "2:4")
+def post_whole(c: Cluster, out: dict[str, Any]) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=120)
+    body = {"prompt": PROMPT, "max_tokens": WHOLE_TOKENS, "ignore_eos": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "x/json"})
+    resp = conn.getresponse()
+    out["status"], out["body"] = resp.status, json.loads(resp.read())
+    conn.close()
+
+
+def proc_killed(c: Cluster, victim: dict[str, Any]) -> bool:
+    pid = victim["info"]["pid"]
+    return not any(p.alive() and p.popen.pid == pid for p in c.procs)
 
 
 def c_tokenizer(c: Cluster) -> Any:
