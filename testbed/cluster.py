@@ -95,9 +95,11 @@ class Cluster:
         name: str = "",
         broker: str = "",
         keys: Path | None = None,
+        flags: tuple[str, ...] = (),
     ) -> ChildProcess:
         """A worker; ``broker`` replaces the backend address (a relay in front of it),
-        ``keys`` the cluster's key folder (a worker with a key of its own)."""
+        ``keys`` the cluster's key folder (a worker with a key of its own); ``flags`` are
+        more `zmqllm worker` flags."""
         args = ["worker", "--model", str(model or self.model_dir), "--layers", layers]
         args += ["--broker", broker or self.backend, "--threads", str(self.threads)]
         security = ["--keys", str(keys)] if keys is not None else self.security()
@@ -110,6 +112,7 @@ class Cluster:
             args += ["--cpu-lock", str(self.root / "cpu.lock")]
         if self.quant != "none":
             args += ["--quant", self.quant]
+        args += flags
         return self._start(f"worker-{layers.replace(':', '-')}", args)
 
     def start_gateway(self, *flags: str) -> ChildProcess:

@@ -16,6 +16,7 @@ from zmqllm import __version__
 from zmqllm.broker_state import MAX_ATTEMPTS, Out, SessionTable
 from zmqllm.messages import (
     Activation,
+    Cached,
     Close,
     Error,
     ErrorCode,
@@ -25,6 +26,7 @@ from zmqllm.messages import (
     Step,
     Token,
 )
+from zmqllm.prefix import prefix_chain
 from zmqllm.registry import Registry, WorkerEntry
 from zmqllm.wire_types import Payload
 
@@ -256,3 +258,57 @@ def test_a_worker_error_fails_the_session_with_its_code(code: ErrorCode) -> None
     (to_client,) = to(outs, A)
     assert to_client.code is code and to_client.session == "s1"
     assert t.stats.failed == 1
+
+
+# -- prefix caching ----------------------------------------------------------------------
+
+
+def test_every_stage_gets_the_prompts_prefix_keys() -> None:
+    t = table(("w0", 0, 2), ("w1", 2, 4))
+    msg = open_msg(prompt_len=40)
+    sent = opens(t.open(A, msg, 0.0))
+    assert msg.tokens is not None
+    chain = prefix_chain(msg.tokens.array)
+    assert len(chain) == 2
+    assert all(o.prefix == chain for _, o in sent)
+    # A prompt shorter than a block and its last token has none.
+    assert all(o.prefix == () for _, o in opens(t.open(A, open_msg("s2", 16), 0.0)))
+
+
+def test_what_a_later_stage_holds_is_told_to_stage_0_only() -> None:
+    t = table(("w0", 0, 2), ("w1", 2, 4))
+    wire = opens(t.open(A, open_msg(prompt_len=40), 0.0))[0][1].session
+    w0, w1 = t.registry.workers["w0"], t.registry.workers["w1"]
+    outs = t.on_cached(w1, Cached(session=wire, attempt=1, tokens=32), 1.0)
+    (told,) = to(outs, b"w0")
+    assert isinstance(told, Cached)
+    assert (told.session, told.attempt, told.tokens, told.request_id) == (wire, 1, 32, "r1")
+    assert len(outs) == 1
+    # From stage 0 itself, of an earlier attempt, or for another session: dropped.
+    assert t.on_cached(w0, Cached(session=wire, attempt=1, tokens=32), 1.0) == []
+    assert t.on_cached(w1, Cached(session=wire, attempt=2, tokens=32), 1.0) == []
+    assert t.on_cached(w1, Cached(session="nope", attempt=1, tokens=32), 1.0) == []
+
+
+def test_a_session_goes_to_the_replicas_that_were_sent_its_prefix() -> None:
+    t = table(("a0", 0, 2), ("a1", 2, 4), ("b0", 0, 2), ("b1", 2, 4))
+    system = open_msg("s1", prompt_len=60, max_tokens=5)
+    first = [ident for ident, _ in opens(t.open(A, system, 0.0))]
+    # Busy with s1, those replicas are more loaded; a new prompt goes to the others.
+    other = Open(
+        session="s2",
+        max_tokens=5,
+        prompt_len=60,
+        tokens=Payload(np.arange(100, 160, dtype=np.int32), "int32"),
+    )
+    second = [ident for ident, _ in opens(t.open(A, other, 0.0))]
+    assert set(first).isdisjoint(second)
+    # Both routes equally loaded now: the same prompt again follows its prefix.
+    for name, route in (("s3", first), ("s4", second)):
+        again = system if name == "s3" else other
+        msg = Open(session=name, max_tokens=5, prompt_len=60, tokens=again.tokens, request_id="r")
+        assert [ident for ident, _ in opens(t.open(B, msg, 0.0))] == route
+    # A lost worker's keys are forgotten.
+    t.registry.remove(t.registry.workers["a0"])
+    t.worker_lost("a0", "gone", 0.0)
+    assert t.prefixes.held("a0", prefix_chain(np.arange(60, dtype=np.int32))) == 0

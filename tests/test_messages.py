@@ -29,6 +29,7 @@ from zmqllm.messages import (
     MAX_TOKEN_ID,
     MESSAGE_TYPES,
     Activation,
+    Cached,
     Cancel,
     Close,
     Disconnect,
@@ -49,6 +50,7 @@ from zmqllm.messages import (
     Step,
     Token,
 )
+from zmqllm.prefix import MAX_PREFIX_KEY, prefix_blocks
 from zmqllm.protocol import decode, encode
 from zmqllm.sampling_params import MAX_SEED, SamplingParams
 from zmqllm.wire_types import ID_PATTERN, Payload, ProtocolError, WireField, is_valid_id
@@ -154,6 +156,11 @@ def opens(draw: st.DrawFn) -> Open:
         max_len=draw(st.integers(0, 2 * MAX_CONTEXT)),
         next=draw(st.just("") | names),
         tokens=tokens,
+        prefix=tuple(
+            draw(
+                st.lists(st.integers(0, MAX_PREFIX_KEY), max_size=min(8, prefix_blocks(prompt_len)))
+            )
+        ),
     )
 
 
@@ -165,6 +172,7 @@ def activations(draw: st.DrawFn) -> Activation:
         **draw(st.fixed_dictionaries(session_fields())),
         final=draw(st.booleans()),
         group=draw(groups),
+        prefix=draw(st.integers(0, MAX_CONTEXT)),
         hidden=draw(arrays(dtype, shape)),
     )
 
@@ -182,6 +190,7 @@ MESSAGES: dict[type[Message], st.SearchStrategy[Any]] = {
         draining=st.booleans(),
     ),
     Open: opens(),
+    Cached: st.builds(Cached, **session_fields(), tokens=st.integers(0, MAX_CONTEXT)),
     Step: st.builds(Step, **session_fields(), token=st.integers(0, MAX_TOKEN_ID), group=groups),
     Activation: activations(),
     Token: st.builds(
@@ -264,7 +273,7 @@ def test_every_field_says_how_it_travels() -> None:
 
 def test_session_messages_are_the_ones_about_a_session() -> None:
     about_a_session = {c for c in MESSAGE_TYPES.values() if issubclass(c, SessionMessage)}
-    assert about_a_session == {Open, Step, Activation, Token, Close, Cancel}
+    assert about_a_session == {Open, Cached, Step, Activation, Token, Close, Cancel}
 
 
 def test_messages_are_frozen() -> None:
@@ -305,6 +314,7 @@ EXAMPLES: dict[type[Message], Message] = {
         next="w-2",
         tokens=Payload(np.array([1, 2, 3], np.int32), "int32"),
     ),
+    Cached: Cached(session="s", tokens=32),
     Step: Step(session="s", token=5, group=("g", 1)),
     Activation: Activation(
         session="s", group=("g", 1), hidden=Payload(np.zeros((2, 4), np.float32), "float32")
@@ -426,9 +436,12 @@ BAD: dict[type[Message], dict[str, list[Any]]] = {
         "stages": _ints(0, MAX_LAYERS),
         "max_len": _ints(0, 2 * MAX_CONTEXT),
         "next": _without(_NAMES, ""),
+        # A key out of range, a key of another type, more keys than the prompt has blocks.
+        "prefix": [None, 5, [-1], [MAX_PREFIX_KEY + 1], [1.5], [True], ["k"], [1]],
     },
+    Cached: {**_SESSION, "tokens": _ints(0, MAX_CONTEXT)},
     Step: {**_SESSION, "token": _ints(0, MAX_TOKEN_ID), "group": _GROUPS},
-    Activation: {**_SESSION, "final": _FLAGS, "group": _GROUPS},
+    Activation: {**_SESSION, "final": _FLAGS, "group": _GROUPS, "prefix": _ints(0, MAX_CONTEXT)},
     Token: {
         **_SESSION,
         "token": _ints(0, MAX_TOKEN_ID),

@@ -20,6 +20,7 @@ from zmqllm.engine.cache import CacheFullError  # noqa: E402
 from zmqllm.engine.generator import Generator, load_shard  # noqa: E402
 from zmqllm.engine.model import MistralShard  # noqa: E402
 from zmqllm.engine.stage import COALESCE_MAX_S, BadWork, BatchFailed, Stage  # noqa: E402
+from zmqllm.prefix import prefix_chain  # noqa: E402
 from zmqllm.sampling_params import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -71,13 +72,15 @@ class Pipeline:
     tokens: dict[str, list[int]] = field(default_factory=dict)
     finishes: dict[str, list[str | None]] = field(default_factory=dict)
     finals: dict[str, list[bool]] = field(default_factory=dict)  # stage 0's prefill chunks
+    held: dict[str, list[int]] = field(default_factory=dict)  # what later stages hold
 
     def open(self, req: Req) -> None:
         max_len = len(req.prompt) + req.max_tokens
+        chain = prefix_chain(np.asarray(req.prompt, np.int32))
         # Later stages first, as the broker does: each holds the session before
-        # activations can reach it.
+        # activations can reach it; what each holds of the prompt goes to stage 0.
         for i in reversed(range(len(self.stages))):
-            self.stages[i].open(
+            opened = self.stages[i].open(
                 req.session,
                 f"req-{req.session}",
                 max_len,
@@ -85,7 +88,14 @@ class Pipeline:
                 req.sampling,
                 req.stop_ids,
                 np.asarray(req.prompt, np.int32) if i == 0 else None,
+                chain=chain,
+                stages=len(self.stages),
+                prompt_len=len(req.prompt),
             )
+            if i > 0:
+                self.held.setdefault(req.session, []).append(opened.held)
+        for held in self.held.pop(req.session, []):
+            self.stages[0].cached(req.session, held)
         self.tokens[req.session] = []
         self.finishes[req.session] = []
         self.finals[req.session] = []
@@ -103,7 +113,8 @@ class Pipeline:
                     assert out.hidden is not None and out.token is None
                     if i == 0 and out.step == 0:
                         self.finals[out.session].append(out.final)
-                    self.stages[i + 1].activation(out.session, out.step, out.hidden, out.final)
+                    nxt = self.stages[i + 1]
+                    nxt.activation(out.session, out.step, out.hidden, out.final, out.prefix)
                     continue
                 # The last stage only answers work that completes a position to sample.
                 assert out.final and out.token is not None

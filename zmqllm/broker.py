@@ -28,6 +28,7 @@ from zmqllm.keys import BrokerKeys, as_server
 from zmqllm.log import get_logger
 from zmqllm.messages import (
     Activation,
+    Cached,
     Cancel,
     Disconnect,
     Error,
@@ -393,6 +394,8 @@ class Broker:
             self.send(self.table.on_activation(w, msg, frames[1:], now))
         elif isinstance(msg, Token):
             self.send(self.table.on_token(w, msg, now))
+        elif isinstance(msg, Cached):
+            self.send(self.table.on_cached(w, msg, now))
         elif isinstance(msg, Error):
             self.send(self.table.on_worker_error(w, msg, now))
         elif isinstance(msg, Disconnect):

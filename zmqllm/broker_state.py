@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from zmqllm.log import bind_request, get_logger
 from zmqllm.messages import (
     Activation,
+    Cached,
     Close,
     Error,
     ErrorCode,
@@ -30,6 +31,7 @@ from zmqllm.messages import (
     Step,
     Token,
 )
+from zmqllm.prefix import PrefixIndex, prefix_chain
 from zmqllm.registry import Registry, WorkerEntry
 
 log = get_logger("zmqllm.broker")
@@ -61,10 +63,19 @@ class Pending:
     open: Open
     enqueued: float
     attempts: int = 0
+    _chain: tuple[int, ...] | None = None
 
     @property
     def key(self) -> Key:
         return (self.client, self.open.session)
+
+    @property
+    def chain(self) -> tuple[int, ...]:
+        """The prompt's prefix keys (prefix.prefix_chain), computed once."""
+        if self._chain is None:
+            tokens = self.open.tokens
+            self._chain = prefix_chain(tokens.array) if tokens is not None else ()
+        return self._chain
 
     @property
     def max_len(self) -> int:
@@ -117,6 +128,7 @@ class SessionTable:
     by_wire: dict[str, Session] = field(default_factory=dict)
     queue: deque[Pending] = field(default_factory=deque)
     stats: SessionStats = field(default_factory=SessionStats)
+    prefixes: PrefixIndex = field(default_factory=PrefixIndex)
     _ids: Any = field(default_factory=lambda: itertools.count(1))
 
     # -- clients ---------------------------------------------------------------
@@ -178,12 +190,18 @@ class SessionTable:
         out: list[Out] = []
         while self.queue:
             p = self.queue[0]
-            route = self.registry.find_route(p.max_len)
+            route = self.registry.find_route(p.max_len, held=self._held_by(p.chain))
             if route is None:
                 break
             self.queue.popleft()
             out += self._start(p, route, now)
         return out
+
+    def _held_by(self, chain: tuple[int, ...]) -> Callable[[WorkerEntry], int] | None:
+        """Prefix affinity: how much of ``chain`` a worker is thought to hold."""
+        if not chain:
+            return None
+        return lambda w: self.prefixes.held(w.worker_id, chain)
 
     def _start(self, p: Pending, route: list[WorkerEntry], now: float) -> list[Out]:
         p.attempts += 1
@@ -202,6 +220,8 @@ class SessionTable:
             )
         out: list[Out] = []
         n = len(route)
+        for w in route:
+            self.prefixes.note(w.worker_id, p.chain)
         # Later stages first: each must hold the session before stage 0's activations
         # reach it (per-peer ordering keeps each OPEN ahead of what follows it).
         for i in reversed(range(n)):
@@ -219,6 +239,7 @@ class SessionTable:
                 max_len=p.max_len,
                 next=route[(i + 1) % n].worker_id,
                 tokens=p.open.tokens if i == 0 else None,
+                prefix=p.chain,
             )
             out.append(Out(True, route[i].identity, stage_open))
         return out
@@ -240,6 +261,18 @@ class SessionTable:
             return []  # from the last stage (a worker's bug), or the next one just left
         s.last_active = now
         return [Out(True, nxt.identity, frames=frames)]
+
+    def on_cached(self, w: WorkerEntry, msg: Cached, now: float) -> list[Out]:
+        """A later stage says how much of the prompt it holds: stage 0 is told."""
+        s = self._session_of(w, msg.session, msg.attempt)
+        if s is None or s.route[0] == w.worker_id:
+            return []
+        stage0 = self.registry.workers.get(s.route[0])
+        if stage0 is None:
+            return []
+        s.last_active = now
+        told = Cached(session=s.wire, attempt=s.attempt, request_id=s.request_id, tokens=msg.tokens)
+        return [Out(True, stage0.identity, told)]
 
     def on_token(self, w: WorkerEntry, msg: Token, now: float) -> list[Out]:
         s = self._session_of(w, msg.session, msg.attempt)
@@ -297,6 +330,7 @@ class SessionTable:
 
     def worker_lost(self, worker_id: str, reason: str, now: float) -> list[Out]:
         """A worker left or stopped answering (the registry already forgot it)."""
+        self.prefixes.forget(worker_id)  # one registering under its id starts empty
         out: list[Out] = []
         for s in [s for s in self.sessions.values() if worker_id in s.route]:
             with bind_request(s.request_id, s.key[1]):

@@ -201,6 +201,13 @@ class WorkerSettings:
     # ~40 tokens do). Split over two, the streams of the first start decoding and their
     # next token waits on the second.
     prefill_chunk: int = setting(2048, "prompt tokens per forward", metavar="TOKENS")
+    # Multi-turn chat resends the conversation each turn: kept, its KV is not recomputed.
+    prefix_cache: bool = setting(
+        True,
+        "keep the KV of recent prompts' prefixes (16-token blocks, least recently used "
+        "dropped first) in the room max_kv_tokens leaves free, and start a prompt after "
+        "the part every stage of its route holds",
+    )
     # bfloat16 or float16 halves the bytes of a float32 model's activations on a slow
     # link, at the cost of rounding them once per stage boundary.
     wire_dtype: str = setting(

@@ -31,6 +31,7 @@ from zmqllm.messages import (
     MAX_TOKEN_ID,
     MESSAGE_TYPES,
     Activation,
+    Cached,
     Cancel,
     Close,
     Disconnect,
@@ -48,6 +49,7 @@ from zmqllm.messages import (
     Step,
     Token,
 )
+from zmqllm.prefix import PREFIX_BLOCK, prefix_blocks
 from zmqllm.protocol import encode
 from zmqllm.sampling_params import SamplingParams
 from zmqllm.wire_types import WIRE_DTYPES, Payload
@@ -229,6 +231,10 @@ def valid_open(rng: Rng, sessions: list[str]) -> Open:
         max_len=int(pick(rng, [0, 2 * MAX_CONTEXT])),
         next=pick(rng, ["", _name(rng)]),
         tokens=tokens,
+        # Keys that may name blocks some stage holds, or none.
+        prefix=tuple(int(k) for k in rng.integers(0, 1 << 62, min(prefix_blocks(prompt_len), 64)))
+        if chance(rng, 0.5)
+        else (),
     )
 
 
@@ -256,6 +262,7 @@ def _activation(rng: Rng, sessions: list[str]) -> Activation:
         **_session_fields(rng, sessions),
         final=chance(rng, 0.5),
         group=_group(rng),
+        prefix=int(pick(rng, [0, 0, 0, PREFIX_BLOCK, int(rng.integers(0, MAX_CONTEXT))])),
         hidden=_array(rng, pick(rng, FLOATS), shape),
     )
 
@@ -294,6 +301,9 @@ _BUILDERS: dict[type[Message], Callable[[Rng, list[str]], Message]] = {
     Disconnect: lambda rng, s: Disconnect(reason=chars(rng, _NAME_CHARS, 0, 100)),
     Heartbeat: _heartbeat,
     Open: valid_open,
+    Cached: lambda rng, s: Cached(
+        **_session_fields(rng, s), tokens=int(pick(rng, [0, PREFIX_BLOCK, MAX_CONTEXT]))
+    ),
     Step: _step,
     Activation: _activation,
     Token: _token,
@@ -312,6 +322,7 @@ _VALID_WEIGHTS: dict[type[Message], float] = {
     Disconnect: 1,
     Heartbeat: 2,
     Open: 3,
+    Cached: 2,
     Step: 3,
     Activation: 3,
     Token: 3,

@@ -12,6 +12,7 @@ field's type and range, optional fields included, then the checks that span fiel
     HEARTBEAT     both ways
     DISCONNECT    either way (a worker leaving; the broker asking it to register again)
     OPEN          client -> broker -> each stage        stage 0: int32 token ids [prompt_len]
+    CACHED        stage k>0 -> broker -> stage 0
     STEP          broker -> stage 0
     ACTIVATION    worker -> broker -> next worker       hidden states [rows, hidden]
     TOKEN         last stage -> broker -> client
@@ -32,6 +33,7 @@ from typing import Any, ClassVar, TypeVar
 import msgpack
 import numpy as np
 
+from zmqllm.prefix import MAX_PREFIX_BLOCKS, MAX_PREFIX_KEY, prefix_blocks
 from zmqllm.sampling_params import LOGPROB_FLOOR, MAX_LOGPROBS, SamplingParams
 from zmqllm.wire_types import (
     Payload,
@@ -60,6 +62,7 @@ __all__ = [
     "MAX_TOKEN_ID",
     "MESSAGE_TYPES",
     "Activation",
+    "Cached",
     "Cancel",
     "Close",
     "Disconnect",
@@ -105,6 +108,11 @@ LOAD_KEYS = frozenset(
         "rss_bytes",
         "cuda_allocated_bytes",
         "cuda_reserved_bytes",
+        # Prefix caching (engine/prefix_cache.py): tokens held now; prompt tokens asked
+        # for and found since the start.
+        "prefix_cached_tokens",
+        "prefix_query_tokens",
+        "prefix_hit_tokens",
         # What a worker dropped or failed on, by reason (worker_faults.FAULT_REASONS).
         "fault_malformed",
         "fault_unexpected",
@@ -126,6 +134,7 @@ class MsgType(str, enum.Enum):
     HEARTBEAT = "heartbeat"
     DISCONNECT = "disconnect"
     OPEN = "open"
+    CACHED = "cached"
     STEP = "step"
     ACTIVATION = "activation"
     TOKEN = "token"
@@ -322,10 +331,26 @@ class Open(SessionMessage):
     max_len: int = wire(integer(0, 2 * MAX_CONTEXT), 0)  # prompt + max_tokens
     next: str = wire(name(empty=True), "")  # where this stage's results go (the last: stage 0)
     tokens: Payload | None = wire(tensor(frozenset({"int32"}), 1), None, is_payload=True)
+    # Set by the broker for each stage: the keys of the prompt's whole blocks
+    # (prefix.prefix_chain), what a stage's prefix cache is keyed by.
+    prefix: tuple[int, ...] = wire(int_list(0, MAX_PREFIX_KEY, MAX_PREFIX_BLOCKS), ())
 
     def _validate(self) -> None:
         if self.tokens is not None and self.tokens.array.shape != (self.prompt_len,):
             raise ProtocolError(f"open: token ids {self.tokens.array.shape} != prompt_len")
+        if len(self.prefix) > prefix_blocks(self.prompt_len):
+            raise ProtocolError(
+                f"open: field 'prefix': {len(self.prefix)} keys for a prompt of {self.prompt_len}"
+            )
+
+
+@_register(MsgType.CACHED)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Cached(SessionMessage):
+    """How many of a new session's prompt tokens a later stage holds in its prefix cache;
+    stage 0 starts the prompt after the least any stage holds."""
+
+    tokens: int = wire(integer(0, MAX_CONTEXT))
 
 
 _GROUP = optional(group(MAX_SESSIONS))
@@ -346,6 +371,9 @@ class Activation(SessionMessage):
 
     final: bool = wire(flag(), True)  # the last prompt chunk or a decode step
     group: tuple[str, int] | None = wire(_GROUP, None)
+    # The first prompt chunk only: the prompt tokens before its rows that every stage
+    # takes from its prefix cache instead of computing.
+    prefix: int = wire(integer(0, MAX_CONTEXT), 0)
     hidden: Payload = wire(
         tensor(frozenset({"float32", "float16", "bfloat16"}), 2, min_rows=1), is_payload=True
     )

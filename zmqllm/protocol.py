@@ -26,6 +26,7 @@ from zmqllm import PROTOCOL_VERSION
 from zmqllm.messages import (
     MESSAGE_TYPES,
     Activation,
+    Cached,
     Cancel,
     Close,
     Disconnect,
@@ -69,6 +70,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "WIRE_DTYPES",
     "Activation",
+    "Cached",
     "Cancel",
     "Close",
     "Disconnect",

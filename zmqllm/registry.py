@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -301,21 +301,32 @@ class Registry:
 
     # -- routes --------------------------------------------------------------------------
 
-    def find_route(self, max_len: int, ignore_room: bool = False) -> list[WorkerEntry] | None:
+    def find_route(
+        self,
+        max_len: int,
+        ignore_room: bool = False,
+        held: Callable[[WorkerEntry], int] | None = None,
+    ) -> list[WorkerEntry] | None:
         """The chain of workers covering [0, L) with room for ``max_len`` tokens whose
-        busiest member is least loaded; then fewest hops; then lowest worker ids."""
+        busiest member is least loaded; then fewest hops; then lowest worker ids.
+
+        ``held`` (prefix affinity): how much of the session's prompt a worker is thought
+        to hold cached; of the replicas of a range with room, the one holding the most
+        is chosen, the least loaded among equals."""
         if not self.num_layers:
             return None
         now = time.monotonic()
         edges: dict[int, list[_Edge]] = {}
         for (start, end), pool in self._pools.items():
-            # Per range only its least-loaded replica with room can be on the best route.
+            # Per range only one replica with room can be on the best route.
             best: _Edge | None = None
+            best_rank: tuple[int, float, str] | None = None
             for w in pool.values():
                 if ignore_room or w.has_room(max_len, now):
                     load = w.load_score()
-                    if best is None or (load, w.worker_id) < (best[1], best[2]):
-                        best = (end, load, w.worker_id, w)
+                    rank = (-held(w) if held is not None else 0, load, w.worker_id)
+                    if best_rank is None or rank < best_rank:
+                        best, best_rank = (end, load, w.worker_id, w), rank
             if best is not None:
                 edges.setdefault(start, []).append(best)
         return _best_chain(edges, self.num_layers)

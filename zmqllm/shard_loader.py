@@ -67,7 +67,9 @@ def load_stage(cfg: Config) -> Loaded:
     rss = rss_bytes()
     packed = shard.pack(w.packed_rows)
     packed_mib = (rss_bytes() - rss) >> 20 if packed else 0
-    stage = Stage(shard, w.max_sessions, w.max_kv_tokens, w.prefill_chunk, w.max_memory_mb)
+    stage = Stage(
+        shard, w.max_sessions, w.max_kv_tokens, w.prefill_chunk, w.max_memory_mb, w.prefix_cache
+    )
     stage.warmup()
     log.info(
         "shard loaded",

@@ -38,6 +38,7 @@ from zmqllm.keys import PeerKeys, keys_dir, load_peer_keys
 from zmqllm.log import bind_request, get_logger
 from zmqllm.protocol import (
     Activation,
+    Cached,
     Cancel,
     Close,
     Error,
@@ -269,9 +270,12 @@ class Worker:
         elif isinstance(msg, Activation):
             if self.turns is not None:
                 self.turns.note_arrival(msg.group)
-            self.stage.activation(key, msg.step, payload_to_tensor(msg.hidden), msg.final)
+            hidden = payload_to_tensor(msg.hidden)
+            self.stage.activation(key, msg.step, hidden, msg.final, msg.prefix)
         elif isinstance(msg, Open):
             self.on_open(msg, key)
+        elif isinstance(msg, Cached):
+            self.stage.cached(key, msg.tokens)
         elif isinstance(msg, Close | Cancel):
             if self.stage.close(key):
                 with bind_request(msg.request_id, msg.session):
@@ -295,6 +299,9 @@ class Worker:
                     msg.sampling,
                     frozenset(msg.stop_ids),
                     prompt,
+                    chain=msg.prefix,
+                    stages=msg.stages,
+                    prompt_len=msg.prompt_len,
                 )
             except CacheFullError as exc:
                 self.fail(msg, ErrorCode.FULL, str(exc), None)
@@ -303,7 +310,22 @@ class Worker:
                 self.fail(msg, ErrorCode.BAD_REQUEST, str(exc), "bad_request")
                 return
             state.next_hop = msg.next
-            log.info("session opened", max_len=msg.max_len, stage=msg.stage, attempt=msg.attempt)
+            log.info(
+                "session opened",
+                max_len=msg.max_len,
+                stage=msg.stage,
+                attempt=msg.attempt,
+                prefix_held=state.held,
+            )
+            if msg.stage > 0 and msg.prefix:
+                # Stage 0 starts the prompt after what every stage holds: say what we do.
+                told = Cached(
+                    session=msg.session,
+                    attempt=msg.attempt,
+                    request_id=msg.request_id,
+                    tokens=state.held,
+                )
+                self.send(told, key)
 
     # -- computing ---------------------------------------------------------------
     def _tag_groups(self, outputs: list[Output]) -> list[tuple[str, int] | None]:
@@ -381,6 +403,7 @@ class Worker:
             step=o.step,
             final=o.final,
             group=group,
+            prefix=o.prefix,
             hidden=tensor_to_payload(cast_for_wire(o.hidden, self.wire_dtype)),
         )
 

@@ -42,6 +42,7 @@ from zmqllm.messages import MAX_ATTEMPTS
 from zmqllm.protocol import (
     MAX_FRAMES,
     Activation,
+    Cached,
     Cancel,
     Close,
     Disconnect,
@@ -76,7 +77,7 @@ __all__ = [
 log = get_logger("zmqllm.worker")
 
 DELIVER, RESET, REFUSED = "deliver", "reset", "refused"
-SESSION_TYPES = (Open, Step, Activation, Close, Cancel)
+SESSION_TYPES = (Open, Cached, Step, Activation, Close, Cancel)
 
 RECONNECT_MAX_S = 30.0
 MAX_MESSAGES_PER_PUMP = 1024

@@ -91,7 +91,12 @@ class CachePool:
         return self._caches[session]
 
     def can_admit(self, max_len: int) -> bool:
+        """Room for a session of ``max_len`` tokens (a prefix cache's blocks give way)."""
         return len(self._caches) < self.max_sessions and self._reserved + max_len <= self.max_tokens
+
+    @property
+    def reserved(self) -> int:
+        return self._reserved
 
     def allocate(self, session: str, max_len: int) -> KVCache:
         if session in self._caches:

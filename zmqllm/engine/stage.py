@@ -31,8 +31,10 @@ from zmqllm.engine.cache import (
 )
 from zmqllm.engine.frames import ACTIVATION_DTYPES
 from zmqllm.engine.model import MistralShard, Segment
+from zmqllm.engine.prefix_cache import PrefixStore
 from zmqllm.engine.sampling import SamplingParams, logprobs_of, sample
 from zmqllm.messages import Finish
+from zmqllm.prefix import PREFIX_BLOCK, prefix_blocks
 from zmqllm.sampling_params import NO_LOGPROBS
 
 # How long ready work may wait for more sessions while the cores are free (see
@@ -69,6 +71,14 @@ class SessionState:
     # The decode step this stage expects next; 0 while the prompt is still coming
     # (stage 0: until its last chunk runs; later stages: until the final chunk arrives).
     next_step: int = 0
+    # Prefix caching: the prompt's block keys, the prompt tokens copied into the cache
+    # from the prefix cache at open, and (stage 0) the later stages yet to say how much
+    # they hold; the prompt starts after the least any stage holds.
+    chain: tuple[int, ...] = ()
+    held: int = 0
+    acks: int = 0
+    reused: int = 0  # prompt tokens not computed (the first chunk tells later stages)
+    told: bool = False  # stage 0: the first prompt chunk has left
 
 
 @dataclass
@@ -78,6 +88,7 @@ class Work:
     inputs: torch.Tensor  # stage 0: token ids [n]; later stages: hidden [n, hidden]
     final: bool  # the last chunk of the prompt, or a decode step: the last stage samples
     ready_at: float = field(default_factory=time.monotonic)
+    prefix: int = 0  # the first prompt chunk: the prompt tokens before it, not computed
 
 
 @dataclass
@@ -87,6 +98,7 @@ class Output:
     step: int
     final: bool
     hidden: torch.Tensor | None = None  # [n, hidden] for the next stage
+    prefix: int = 0  # Work.prefix, for the next stage
     token: int | None = None  # last stage: the sampled token
     finish: Finish | None = None  # last stage: why the session ends here, if it does
     # last stage, when the session asked: the ids and log-probabilities of the sampled
@@ -113,6 +125,7 @@ class Stage:
         max_kv_tokens: int = 65536,
         prefill_chunk: int = 2048,
         max_memory_mb: int = 0,
+        prefix_cache: bool = True,
     ) -> None:
         self.shard = shard
         self.pool = CachePool(
@@ -125,6 +138,7 @@ class Stage:
         )
         self.prefill_chunk = prefill_chunk
         self.max_memory = max_memory_mb << 20
+        self.prefixes = PrefixStore() if prefix_cache else None
         self.sessions: dict[str, SessionState] = {}
         self._ready: deque[Work] = deque()
         self.stats = StageStats()
@@ -142,10 +156,17 @@ class Stage:
         sampling: SamplingParams,
         stop_ids: frozenset[int],
         prompt: np.ndarray | None = None,
+        chain: tuple[int, ...] = (),
+        stages: int = 1,
+        prompt_len: int = 0,
     ) -> SessionState:
         """Reserve the session's cache. Raises CacheFullError when there is no room and
         ValueError for a request this stage cannot serve (stage 0 needs the prompt's
-        token ids, each in [0, vocab_size); later stages take none)."""
+        token ids, each in [0, vocab_size); later stages take none).
+
+        ``chain``: the prompt's prefix keys; what this stage holds of them is copied into
+        the new cache (``held``). Stage 0 of a route of ``stages`` then waits for the
+        later stages' word (:meth:`cached`) before it starts the prompt."""
         if session in self.sessions:
             raise ValueError("session is already open on this stage")
         if self.shard.is_first:
@@ -158,23 +179,65 @@ class Stage:
         elif prompt is not None:
             raise ValueError("only stage 0 takes the prompt's token ids")
         if self.max_memory:
-            itemsize = torch.empty((), dtype=self.shard.dtype).element_size()
-            need = max_len * self.shard.args.kv_bytes_per_token(
-                self.shard.num_local_layers, itemsize
-            )
-            used = memory_in_use(self.shard.device)
-            if used + need > self.max_memory:
-                raise CacheFullError(
-                    f"stage memory: {used >> 20} MiB in use + {need >> 20} MiB for this "
-                    f"session > max_memory_mb {self.max_memory >> 20}"
-                )
+            self._check_memory(max_len)
+        store = self.prefixes
+        if store is not None:  # cached blocks give way to live sessions
+            over = self.pool.reserved + max_len + store.tokens - self.pool.max_tokens
+            if over > 0 and self.pool.can_admit(max_len):
+                store.evict(over)
         cache = self.pool.allocate(session, max_len)
         s = SessionState(session, request_id, max_tokens, sampling, stop_ids, cache)
         if prompt is not None:
             # Copied out of the receive frame: it must outlive this turn.
             s.prompt_left = np.array(prompt, dtype=np.int64)
+            prompt_len = prompt.size
+        if store is not None and chain:
+            s.chain = chain
+            blocks = min(store.held(s.chain), prefix_blocks(prompt_len))
+            store.load(s.chain, blocks, cache)
+            s.held = blocks * PREFIX_BLOCK
+            store.stats.query_tokens += prompt_len
         self.sessions[session] = s
+        if self.shard.is_first:
+            if s.held and stages > 1:
+                s.acks = stages - 1
+            else:
+                self._start_prompt(s)
         return s
+
+    def _check_memory(self, max_len: int) -> None:
+        itemsize = torch.empty((), dtype=self.shard.dtype).element_size()
+        need = max_len * self.shard.args.kv_bytes_per_token(self.shard.num_local_layers, itemsize)
+        used = memory_in_use(self.shard.device)
+        if used + need > self.max_memory and self.prefixes is not None and len(self.prefixes):
+            self.prefixes.clear()  # what it held is freed before any session is refused
+            used = memory_in_use(self.shard.device)
+        if used + need > self.max_memory:
+            raise CacheFullError(
+                f"stage memory: {used >> 20} MiB in use + {need >> 20} MiB for this "
+                f"session > max_memory_mb {self.max_memory >> 20}"
+            )
+
+    def cached(self, session: str, tokens: int) -> None:
+        """Stage 0: a later stage holds ``tokens`` of the session's prompt; once every
+        later stage has said, the prompt starts after the least of them."""
+        if not self.shard.is_first:
+            raise BadWork("only stage 0 takes what later stages hold")
+        s = self.sessions.get(session)
+        if s is None or not s.acks:
+            return  # closed meanwhile, or not waiting (a duplicate): nothing to do
+        s.held = min(s.held, tokens - tokens % PREFIX_BLOCK)
+        s.acks -= 1
+        if not s.acks:
+            self._start_prompt(s)
+
+    def _start_prompt(self, s: SessionState) -> None:
+        """Stage 0: the prompt runs from ``held`` on; the tokens before are reused."""
+        s.reused = s.held
+        s.cache.length = s.held
+        s.prompt_left = s.prompt_left[s.held :]
+        if self.prefixes is not None and s.chain:
+            self.prefixes.stats.hit_tokens += s.held
 
     def close(self, session: str) -> bool:
         s = self.sessions.pop(session, None)
@@ -201,13 +264,23 @@ class Stage:
         s.next_step += 1
         self._ready.append(Work(s, step, torch.tensor([token], dtype=torch.long), True))
 
-    def activation(self, session: str, step: int, hidden: torch.Tensor, final: bool) -> None:
+    def activation(
+        self, session: str, step: int, hidden: torch.Tensor, final: bool, prefix: int = 0
+    ) -> None:
         """Later stages: hidden states from the previous stage ([n, hidden] on the CPU, a
         view on the received frame: only read, and moved to the shard's device and dtype
-        here)."""
+        here). ``prefix``, on the first prompt chunk: the tokens before it, which this
+        stage must hold from its prefix cache."""
         s = self._known(session)
         if self.shard.is_first:
             raise BadWork("stage 0 takes token ids, not activations")
+        if prefix:
+            started = s.cache.length or s.next_step or any(w.session is s for w in self._ready)
+            if started or prefix > s.held or prefix % PREFIX_BLOCK:
+                raise BadWork(f"a prefix of {prefix} tokens: this stage holds {s.held}")
+            s.reused = s.cache.length = prefix
+            if self.prefixes is not None:
+                self.prefixes.stats.hit_tokens += prefix
         hidden_size = self.shard.args.hidden_size
         if hidden.ndim != 2 or hidden.shape[1] != hidden_size:
             raise BadWork(f"hidden states {tuple(hidden.shape)}, expected [n, {hidden_size}]")
@@ -251,11 +324,15 @@ class Stage:
 
     # -- running ---------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self._ready) or any(s.prompt_left.size for s in self.sessions.values())
+        return bool(self._ready) or any(
+            s.prompt_left.size and not s.acks for s in self.sessions.values()
+        )
 
     def others_pending(self) -> bool:
         """Work is ready, no prompt waits, and some sessions are not ready here."""
-        if not self._ready or any(s.prompt_left.size for s in self.sessions.values()):
+        if not self._ready or any(
+            s.prompt_left.size and not s.acks for s in self.sessions.values()
+        ):
             return False
         return len({w.session.id for w in self._ready}) < len(self.sessions)
 
@@ -307,13 +384,15 @@ class Stage:
         for s in self.sessions.values():
             if budget <= 0:
                 break
-            if s.prompt_left.size and s.id not in seen:
+            if s.prompt_left.size and s.id not in seen and not s.acks:
                 n = min(budget, s.prompt_left.size)
                 chunk, s.prompt_left = s.prompt_left[:n], s.prompt_left[n:]
                 final = s.prompt_left.size == 0
                 if final:
                     s.next_step = 1  # its first token comes from this forward
-                batch.append(Work(s, 0, torch.from_numpy(chunk), final))
+                prefix = 0 if s.told else s.reused
+                s.told = True
+                batch.append(Work(s, 0, torch.from_numpy(chunk), final, prefix=prefix))
                 seen.add(s.id)
                 budget -= n
         return batch
@@ -341,13 +420,14 @@ class Stage:
         st.batch_sum += len(batch)
         st.forward_s += dt
         st.last_forward_ms = dt * 1e3
+        self._keep_prefixes(batch)
         outputs = []
         if not self.shard.is_last:
             off = 0
             for w, seg in zip(batch, segs, strict=True):
                 s = w.session
                 hidden = out[off : off + seg.n]
-                outputs.append(Output(s.id, s.request_id, w.step, w.final, hidden))
+                outputs.append(Output(s.id, s.request_id, w.step, w.final, hidden, w.prefix))
                 off += seg.n
             return outputs
         logits = out.numpy()  # [B, vocab] float32
@@ -371,6 +451,17 @@ class Stage:
                 Output(s.id, s.request_id, w.step, True, token=token, finish=finish, logprobs=lp)
             )
         return outputs
+
+    def _keep_prefixes(self, batch: list[Work]) -> None:
+        """Store the blocks of each prompt that has just run in full."""
+        store = self.prefixes
+        if store is None:
+            return
+        for w in batch:
+            s = w.session
+            if w.final and w.step == 0 and s.chain:
+                room = self.pool.max_tokens - self.pool.reserved - store.tokens
+                store.save(s.chain, s.cache, room)
 
     def warmup(self) -> None:
         """One small forward through the shard, so the first request is not slow."""
@@ -402,4 +493,15 @@ class Stage:
             "busy_s": round(st.forward_s, 4),  # total time in forwards: utilisation
             "rss_bytes": rss_bytes(),
             **cuda_memory(self.shard.device),
+            **self._prefix_load(),
+        }
+
+    def _prefix_load(self) -> dict[str, int]:
+        store = self.prefixes
+        if store is None:
+            return {}
+        return {
+            "prefix_cached_tokens": store.tokens,
+            "prefix_query_tokens": store.stats.query_tokens,
+            "prefix_hit_tokens": store.stats.hit_tokens,
         }

@@ -49,11 +49,26 @@ _WORKER_GAUGES = (
     ("rss_bytes", "zmqllm_worker_rss_bytes", "Resident memory of the worker process"),
     ("cuda_allocated_bytes", "zmqllm_worker_cuda_memory_allocated_bytes", "GPU memory allocated"),
     ("cuda_reserved_bytes", "zmqllm_worker_cuda_memory_reserved_bytes", "GPU memory reserved"),
+    (
+        "prefix_cached_tokens",
+        "zmqllm_worker_prefix_cache_tokens",
+        "Prompt tokens held in the prefix cache",
+    ),
 )
 _WORKER_COUNTERS = (
     ("forwards", "zmqllm_worker_forwards", "Forward calls run"),
     ("tokens", "zmqllm_worker_tokens", "Tokens run through the worker's layers"),
     ("busy_s", "zmqllm_worker_busy_seconds", "Seconds spent in forwards"),
+    (
+        "prefix_query_tokens",
+        "zmqllm_worker_prefix_cache_query_tokens",
+        "Prompt tokens of the sessions opened, looked up in the prefix cache",
+    ),
+    (
+        "prefix_hit_tokens",
+        "zmqllm_worker_prefix_cache_hit_tokens",
+        "Prompt tokens taken from the prefix cache instead of computed",
+    ),
 )
 
 
