@@ -50,6 +50,7 @@ class Cluster:
     cpu_lock: bool = False  # workers take turns on the cores (a shared lock file)
     queue_timeout: float = 10.0  # seconds a request waits for a route
     quant: str = "none"  # the workers' --quant
+    worker_flags: tuple[str, ...] = ()  # more flags for every worker
     # A CURVE key folder every process uses; None = plaintext (--insecure), whatever
     # $ZMQLLM_HOME/keys holds.
     keys: Path | None = None
@@ -112,7 +113,7 @@ class Cluster:
             args += ["--cpu-lock", str(self.root / "cpu.lock")]
         if self.quant != "none":
             args += ["--quant", self.quant]
-        args += flags
+        args += [*self.worker_flags, *flags]
         return self._start(f"worker-{layers.replace(':', '-')}", args)
 
     def start_gateway(self, *flags: str) -> ChildProcess:
