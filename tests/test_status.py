@@ -47,7 +47,7 @@ SAMPLE: dict[str, Any] = {
             "load": 0.0469,
             "last_heartbeat_s": 0.42,
             "draining": False,
-            "stats": {"mean_batch": 2.5},
+            "stats": {"mean_batch": 2.5, "prefix_query_tokens": 300, "prefix_hit_tokens": 256},
         },
         {
             "id": "w-host-15-30",
@@ -95,6 +95,8 @@ def test_format_status_prints_the_worker_table() -> None:
         "load",
         "mean",
         "batch",
+        "prefix",
+        "hit",
         "heartbeat",
         "state",
     ]
@@ -105,6 +107,7 @@ def test_format_status_prints_the_worker_table() -> None:
         "900/65536",
         "0.05",
         "2.5",
+        "256/300",  # prompt tokens found in the prefix cache / looked up
         "0.4s",
         "serving",
     ]
@@ -116,6 +119,7 @@ def test_format_status_prints_the_worker_table() -> None:
         "0/4096",
         "0.00",
         "-",
+        "-",  # no prefix cache (or an older worker)
         "1.0s",
         "draining",
     ]

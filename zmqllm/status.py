@@ -92,9 +92,17 @@ def _worker_row(w: Any) -> list[str]:
         f"{w['kv_tokens_reserved']}/{w['max_kv_tokens']}",
         f"{w['load']:.2f}",
         str(stats.get("mean_batch", "-")),
+        _prefix_cell(stats),
         f"{w['last_heartbeat_s']:.1f}s",
         "draining" if w.get("draining") else "serving",
     ]
+
+
+def _prefix_cell(stats: dict[str, Any]) -> str:
+    """Prompt tokens found in the prefix cache / looked up ("-": no prefix cache)."""
+    if "prefix_query_tokens" not in stats:
+        return "-"
+    return f"{stats.get('prefix_hit_tokens', 0)}/{stats['prefix_query_tokens']}"
 
 
 def _pool_row(p: Any) -> list[str]:
@@ -122,7 +130,8 @@ def format_status(st: dict[str, Any]) -> str:
         "",
         "workers",
     ]
-    headers = ["id", "layers", "sessions", "kv tokens", "load", "mean batch", "heartbeat", "state"]
+    headers = ["id", "layers", "sessions", "kv tokens", "load", "mean batch", "prefix hit"]
+    headers += ["heartbeat", "state"]
     rows = _rows(st.get("workers"), _worker_row, len(headers))
     out.append(_table(rows, headers) if rows else "  (none)")
     out += ["", "pools"]
