@@ -312,3 +312,26 @@ def test_a_session_goes_to_the_replicas_that_were_sent_its_prefix() -> None:
     t.registry.remove(t.registry.workers["a0"])
     t.worker_lost("a0", "gone", 0.0)
     assert t.prefixes.held("a0", prefix_chain(np.arange(60, dtype=np.int32))) == 0
+
+
+def test_a_replays_last_stage_gets_the_tokens_so_far_when_it_needs_them() -> None:
+    from zmqllm.sampling_params import SamplingParams
+
+    t = table(("w0", 0, 2), ("w1", 2, 4))
+    tokens = Payload(np.arange(10, 20, dtype=np.int32), "int32")
+
+    def replay(session: str, **sampling: Any) -> dict[bytes, Open]:
+        msg = Open(
+            session=session,
+            max_tokens=5,
+            prompt_len=10,
+            tokens=tokens,
+            sampling=SamplingParams(first_step=3, **sampling),
+        )
+        return dict(opens(t.open(A, msg, 0.0)))
+
+    sent = replay("pen", frequency_penalty=1.0)
+    assert sent[b"w1"].generated == (17, 18, 19)  # the last stage: the stream's 3 tokens
+    assert sent[b"w0"].generated == ()
+    assert replay("gram", grammar='{"grammars": []}')[b"w1"].generated == (17, 18, 19)
+    assert replay("free")[b"w1"].generated == ()  # plain sampling needs no history

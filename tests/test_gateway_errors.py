@@ -235,9 +235,6 @@ async def test_unknown_model_is_404(client: Any, path: str) -> None:
 @pytest.mark.parametrize(
     ("path", "field", "value"),
     [
-        (CHAT, "presence_penalty", 0.5),
-        (CHAT, "frequency_penalty", -1),
-        (CHAT, "response_format", {"type": "json_object"}),
         (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]),
         (CHAT, "tool_choice", "auto"),
         (CHAT, "logit_bias", {"50256": -100}),
@@ -254,6 +251,56 @@ async def test_a_feature_this_server_lacks_is_refused_by_name(
     response = await client.post(path, json=payload)
     error = await expect_error(client, response, 400, param=field, code="unsupported_parameter")
     assert repr(field) in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("presence_penalty", 2.5, "[-2, 2]"),
+        ("frequency_penalty", -3, "[-2, 2]"),
+        ("response_format", {"type": "xml"}, "json_schema"),
+        ("response_format", {"type": "json_schema"}, "json_schema.schema"),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}, "schema"),
+        (
+            "response_format",
+            {"type": "json_schema", "json_schema": {"schema": {"type": "objec"}}},
+            "objec",
+        ),
+        ("response_format", {"type": "json_schema", "json_schema": {"schema": 5}}, "schema"),
+    ],
+)
+async def test_bad_penalties_and_formats_are_400s_naming_them(
+    client: Any, field: str, value: Any, says: str
+) -> None:
+    for path in (CHAT, COMPLETIONS):
+        response = await client.post(path, json={"messages": HI, "prompt": "Hi", field: value})
+        error = await expect_error(client, response, 400)
+        assert error["param"].startswith(field)  # or the path below it that is wrong
+        assert says in error["message"], error
+
+
+async def test_penalties_and_formats_reach_the_sampling(
+    client: Any, fake: FakeBrokerClient
+) -> None:
+    schema = {"type": "object", "properties": {"a": {"enum": [1, 2]}}}
+    body = {
+        "messages": HI,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -1,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    }
+    assert (await client.post(CHAT, json=body)).status_code == 200
+    sampling = fake.calls[-1].sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.5, -1.0)
+    (spec,) = json.loads(sampling.grammar)["grammars"]
+    assert spec["json_schema"] == {**schema, "x-guidance": {"whitespace_flexible": False}}
+    body["response_format"] = {"type": "json_object"}
+    assert (await client.post(CHAT, json=body)).status_code == 200
+    (spec,) = json.loads(fake.calls[-1].sampling.grammar)["grammars"]
+    assert spec["json_schema"]["type"] == "object"
+    body["response_format"] = {"type": "text"}
+    assert (await client.post(CHAT, json=body)).status_code == 200
+    assert fake.calls[-1].sampling.grammar == ""
 
 
 @pytest.mark.parametrize(

@@ -89,6 +89,9 @@ samplings = st.builds(
     top_p=st.floats(0, 1, exclude_min=True),
     top_k=st.integers(0, 2**63 - 1),
     seed=st.integers(0, MAX_SEED),
+    presence_penalty=st.floats(-2, 2),
+    frequency_penalty=st.floats(-2, 2),
+    grammar=st.just("") | st.text(max_size=64),
 )
 
 
@@ -429,6 +432,11 @@ BAD: dict[type[Message], dict[str, list[Any]]] = {
             {"top_k": 1.5},
             {"seed": -1},
             {"seed": 2**63},
+            {"presence_penalty": 2.5},
+            {"frequency_penalty": NAN},
+            {"frequency_penalty": "1"},
+            {"grammar": 5},
+            {"grammar": "x" * (12 * 1024 + 1)},
             {"bogus": 1},
         ],
         "stop_ids": [None, 5, "12", [1.5], [-1], [MAX_TOKEN_ID + 1], [True], [0] * 4097],
@@ -436,6 +444,8 @@ BAD: dict[type[Message], dict[str, list[Any]]] = {
         "stages": _ints(0, MAX_LAYERS),
         "max_len": _ints(0, 2 * MAX_CONTEXT),
         "next": _without(_NAMES, ""),
+        # More tokens than the prompt, or ids out of range.
+        "generated": [None, 5, [-1], [MAX_TOKEN_ID + 1], [1.5], [1, 2, 3, 4]],
         # A key out of range, a key of another type, more keys than the prompt has blocks.
         "prefix": [None, 5, [-1], [MAX_PREFIX_KEY + 1], [1.5], [True], ["k"], [1]],
     },

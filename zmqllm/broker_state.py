@@ -21,6 +21,7 @@ from typing import Any
 
 from zmqllm.log import bind_request, get_logger
 from zmqllm.messages import (
+    MAX_GENERATED,
     Activation,
     Cached,
     Close,
@@ -68,6 +69,16 @@ class Pending:
     @property
     def key(self) -> Key:
         return (self.client, self.open.session)
+
+    @property
+    def generated(self) -> tuple[int, ...]:
+        """A replay's tokens so far (the end of its prompt), when the last stage needs
+        them to sample (penalties, a grammar): at most MAX_GENERATED, the latest."""
+        sampling, tokens = self.open.sampling, self.open.tokens
+        done = min(sampling.first_step, MAX_GENERATED, self.open.prompt_len)
+        if not done or not sampling.needs_history or tokens is None:
+            return ()
+        return tuple(int(t) for t in tokens.array[-done:])
 
     @property
     def chain(self) -> tuple[int, ...]:
@@ -240,6 +251,7 @@ class SessionTable:
                 next=route[(i + 1) % n].worker_id,
                 tokens=p.open.tokens if i == 0 else None,
                 prefix=p.chain,
+                generated=p.generated if i == n - 1 else (),
             )
             out.append(Out(True, route[i].identity, stage_open))
         return out

@@ -90,6 +90,9 @@ MAX_SESSIONS = 1 << 16  # one worker's concurrent sessions
 MAX_ATTEMPTS = 1000  # routes one request may be tried on
 MAX_STEP = MAX_CONTEXT
 MAX_STATUS_BYTES = 4 << 20
+# Tokens a replayed stream's last stage is given to restore its penalties and grammar
+# (what fits in a header): a constrained stream past it cannot be replayed.
+MAX_GENERATED = 8192
 MAX_TEXT = 1024  # reasons and error messages
 # What a worker's HEARTBEAT may report (see Stage.load); anything else is not carried on.
 LOAD_KEYS = frozenset(
@@ -334,10 +337,15 @@ class Open(SessionMessage):
     # Set by the broker for each stage: the keys of the prompt's whole blocks
     # (prefix.prefix_chain), what a stage's prefix cache is keyed by.
     prefix: tuple[int, ...] = wire(int_list(0, MAX_PREFIX_KEY, MAX_PREFIX_BLOCKS), ())
+    # Set by the broker for the last stage of a replayed stream whose sampling depends on
+    # what came before (penalties, a grammar): its tokens so far, the end of its prompt.
+    generated: tuple[int, ...] = wire(int_list(0, MAX_TOKEN_ID, MAX_GENERATED), ())
 
     def _validate(self) -> None:
         if self.tokens is not None and self.tokens.array.shape != (self.prompt_len,):
             raise ProtocolError(f"open: token ids {self.tokens.array.shape} != prompt_len")
+        if len(self.generated) > self.prompt_len:
+            raise ProtocolError("open: field 'generated': more tokens than the prompt holds")
         if len(self.prefix) > prefix_blocks(self.prompt_len):
             raise ProtocolError(
                 f"open: field 'prefix': {len(self.prefix)} keys for a prompt of {self.prompt_len}"

@@ -16,7 +16,9 @@ import numpy as np
 __all__ = [
     "LOGPROB_FLOOR",
     "MAX_FIRST_STEP",
+    "MAX_GRAMMAR_BYTES",
     "MAX_LOGPROBS",
+    "MAX_PENALTY",
     "MAX_SEED",
     "NO_LOGPROBS",
     "SamplingParams",
@@ -31,6 +33,9 @@ NO_LOGPROBS = -1
 MAX_LOGPROBS = 20
 # The lowest log-probability sent; OpenAI writes a token of probability 0 as -9999.
 LOGPROB_FLOOR = -9999.0
+MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
+# A grammar travels in the OPEN header, whose strings stop at 16 KiB.
+MAX_GRAMMAR_BYTES = 12 * 1024
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,18 @@ class SamplingParams:
     # The model's log-softmax with each token: NO_LOGPROBS (none), or the chosen token's
     # and the ``logprobs`` most likely tokens'.
     logprobs: int = NO_LOGPROBS
+    # OpenAI's penalties on the tokens generated so far: each logit minus
+    # presence_penalty if the token appeared, minus frequency_penalty times its count.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Constrained decoding (response_format): an llguidance grammar, as JSON text; only
+    # tokens it allows are sampled. "" = free text.
+    grammar: str = ""
+
+    @property
+    def needs_history(self) -> bool:
+        """Sampling depends on the tokens generated before (penalties, a grammar)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.grammar)
 
     @property
     def greedy(self) -> bool:
@@ -74,13 +91,20 @@ class SamplingParams:
             raise ValueError(
                 f"first_step must be an integer in [0, {MAX_FIRST_STEP}], got {self.first_step!r}"
             )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not isinstance(self.grammar, str) or len(self.grammar.encode()) > MAX_GRAMMAR_BYTES:
+            raise ValueError(f"grammar must be a string of at most {MAX_GRAMMAR_BYTES} bytes")
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain types only: this travels in msgpack headers (first_step and logprobs only
-        when set)."""
+        """Plain types only: this travels in msgpack headers (first_step, logprobs,
+        the penalties and the grammar only when set)."""
         data = asdict(self)
-        if not self.first_step:
-            del data["first_step"]
+        for name in ("first_step", "presence_penalty", "frequency_penalty", "grammar"):
+            if not data[name]:
+                del data[name]
         if self.logprobs == NO_LOGPROBS:
             del data["logprobs"]
         return data
@@ -99,6 +123,10 @@ class SamplingParams:
                 if not _is_real(value):
                     raise ValueError(f"{name} must be a number, got {type(value).__name__}")
                 values[name] = float(value)
+            elif _FIELD_KINDS[name] is str:
+                if not isinstance(value, str):
+                    raise ValueError(f"{name} must be a string, got {type(value).__name__}")
+                values[name] = value
             else:
                 if not is_int(value):
                     raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
@@ -115,6 +143,9 @@ _FIELD_KINDS: dict[str, type] = {
     "seed": int,
     "first_step": int,
     "logprobs": int,
+    "presence_penalty": float,
+    "frequency_penalty": float,
+    "grammar": str,
 }
 
 

@@ -21,6 +21,7 @@ from zmqllm.config import Config, resolve_model_path
 from zmqllm.engine import native
 from zmqllm.engine.cache import rss_bytes
 from zmqllm.engine.generator import load_shard
+from zmqllm.engine.rules import GrammarTokenizer
 from zmqllm.engine.stage import Stage
 from zmqllm.engine.weights import model_fingerprint, resolve_checkpoint
 from zmqllm.layers import parse_layers
@@ -67,8 +68,16 @@ def load_stage(cfg: Config) -> Loaded:
     rss = rss_bytes()
     packed = shard.pack(w.packed_rows)
     packed_mib = (rss_bytes() - rss) >> 20 if packed else 0
+    # The last stage samples: it applies response_format grammars.
+    grammars = GrammarTokenizer(directory, args.vocab_size) if shard.is_last else None
     stage = Stage(
-        shard, w.max_sessions, w.max_kv_tokens, w.prefill_chunk, w.max_memory_mb, w.prefix_cache
+        shard,
+        w.max_sessions,
+        w.max_kv_tokens,
+        w.prefill_chunk,
+        w.max_memory_mb,
+        w.prefix_cache,
+        grammars,
     )
     stage.warmup()
     log.info(

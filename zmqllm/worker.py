@@ -302,6 +302,7 @@ class Worker:
                     chain=msg.prefix,
                     stages=msg.stages,
                     prompt_len=msg.prompt_len,
+                    generated=msg.generated,
                 )
             except CacheFullError as exc:
                 self.fail(msg, ErrorCode.FULL, str(exc), None)

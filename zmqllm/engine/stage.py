@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +33,7 @@ from zmqllm.engine.cache import (
 from zmqllm.engine.frames import ACTIVATION_DTYPES
 from zmqllm.engine.model import MistralShard, Segment
 from zmqllm.engine.prefix_cache import PrefixStore
+from zmqllm.engine.rules import GrammarTokenizer, SessionRules
 from zmqllm.engine.sampling import SamplingParams, logprobs_of, sample
 from zmqllm.messages import Finish
 from zmqllm.prefix import PREFIX_BLOCK, prefix_blocks
@@ -79,6 +81,7 @@ class SessionState:
     acks: int = 0
     reused: int = 0  # prompt tokens not computed (the first chunk tells later stages)
     told: bool = False  # stage 0: the first prompt chunk has left
+    rules: SessionRules | None = None  # last stage: penalties and a grammar, if asked for
 
 
 @dataclass
@@ -126,6 +129,7 @@ class Stage:
         prefill_chunk: int = 2048,
         max_memory_mb: int = 0,
         prefix_cache: bool = True,
+        grammar_tokenizer: GrammarTokenizer | None = None,
     ) -> None:
         self.shard = shard
         self.pool = CachePool(
@@ -139,6 +143,7 @@ class Stage:
         self.prefill_chunk = prefill_chunk
         self.max_memory = max_memory_mb << 20
         self.prefixes = PrefixStore() if prefix_cache else None
+        self.grammar_tokenizer = grammar_tokenizer
         self.sessions: dict[str, SessionState] = {}
         self._ready: deque[Work] = deque()
         self.stats = StageStats()
@@ -159,6 +164,7 @@ class Stage:
         chain: tuple[int, ...] = (),
         stages: int = 1,
         prompt_len: int = 0,
+        generated: Sequence[int] = (),
     ) -> SessionState:
         """Reserve the session's cache. Raises CacheFullError when there is no room and
         ValueError for a request this stage cannot serve (stage 0 needs the prompt's
@@ -166,7 +172,10 @@ class Stage:
 
         ``chain``: the prompt's prefix keys; what this stage holds of them is copied into
         the new cache (``held``). Stage 0 of a route of ``stages`` then waits for the
-        later stages' word (:meth:`cached`) before it starts the prompt."""
+        later stages' word (:meth:`cached`) before it starts the prompt.
+
+        ``generated``: a replayed stream's tokens so far (the end of its prompt), for the
+        last stage's penalties and grammar."""
         if session in self.sessions:
             raise ValueError("session is already open on this stage")
         if self.shard.is_first:
@@ -178,6 +187,11 @@ class Stage:
                 raise ValueError(f"a prompt of {prompt.size} tokens leaves no room in {max_len}")
         elif prompt is not None:
             raise ValueError("only stage 0 takes the prompt's token ids")
+        rules = None
+        if self.shard.is_last and sampling.needs_history:
+            rules = SessionRules(
+                sampling, self.shard.args.vocab_size, self.grammar_tokenizer, generated
+            )
         if self.max_memory:
             self._check_memory(max_len)
         store = self.prefixes
@@ -187,6 +201,7 @@ class Stage:
                 store.evict(over)
         cache = self.pool.allocate(session, max_len)
         s = SessionState(session, request_id, max_tokens, sampling, stop_ids, cache)
+        s.rules = rules
         if prompt is not None:
             # Copied out of the receive frame: it must outlive this turn.
             s.prompt_left = np.array(prompt, dtype=np.int64)
@@ -436,12 +451,16 @@ class Stage:
                 continue  # a prompt chunk that is not the last: nothing to sample yet
             s = w.session
             try:
-                token = sample(logits[row], s.sampling, w.step)
+                if s.rules is None:
+                    token = sample(logits[row], s.sampling, w.step)
+                else:
+                    token = sample(s.rules.apply(logits[row]), s.sampling, w.step)
+                    s.rules.accept(token)
             except ValueError as exc:  # e.g. NaN logits: this row's session only
                 self.failed.append((s.id, s.request_id, f"sampling failed: {exc}"))
                 continue
             finish = None
-            if token in s.stop_ids:
+            if token in s.stop_ids or (s.rules is not None and s.rules.done()):
                 finish = Finish.STOP
             elif w.step + 1 >= s.max_tokens:
                 finish = Finish.LENGTH

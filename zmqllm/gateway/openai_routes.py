@@ -30,6 +30,7 @@ from zmqllm.gateway.errors import (
 )
 from zmqllm.gateway.logprobs import chat_logprobs, completion_logprobs
 from zmqllm.gateway.request_context import RequestRecord, record_of
+from zmqllm.gateway.response_format import grammar_of
 from zmqllm.gateway.responses import GenerationResponse, collect_unless_disconnected
 from zmqllm.gateway.schemas import (
     ChatChoice,
@@ -296,6 +297,9 @@ def _plans(
         prompt_param=prompt_param,
         ignore_eos=body.ignore_eos,
         logprobs=body.logprobs_top,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        grammar=grammar_of(body.response_format),
     )
     return choice_plans(plan, n)
 

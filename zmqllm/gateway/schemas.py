@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from zmqllm.sampling_params import MAX_LOGPROBS
 
@@ -56,9 +56,6 @@ def _absent(value: Any) -> bool:
 # listed and not known are ignored, as OpenAI does.
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "logit_bias": lambda v: _absent(v) or v == {},
-    "presence_penalty": lambda v: _absent(v) or v == 0,
-    "frequency_penalty": lambda v: _absent(v) or v == 0,
-    "response_format": lambda v: _absent(v) or v == {"type": "text"},
     "tools": lambda v: _absent(v) or v == [],
     "tool_choice": lambda v: _absent(v) or v == "none",
     "functions": lambda v: _absent(v) or v == [],
@@ -125,6 +122,21 @@ class ChatMessage(_Request):
         return "\n".join(texts)
 
 
+class JsonSchemaFormat(_Request):
+    """``response_format.json_schema``: the schema the answer must follow."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(_Request):
     """Fields shared by both generation requests."""
 
@@ -139,6 +151,9 @@ class _SamplingFields(_Request):
     n: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    response_format: ResponseFormat | None = None
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -122,6 +122,9 @@ class GatewayService:
         prompt_param: str | None = "prompt",
         ignore_eos: bool = False,
         logprobs: int | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        grammar: str = "",
     ) -> GenerationPlan:
         """Check a request against the model's context and build its plan (400 if bad)."""
         prompt_len = len(prompt_ids)
@@ -163,6 +166,9 @@ class GatewayService:
             # seed still makes a replay on another route reproduce the same tokens.
             seed=secrets.randbelow(_MAX_SEED + 1) if seed is None else seed,
             logprobs=NO_LOGPROBS if logprobs is None else logprobs,
+            presence_penalty=presence_penalty or 0.0,
+            frequency_penalty=frequency_penalty or 0.0,
+            grammar=grammar,
         )
         try:
             sampling.validate()
