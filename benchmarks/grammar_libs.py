@@ -212,9 +212,9 @@ def main() -> None:
             continue
         row: dict[str, Any] = {"tokenizer_setup_ms": round(setup * 1e3, 1)}
         for sname, (schema, doc) in SCHEMAS.items():
-            ids = hf.encode(json.dumps(doc)) + [hf.convert_tokens_to_ids("<|im_end|>")]
+            ids = hf.encode(json.dumps(doc))
             try:
-                row[sname] = measure(lib, schema, ids[:-1], args.repeats)
+                row[sname] = measure(lib, schema, ids, args.repeats)
             except Exception as exc:
                 row[sname] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             r = row[sname]
