@@ -70,6 +70,8 @@ def load_stage(cfg: Config) -> Loaded:
     packed_mib = (rss_bytes() - rss) >> 20 if packed else 0
     # The last stage samples: it applies response_format grammars.
     grammars = GrammarTokenizer(directory, args.vocab_size) if shard.is_last else None
+    if grammars is not None:
+        grammars.prepare()
     stage = Stage(
         shard,
         w.max_sessions,

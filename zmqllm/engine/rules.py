@@ -4,8 +4,8 @@ presence/frequency penalties over the tokens generated so far, and a grammar
 
 Grammars are llguidance's (chosen by measuring, see the README): one matcher per session,
 advanced by each sampled token; its bitmask of allowed tokens is filled before each
-sample. The tokenizer llguidance needs is built once per worker, on the first
-constrained session (it takes ~2 s for the default model's 49,152 tokens).
+sample. The tokenizer llguidance needs is built once per worker, in the background when
+the last stage loads (it takes ~2 s for the default model's 49,152 tokens).
 """
 
 from __future__ import annotations
@@ -40,6 +40,18 @@ class GrammarTokenizer:
             if self._tok is None:
                 self._tok = self._build()
             return self._tok
+
+    def prepare(self) -> None:
+        """Build it in a thread of its own now, so that the first constrained session
+        does not wait for it (a failure is left for that session to report)."""
+
+        def build() -> None:
+            try:
+                self.get()
+            except Exception as exc:
+                log.warning("cannot build the grammar tokenizer", error=str(exc)[:200])
+
+        threading.Thread(target=build, name="grammar-tokenizer", daemon=True).start()
 
     def _build(self) -> Any:
         try:
