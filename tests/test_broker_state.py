@@ -335,3 +335,18 @@ def test_a_replays_last_stage_gets_the_tokens_so_far_when_it_needs_them() -> Non
     assert sent[b"w0"].generated == ()
     assert replay("gram", grammar='{"grammars": []}')[b"w1"].generated == (17, 18, 19)
     assert replay("free")[b"w1"].generated == ()  # plain sampling needs no history
+
+
+def test_prefix_affinity_gives_way_to_load_past_the_slack() -> None:
+    t = table(("a0", 0, 4), ("b0", 0, 4))
+    t.registry.affinity_slack = 2
+    for w in t.registry.workers.values():
+        w.capacity = 16
+    tokens = Payload(np.arange(60, dtype=np.int32), "int32")
+    routes = []
+    for i in range(6):
+        msg = Open(session=f"s{i}", max_tokens=5, prompt_len=60, tokens=tokens)
+        routes += [ident for ident, _ in opens(t.open(A, msg, 0.0))]
+    # The prefix follows a0 while it has at most 2 sessions more than b0; then load
+    # decides (b0), b0 learns the prefix, and with both holding it load decides again.
+    assert routes == [b"a0", b"a0", b"a0", b"b0", b"b0", b"b0"]

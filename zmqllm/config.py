@@ -146,6 +146,12 @@ class BrokerSettings:
     max_ranges: int = setting(
         512, "most distinct layer ranges (pools) at once; past it REGISTER fails"
     )
+    # SGLang's router balances the same way: cache affinity while loads are close.
+    affinity_slack: int = setting(
+        4,
+        "a session follows its cached prompt prefix to a replica with at most this many "
+        "more sessions than the least busy one of its layer range; past that, load decides",
+    )
     model_fingerprint: str = setting(
         "",
         "admit only workers of the model with this digest (sent in REGISTER), even into an "

@@ -144,11 +144,13 @@ class Registry:
         max_workers: int = DEFAULT_MAX_WORKERS,
         max_ranges: int = DEFAULT_MAX_RANGES,
         model_fingerprint: str = "",
+        affinity_slack: int = 4,
     ) -> None:
         if max_workers < 1 or max_ranges < 1:
             raise ValueError("max_workers and max_ranges must be at least 1")
         self.max_workers = max_workers
         self.max_ranges = max_ranges
+        self.affinity_slack = affinity_slack
         self.pinned = model_fingerprint
         self.workers: dict[str, WorkerEntry] = {}
         self.by_identity: dict[bytes, WorkerEntry] = {}
@@ -165,6 +167,7 @@ class Registry:
             max_workers=s.max_workers,
             max_ranges=s.max_ranges,
             model_fingerprint=s.model_fingerprint,
+            affinity_slack=s.affinity_slack,
         )
 
     # -- admission -----------------------------------------------------------------------
@@ -311,25 +314,34 @@ class Registry:
         busiest member is least loaded; then fewest hops; then lowest worker ids.
 
         ``held`` (prefix affinity): how much of the session's prompt a worker is thought
-        to hold cached; of the replicas of a range with room, the one holding the most
-        is chosen, the least loaded among equals."""
+        to hold cached. Of the replicas of a range with room and at most
+        ``affinity_slack`` sessions more than the least busy one, the one holding the
+        most is chosen; the least loaded among equals, and past the slack."""
         if not self.num_layers:
             return None
         now = time.monotonic()
         edges: dict[int, list[_Edge]] = {}
         for (start, end), pool in self._pools.items():
-            # Per range only one replica with room can be on the best route.
-            best: _Edge | None = None
-            best_rank: tuple[int, float, str] | None = None
-            for w in pool.values():
-                if ignore_room or w.has_room(max_len, now):
-                    load = w.load_score()
-                    rank = (-held(w) if held is not None else 0, load, w.worker_id)
-                    if best_rank is None or rank < best_rank:
-                        best, best_rank = (end, load, w.worker_id, w), rank
-            if best is not None:
-                edges.setdefault(start, []).append(best)
+            room = [w for w in pool.values() if ignore_room or w.has_room(max_len, now)]
+            if not room:
+                continue
+            # Per range only one replica can be on the best route.
+            w = min(room, key=self._ranking(room, held))
+            edges.setdefault(start, []).append((end, w.load_score(), w.worker_id, w))
         return _best_chain(edges, self.num_layers)
+
+    def _ranking(
+        self, room: list[WorkerEntry], held: Callable[[WorkerEntry], int] | None
+    ) -> Callable[[WorkerEntry], tuple[int, float, str]]:
+        """The order in which find_route prefers replicas of one range: the most of the
+        prefix held (within the slack), then the least load, then the lowest id."""
+        near = min(len(w.sessions) for w in room) + self.affinity_slack
+
+        def rank(w: WorkerEntry) -> tuple[int, float, str]:
+            cached = held(w) if held is not None and len(w.sessions) <= near else 0
+            return (-cached, w.load_score(), w.worker_id)
+
+        return rank
 
     def uncovered(self) -> str:
         """Layer ranges no worker serves, as "a:b, c:d" ("" when covered)."""
