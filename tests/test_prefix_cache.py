@@ -201,14 +201,16 @@ def test_a_memory_limit_drops_the_cached_blocks_before_refusing(
 ) -> None:
     from zmqllm.engine import stage as stage_module
 
+    # What the process holds, as the stage measures it: first little, then over the
+    # limit until the cached blocks are dropped.
+    used = iter([10 << 20, 1000 << 20, 10 << 20])
+    monkeypatch.setattr(stage_module, "memory_in_use", lambda device: next(used))
     st = Stage(shards[(0, 2)], max_memory_mb=1000)
     toks = np.asarray(prompt(40, seed=7), np.int32)
     st.open("a", "r", 50, 4, SamplingParams(), frozenset(), toks, prefix_chain(toks))
     st.run()
     st.close("a")
     assert len(st.prefixes) == 2
-    used = iter([1000 << 20, 10 << 20])  # over the limit until the blocks are dropped
-    monkeypatch.setattr(stage_module, "memory_in_use", lambda device: next(used))
     st.open("b", "r", 50, 4, SamplingParams(), frozenset(), toks, prefix_chain(toks))
     assert len(st.prefixes) == 0
     assert st.sessions["b"].reused == 0

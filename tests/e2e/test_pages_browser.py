@@ -177,6 +177,9 @@ def test_the_cluster_page_shows_each_worker_and_its_range(
         expect(page.locator('.worker dd[data-figure="busy"]')).to_have_text(
             [re.compile(r"^\d+ %$")] * len(workers)
         )
+        expect(page.locator('.worker dd[data-figure="prefix"]')).to_have_text(
+            [re.compile(r"^\d+ / \d+ tokens")] * len(workers)
+        )
         page.screenshot(path=str(shots / "cluster.png"), full_page=True)
     finally:
         done.set()

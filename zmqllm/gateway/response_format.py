@@ -8,15 +8,18 @@ that fails later. The last stage masks the tokens the grammar forbids before sam
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zmqllm.gateway.errors import APIError
 from zmqllm.gateway.schemas import ResponseFormat
 from zmqllm.sampling_params import MAX_GRAMMAR_BYTES
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
 __all__ = ["COMPACT", "grammar_of"]
 
-COMPACT = {"whitespace_flexible": False}
+COMPACT: JsonCompileOptions = {"whitespace_flexible": False}
 
 
 def grammar_of(fmt: ResponseFormat | None) -> str:

@@ -70,6 +70,14 @@
     const busy = old && old.stats ? rate(stats.busy_s, old.stats.busy_s, seconds) : null;
     pair(list, "busy", busy === null ? "…" : `${Math.min(100, 100 * busy).toFixed(0)} %`, "busy");
     pair(list, "RSS", stats.rss_bytes ? mib(stats.rss_bytes) : "?");
+    if (stats.prefix_query_tokens !== undefined) {
+      // Prompt tokens taken from the prefix cache, of those looked up; and what it holds.
+      const asked = stats.prefix_query_tokens;
+      const found = stats.prefix_hit_tokens || 0;
+      const share = asked ? ` (${((100 * found) / asked).toFixed(0)} %)` : "";
+      pair(list, "prefix hits", `${found} / ${asked} tokens${share}`, "prefix");
+      pair(list, "prefix cache", `${stats.prefix_cached_tokens || 0} tokens`);
+    }
     if (w.draining) pair(list, "state", "draining");
     card.append(list);
     const meter = el("div", "meter");
