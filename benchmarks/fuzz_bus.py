@@ -39,6 +39,10 @@ PROMPTS = [
     "List three colours.",
     "Why is the sky blue?",
     "Count to five.",
+    # Longer than a few prefix-cache blocks: repeated, it is taken from the stages' caches
+    # while the fuzzer runs.
+    "Write a story about a lighthouse keeper who finds a message in a bottle on a stormy "
+    "night, and tell who wrote it, where it came from and what the keeper did next.",
 ]
 OUT = Path(__file__).parent / "results" / "fuzz_bus.json"
 
