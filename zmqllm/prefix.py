@@ -46,11 +46,13 @@ def prefix_blocks(prompt_len: int) -> int:
 def prefix_chain(tokens: np.ndarray) -> tuple[int, ...]:
     """The key of each whole block of ``tokens`` (token ids, [n]) but the last token:
     prefix_blocks(n) keys; key i covers tokens [0, (i + 1) * PREFIX_BLOCK)."""
-    raw = np.ascontiguousarray(tokens, dtype="<i4").tobytes()
+    n = prefix_blocks(len(tokens))
+    # Only the blocks' tokens are read: a prompt may be far longer than what is keyed.
+    raw = np.ascontiguousarray(tokens[: n * PREFIX_BLOCK], dtype="<i4").tobytes()
     step = PREFIX_BLOCK * 4
     keys = []
     prev = b""
-    for i in range(prefix_blocks(len(tokens))):
+    for i in range(n):
         prev = hashlib.blake2b(prev + raw[i * step : (i + 1) * step], digest_size=8).digest()
         keys.append(int.from_bytes(prev, "little") & MAX_PREFIX_KEY)
     return tuple(keys)
