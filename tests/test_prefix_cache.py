@@ -214,3 +214,20 @@ def test_a_memory_limit_drops_the_cached_blocks_before_refusing(
     st.open("b", "r", 50, 4, SamplingParams(), frozenset(), toks, prefix_chain(toks))
     assert len(st.prefixes) == 0
     assert st.sessions["b"].reused == 0
+
+
+def test_a_new_prompt_is_kept_in_place_of_the_least_recently_used(
+    shards: dict[tuple[int, int], MistralShard],
+) -> None:
+    """Once the cache fills the room, a new prompt's blocks replace the oldest ones (it
+    is not turned away): the next turn of a new conversation still finds its prompt."""
+    st = Stage(shards[(0, 2)], max_kv_tokens=200)
+    prompts = [np.asarray(prompt(70, seed=30 + i), np.int32) for i in range(4)]
+    for i, toks in enumerate(prompts):
+        st.open(f"s{i}", "r", 80, 4, SamplingParams(), frozenset(), toks, prefix_chain(toks))
+        st.run()
+        st.close(f"s{i}")
+        assert st.prefixes.tokens <= 200
+    # 4 blocks each, room for 12: the newest prompt is whole, the oldest gone.
+    assert st.prefixes.held(prefix_chain(prompts[-1])) == 4
+    assert st.prefixes.held(prefix_chain(prompts[0])) == 0

@@ -63,22 +63,27 @@ class PrefixStore:
             cache.k[:, :, span].copy_(k)
             cache.v[:, :, span].copy_(v)
 
-    def save(self, chain: tuple[int, ...], cache: KVCache, room: int) -> int:
+    def save(self, chain: tuple[int, ...], cache: KVCache, limit: int) -> int:
         """Store the blocks of ``chain`` that ``cache`` has computed and this store lacks,
-        at most ``room`` tokens' worth; returns how many were stored."""
+        dropping the least recently used others while the store would hold more than
+        ``limit`` tokens (the room live sessions leave); returns how many were stored."""
         done = min(len(chain), cache.length // PREFIX_BLOCK)
-        stored = 0
+        missing = []
         for i, key in enumerate(chain[:done]):
             if key in self._blocks:
-                self._blocks.move_to_end(key)
-                continue
-            if (stored + 1) * PREFIX_BLOCK > room:
-                break
+                self._blocks.move_to_end(key)  # kept last when room is made below
+            else:
+                missing.append(i)
+        capacity = max(limit, 0) // PREFIX_BLOCK
+        missing = missing[:capacity]
+        excess = len(self._blocks) + len(missing) - capacity
+        if excess > 0:
+            self.evict(excess * PREFIX_BLOCK)
+        for i in missing:
             span = slice(i * PREFIX_BLOCK, (i + 1) * PREFIX_BLOCK)
-            self._blocks[key] = (cache.k[:, :, span].clone(), cache.v[:, :, span].clone())
-            stored += 1
-        self.stats.stored_blocks += stored
-        return stored
+            self._blocks[chain[i]] = (cache.k[:, :, span].clone(), cache.v[:, :, span].clone())
+        self.stats.stored_blocks += len(missing)
+        return len(missing)
 
     def evict(self, tokens: int) -> int:
         """Drop least recently used blocks until ``tokens`` are freed (or none is left);

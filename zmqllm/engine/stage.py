@@ -479,8 +479,7 @@ class Stage:
         for w in batch:
             s = w.session
             if w.final and w.step == 0 and s.chain:
-                room = self.pool.max_tokens - self.pool.reserved - store.tokens
-                store.save(s.chain, s.cache, room)
+                store.save(s.chain, s.cache, self.pool.max_tokens - self.pool.reserved)
 
     def warmup(self) -> None:
         """One small forward through the shard, so the first request is not slow."""
