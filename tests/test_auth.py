@@ -115,3 +115,22 @@ def test_a_key_added_in_the_same_clock_tick_is_seen_at_once(tmp_path: Path) -> N
     assert not auth.allowed(WORKERS, new)
     assert auth.refresh()  # no force, RESCAN_S not passed
     assert auth.allowed(WORKERS, new)
+
+
+def test_a_key_file_written_after_a_scan_saw_it_empty_is_read_at_once(tmp_path: Path) -> None:
+    """A copy creates the file (the folder changes), then writes it (only the file
+    does): a handshake's scan in between must not leave the key out for RESCAN_S."""
+    folder = init_keys(tmp_path / "keys")
+    auth = authenticator(folder)
+    issued = add_key(folder, "worker", "second")
+    new = load_peer_keys(issued, "worker").public
+    target = folder / WORKERS / "second.key"
+    content = target.read_bytes()
+    target.write_bytes(b"")  # created, not yet written
+    auth.refresh()
+    assert not auth.allowed(WORKERS, new)
+    before = (folder / WORKERS).stat()
+    target.write_bytes(content)
+    os.utime(folder / WORKERS, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert auth.refresh()  # no force, RESCAN_S not passed
+    assert auth.allowed(WORKERS, new)

@@ -82,7 +82,7 @@ class Authenticator:
         self._lock = threading.Lock()
         self._allowed: dict[str, frozenset[bytes]] = {d: frozenset() for d in domains}
         self._scanned_at = -RESCAN_S
-        self._seen: tuple[tuple[int, tuple[str, ...]], ...] = ()
+        self._seen: tuple[tuple[tuple[str, int, int, int], ...], ...] = ()
         self._removed_at: dict[tuple[str, bytes], float] = {}  # (domain, key) -> when
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -90,15 +90,21 @@ class Authenticator:
         self._error: BaseException | None = None
 
     # -- the allowed keys ----------------------------------------------------------
-    def _stamps(self) -> tuple[tuple[int, tuple[str, ...]], ...]:
-        """Each folder's mtime and names: the mtime alone moves in the kernel's coarse
-        clock ticks, and a key added in the tick of the last change would wait RESCAN_S."""
+    def _stamps(self) -> tuple[tuple[tuple[str, int, int, int], ...], ...]:
+        """Each file of each folder: its name, inode, size and mtime. The folder's own
+        mtime is not enough: a key file is created (the folder changes) and then written
+        (only the file does), and a scan between the two must not stand for a second."""
         out = []
         for folder in self.domains.values():
             try:
-                out.append((os.stat(folder).st_mtime_ns, tuple(sorted(os.listdir(folder)))))
+                with os.scandir(folder) as entries:
+                    files = []
+                    for e in entries:
+                        st = e.stat(follow_symlinks=False)
+                        files.append((e.name, st.st_ino, st.st_size, st.st_mtime_ns))
+                out.append(tuple(sorted(files)))
             except OSError:
-                out.append((-1, ()))
+                out.append(())
         return tuple(out)
 
     def refresh(self, force: bool = False) -> bool:
