@@ -209,35 +209,27 @@ def one_of(kind: type[enum.Enum]) -> Check:
     return check
 
 
-def int_list(lo: int, hi: int, max_len: int) -> Check:
-    item = integer(lo, hi)
+def _list_of(item: Check, max_len: int, what: str) -> Check:
+    """A list of at most ``max_len`` values, each passing ``item``, as a tuple."""
 
-    def check(field_name: str, value: Any) -> tuple[int, ...]:
+    def check(field_name: str, value: Any) -> tuple[Any, ...]:
         if type(value) is not list or len(value) > max_len:
-            raise _fail(field_name, f"a list of at most {max_len} ints", value)
+            raise _fail(field_name, f"a list of at most {max_len} {what}", value)
         return tuple(item(field_name, v) for v in value)
 
     return check
+
+
+def int_list(lo: int, hi: int, max_len: int) -> Check:
+    return _list_of(integer(lo, hi), max_len, "ints")
 
 
 def number_list(lo: float, hi: float, max_len: int) -> Check:
-    item = number(lo, hi)
-
-    def check(field_name: str, value: Any) -> tuple[float, ...]:
-        if type(value) is not list or len(value) > max_len:
-            raise _fail(field_name, f"a list of at most {max_len} numbers", value)
-        return tuple(item(field_name, v) for v in value)
-
-    return check
+    return _list_of(number(lo, hi), max_len, "numbers")
 
 
 def str_list(item: Check, max_len: int) -> Check:
-    def check(field_name: str, value: Any) -> tuple[str, ...]:
-        if type(value) is not list or len(value) > max_len:
-            raise _fail(field_name, f"a list of at most {max_len} strs", value)
-        return tuple(item(field_name, v) for v in value)
-
-    return check
+    return _list_of(item, max_len, "strs")
 
 
 def scalar_map(max_len: int, keys: frozenset[str] | None = None) -> Check:

@@ -93,6 +93,7 @@ class SessionRules:
                 raise ValueError(f"grammar: {self.matcher.get_error()}")
             self._bitmask = llguidance.numpy.allocate_token_bitmask(1, vocab_size)
             self._fill = llguidance.numpy.fill_next_token_bitmask
+            self._apply = llguidance.numpy.apply_token_bitmask_inplace
         for token in generated:  # a replay: the stream's tokens so far, in order
             self.accept(int(token))
 
@@ -106,8 +107,7 @@ class SessionRules:
             out[ids] -= self.frequency * n + self.presence
         if self.matcher is not None:
             self._fill(self.matcher, self._bitmask, 0)
-            bits = np.unpackbits(self._bitmask[0].view(np.uint8), bitorder="little")
-            out[~bits[: out.shape[0]].astype(bool)] = -np.inf
+            self._apply(out, self._bitmask[0])  # forbidden tokens to -inf, in place
             if not np.isfinite(out).any():
                 raise ValueError("the grammar allows no token here")
         return out
