@@ -167,6 +167,7 @@ def test_sampled_stream_survives_its_worker(replicas: Cluster, layers: str) -> N
 def test_non_streamed_answer_survives_its_worker(replicas: Cluster, greedy_ids) -> None:
     c = replicas
     tok = c_tokenizer(c)
+    prompt_len = len(tok.encode(PROMPT))
     expected = sent_text(tok, greedy_ids(tok.encode(PROMPT), WHOLE_TOKENS, stop_at_eos=False))
     for _ in range(3):  # another try only if the whole answer came before the first stage stopped
         wait_idle(c)
@@ -175,13 +176,22 @@ def test_non_streamed_answer_survives_its_worker(replicas: Cluster, greedy_ids) 
         t = threading.Thread(target=post_whole, args=(c, out), daemon=True)
         t.start()
         victim = c.wait_for(lambda: serving(c, "2:4"), timeout=30, what="a 2:4 worker serving")
+        # Lost before its first token, a request is only queued again by the broker (no
+        # failover): the kill waits for the first token.
+        c.wait_for(
+            lambda t=t: held_tokens(c) > prompt_len or not t.is_alive(),
+            timeout=30,
+            what="the first token",
+        )
         # A whole answer shows no progress: the first stage is frozen, so that no token
         # can be made, and the kill lands mid-answer when the answer has not come.
         first = c.by_name("worker-0-2")
         for p in first:
             p.signal(signal.SIGSTOP)
-        t.join(timeout=0.5)
-        if t.is_alive():
+        # Mid-answer only while the gateway holds fewer tokens than the whole answer: the
+        # last tokens may have come just before the stop, the reply still on its way.
+        mid = prompt_len < held_tokens(c) < prompt_len + WHOLE_TOKENS
+        if mid:
             (proc,) = [p for p in c.procs if p.alive() and p.popen.pid == victim["info"]["pid"]]
             c.kill(proc, signal.SIGKILL)
         for p in first:
@@ -189,7 +199,7 @@ def test_non_streamed_answer_survives_its_worker(replicas: Cluster, greedy_ids) 
         t.join(timeout=120)
         assert out["status"] == 200, out
         assert out["body"]["choices"][0]["text"] == expected
-        if not proc_killed(c, victim):
+        if not mid:
             continue
         assert failovers(c) == before + 1
         replace_killed(c, "2:4")
@@ -206,9 +216,14 @@ def post_whole(c: Cluster, out: dict[str, Any]) -> None:
     conn.close()
 
 
-def proc_killed(c: Cluster, victim: dict[str, Any]) -> bool:
-    pid = victim["info"]["pid"]
-    return not any(p.alive() and p.popen.pid == pid for p in c.procs)
+def held_tokens(c: Cluster) -> float:
+    """Token ids the gateway holds to replay live streams: a stream's prompt + its tokens."""
+    status, body = c.get("/metrics")
+    assert status == 200
+    for line in body.decode().splitlines():
+        if line.startswith("zmqllm_failover_history_tokens "):
+            return float(line.split()[1])
+    raise AssertionError("no zmqllm_failover_history_tokens in /metrics")
 
 
 def c_tokenizer(c: Cluster) -> Any:
