@@ -1,7 +1,8 @@
 """Fuzzing the bus at scale: hostile messages on both broker sockets while real streams run.
 
 A local cluster of the tiny test model (real broker, two workers for layers 0:2 and 2:4,
-and the gateway, as processes on 127.0.0.1). While greedy client streams (whose session
+a remote worker serving a second model from a fake upstream in this process, and the
+gateway, as processes on 127.0.0.1). While greedy client streams (whose session
 ids the fuzzer names: foreign CANCELs, CLOSEs, STEPs, TOKENs) and /chat streams run one
 after another, hostile DEALER peers send ``--messages`` messages from ``zmqllm.fuzz`` to
 each broker socket (non-blocking, dropped at the high-water mark). Reports messages/s
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,8 @@ from report import write_json
 from transformers import MistralForCausalLM
 
 from testbed.cluster import Cluster
+from testbed.fake_upstream import FakeUpstream
+from zmqllm.fuzz_messages import REMOTE_MODEL
 from zmqllm.fuzz_peers import ChatStreams, StatusPoller, VictimStreams, blast
 from zmqllm.models import prepare_tiny_model
 from zmqllm.tokenizer import Tokenizer
@@ -95,8 +99,17 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     greedy = Greedy(model_dir)
     tok = greedy.tok
     c = Cluster(root / "cluster", model_dir)
+    upstream = FakeUpstream()
+    upstream.start()
     try:
-        c.start_all()
+        c.start_broker()
+        for layers in ("0:2", "2:4"):
+            c.start_worker(layers)
+        # A second model, remote: the fuzzer's ASKs name it (fuzz_messages.REMOTE_MODEL).
+        c.start_remote_worker(upstream.url, "--served-name", REMOTE_MODEL)
+        c.start_gateway()
+        c.wait_ready()
+        c.wait_for(lambda: len(c.status().get("models", [])) == 2, what="both models")
         procs = {p.name: p.popen.pid for p in c.procs}
         workers_before = sorted(w["id"] for w in c.status()["workers"])
         sessions: list[str] = []
@@ -142,6 +155,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 
         survived = all(p.alive() and p.popen.pid == procs[p.name] for p in c.procs)
         final = c.status() if survived else {}
+        remote_ok = remote_answers(c) if survived else False
         victim_ok = [
             r.error is None and tok.decode(r.tokens) == greedy.ids(tuple(r.prompt), args.max_tokens)
             for r in victims.results
@@ -183,6 +197,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                 + [f"{r.status}: {r.text[:200]}" for r in chats.results if r.status != 200][:10],
             },
             "exact": all(victim_ok) and all(chat_ok) and bool(victim_ok) and bool(chat_ok),
+            "remote_model_answers_after": remote_ok,
             "status": {
                 "polls": len(poller.latencies),
                 "max_s": round(max(poller.latencies, default=0.0), 3),
@@ -193,6 +208,16 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         }
     finally:
         c.stop()
+        upstream.stop()
+
+
+def remote_answers(c: Cluster) -> bool:
+    """The remote model still answers, and right, after the fuzzing."""
+    body = b"still there?"
+    with urllib.request.urlopen(
+        urllib.request.Request(f"{c.url}/chat?model={REMOTE_MODEL}", data=body), timeout=30
+    ) as r:
+        return r.status == 200 and r.read().decode() == "echo: still there?\n"
 
 
 def _mib(x: float | None) -> str:
@@ -222,6 +247,7 @@ def print_table(r: dict[str, Any]) -> None:
         f"{st['client']}, /chat {st['chat_exact']}/{st['chat']}, "
         f"{st['during_fuzz']} during the fuzz)"
     )
+    print(f"remote model answers after:     {'yes' if r['remote_model_answers_after'] else 'NO'}")
     print(f"status: {s['polls']} polls, slowest {s['max_s']}s, {len(s['failures'])} failed")
     for err in st["errors"] + s["failures"]:
         print("  ", err)

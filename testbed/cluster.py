@@ -116,6 +116,15 @@ class Cluster:
         args += [*self.worker_flags, *flags]
         return self._start(f"worker-{layers.replace(':', '-')}", args)
 
+    def start_remote_worker(self, url: str, *flags: str, name: str = "") -> ChildProcess:
+        """A remote worker forwarding to the OpenAI-compatible API at ``url``; ``flags``
+        are more `zmqllm worker` flags (--served-name, --api-key-file ...)."""
+        args = ["worker", "--remote", url, "--broker", self.backend]
+        args += [*self.beats(), *self.security(), *flags]
+        if name:
+            args += ["--name", name]
+        return self._start("worker-remote", args)
+
     def start_gateway(self, *flags: str) -> ChildProcess:
         """The gateway; ``flags`` are more `zmqllm gateway` flags (--max-queued 3 ...)."""
         args = ["gateway", "--port", str(self.http_port), "--broker", self.frontend]

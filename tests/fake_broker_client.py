@@ -176,6 +176,7 @@ class FakeBrokerClient:
         sampling: SamplingParams,
         stop_ids: Sequence[int],
         session: str | None = None,
+        model: str = "",
     ) -> FakeTokenStream:
         call = GenerateCall(request_id, list(prompt), max_tokens, sampling, list(stop_ids), session)
         self.calls.append(call)

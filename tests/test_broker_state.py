@@ -6,6 +6,7 @@ No torch here: the broker runs without the ML stack.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -16,8 +17,11 @@ from zmqllm import __version__
 from zmqllm.broker_state import MAX_ATTEMPTS, Out, SessionTable
 from zmqllm.messages import (
     Activation,
+    Ask,
+    AskKind,
     Cached,
     Close,
+    Delta,
     Error,
     ErrorCode,
     Finish,
@@ -350,3 +354,100 @@ def test_prefix_affinity_gives_way_to_load_past_the_slack() -> None:
     # The prefix follows a0 while it has at most 2 sessions more than b0; then load
     # decides (b0), b0 learns the prefix, and with both holding it load decides again.
     assert routes == [b"a0", b"a0", b"a0", b"b0", b"b0", b"b0"]
+
+
+# -- many models, text sessions --------------------------------------------------------------
+
+
+def two_models() -> SessionTable:
+    """A two-stage model "tiny" and a remote text model "remote" with two workers."""
+    reg = Registry()
+    register(reg, "t0", 0, 2, served="tiny")
+    register(reg, "t1", 2, 4, served="tiny")
+    for wid in ("r1", "r2"):
+        text = dict(num_layers=1, served="remote", text_model=True, fingerprint="r")
+        register(reg, wid, 0, 1, **text)
+    return SessionTable(reg, "boot1")
+
+
+def ask_msg(session: str = "q1", model: str = "remote", max_tokens: int = 8) -> Ask:
+    body = Payload(np.frombuffer(b'{"messages": []}', np.uint8).copy(), "uint8")
+    return Ask(
+        session=session,
+        request_id="r2",
+        model=model,
+        kind=AskKind.CHAT,
+        max_tokens=max_tokens,
+        body=body,
+    )
+
+
+def delta(t: SessionTable, w: str, wire: str, step: int, attempt: int = 1, **kw: Any) -> list[Out]:
+    msg = Delta(session=wire, attempt=attempt, step=step, text=f"p{step}", **kw)
+    return t.on_delta(t.registry.workers[w], msg, 0.0)
+
+
+def test_each_request_goes_to_the_model_it_names() -> None:
+    t = two_models()
+    # Unnamed with two models served: refused, naming them.
+    (err,) = to(t.open(A, open_msg("s2"), 0.0), A)
+    assert err.code is ErrorCode.BAD_REQUEST and "remote, tiny" in err.message
+    outs = t.open(A, dataclasses.replace(open_msg("s3"), model="tiny"), 0.0)
+    assert [m.model for _, m in opens(outs)] == ["tiny", "tiny"]
+    (ask,) = to(t.open(B, ask_msg(), 0.0), b"r1")
+    assert isinstance(ask, Ask) and ask.model == "remote" and ask.body.array.tobytes()
+    assert ask.session != "q1" and ask.attempt == 1
+
+
+def test_a_request_of_the_wrong_kind_for_its_model_is_refused() -> None:
+    t = two_models()
+    (err,) = to(t.open(A, ask_msg(model="tiny"), 0.0), A)
+    assert err.code is ErrorCode.BAD_REQUEST and "'tiny'" in err.message
+    (err,) = to(t.open(A, dataclasses.replace(open_msg(), model="remote"), 0.0), A)
+    assert err.code is ErrorCode.BAD_REQUEST and "ASK" in err.message
+
+
+def test_deltas_reach_the_client_in_order_and_the_last_ends_the_session() -> None:
+    t = two_models()
+    (ask,) = to(t.open(B, ask_msg(), 0.0), b"r1")
+    assert delta(t, "r1", ask.session, 1) == []  # out of order
+    assert delta(t, "r2", ask.session, 0) == []  # not on the route
+    (first,) = to(delta(t, "r1", ask.session, 0), B)
+    assert (first.session, first.step, first.text, first.route) == ("q1", 0, "p0", ("r1",))
+    assert first.boot == "boot1"
+    outs = delta(t, "r1", ask.session, 1, finish="stop", prompt_tokens=3, completion_tokens=2)
+    (last,) = to(outs, B)
+    assert (last.finish, last.prompt_tokens, last.completion_tokens, last.route) == (
+        "stop",
+        3,
+        2,
+        None,
+    )
+    assert [type(m) for m in to(outs, b"r1")] == [Close]
+    assert not t.sessions and t.registry.workers["r1"].reserved_tokens == 0
+
+
+def test_a_text_worker_lost_before_its_first_piece_requeues_the_request() -> None:
+    t = two_models()
+    to(t.open(B, ask_msg(), 0.0), b"r1")
+    t.registry.remove(t.registry.workers["r1"])
+    (again,) = to(t.worker_lost("r1", "gone", 0.0), b"r2")
+    assert isinstance(again, Ask) and again.attempt == 2
+    assert to(delta(t, "r2", again.session, 0, attempt=2), B)
+    t.registry.remove(t.registry.workers["r2"])
+    (err,) = to(t.worker_lost("r2", "gone", 0.0), B)
+    assert err.code is ErrorCode.WORKER_LOST
+
+
+def test_a_model_without_room_holds_back_only_its_own_requests() -> None:
+    reg = Registry()
+    register(reg, "t0", 0, 4, served="tiny", capacity=1)
+    register(reg, "r1", 0, 1, num_layers=1, served="remote", text_model=True, capacity=1)
+    t = SessionTable(reg, "boot1")
+    tiny = dataclasses.replace(open_msg(), model="tiny")
+    t.open(A, tiny, 0.0)
+    assert to(t.open(A, dataclasses.replace(tiny, session="s2"), 0.0), b"t0") == []
+    (ask,) = to(t.open(A, ask_msg(), 0.0), b"r1")  # behind the queued tiny request
+    assert isinstance(ask, Ask)
+    errs = to(t.tick(100.0, lambda model: f"none for {model}"), A)
+    assert [e.message for e in errs] == ["none for tiny"]

@@ -103,6 +103,7 @@ class Source:
         sampling: SamplingParams,
         stop_ids: Sequence[int],
         session: str | None = None,
+        model: str = "",
     ) -> Session:
         assert session is not None and request_id == "r1"
         fault = self.faults.pop(0) if self.faults else Fault()

@@ -40,6 +40,11 @@ FRONT_END_MODULES = [
     "zmqllm.supervision",
     "zmqllm.gateway.app",
     "zmqllm.gateway.server",
+    "zmqllm.upstream",
+    "zmqllm.ask_body",
+    "zmqllm.remote_worker",
+    "zmqllm.route_search",
+    "zmqllm.session_records",
 ]
 
 

@@ -339,6 +339,7 @@ BROKER_ANSWERS = {
     ErrorCode.FULL: (503, True, "server_error"),
     ErrorCode.WORKER_LOST: (503, True, "server_error"),
     ErrorCode.BROKER_UNREACHABLE: (503, True, "server_error"),
+    ErrorCode.UPSTREAM_ERROR: (502, False, "server_error"),
 }
 
 

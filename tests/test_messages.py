@@ -8,6 +8,7 @@ No torch here: the front end runs without the ML stack. The strategies below
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import msgpack
@@ -21,6 +22,7 @@ from zmqllm.messages import (
     LOAD_KEYS,
     MAX_ATTEMPTS,
     MAX_CONTEXT,
+    MAX_DELTA,
     MAX_LAYERS,
     MAX_SESSIONS,
     MAX_STATUS_BYTES,
@@ -29,9 +31,12 @@ from zmqllm.messages import (
     MAX_TOKEN_ID,
     MESSAGE_TYPES,
     Activation,
+    Ask,
+    AskKind,
     Cached,
     Cancel,
     Close,
+    Delta,
     Disconnect,
     Error,
     ErrorCode,
@@ -134,6 +139,7 @@ def registers(draw: st.DrawFn) -> Register:
         dtype=draw(texts(16)),
         device=draw(texts(32)),
         prefill_chunk=draw(st.integers(0, MAX_CONTEXT)),
+        served=draw(st.just("") | names),
     )
 
 
@@ -180,6 +186,18 @@ def activations(draw: st.DrawFn) -> Activation:
     )
 
 
+@st.composite
+def asks(draw: st.DrawFn) -> Ask:
+    body = json.dumps(draw(st.dictionaries(texts(8), scalars, max_size=4))).encode()
+    return Ask(
+        **draw(st.fixed_dictionaries(session_fields())),
+        model=draw(st.just("") | names),
+        kind=draw(st.sampled_from(AskKind)),
+        max_tokens=draw(st.integers(1, MAX_CONTEXT)),
+        body=Payload(np.frombuffer(body, np.uint8).copy(), "uint8"),
+    )
+
+
 MESSAGES: dict[type[Message], st.SearchStrategy[Any]] = {
     Register: registers(),
     Registered: st.builds(Registered, request_id=request_ids, worker_id=names, boot=texts(64)),
@@ -193,6 +211,17 @@ MESSAGES: dict[type[Message], st.SearchStrategy[Any]] = {
         draining=st.booleans(),
     ),
     Open: opens(),
+    Ask: asks(),
+    Delta: st.builds(
+        Delta,
+        **session_fields(),
+        text=texts(64),
+        finish=st.none() | texts(32),
+        prompt_tokens=st.none() | st.integers(0, MAX_CONTEXT),
+        completion_tokens=st.none() | st.integers(0, MAX_CONTEXT),
+        route=st.none() | st.lists(names, max_size=8).map(tuple),
+        boot=st.none() | texts(64),
+    ),
     Cached: st.builds(Cached, **session_fields(), tokens=st.integers(0, MAX_CONTEXT)),
     Step: st.builds(Step, **session_fields(), token=st.integers(0, MAX_TOKEN_ID), group=groups),
     Activation: activations(),
@@ -271,12 +300,17 @@ def test_every_field_says_how_it_travels() -> None:
             assert isinstance(f.metadata.get("wire"), WireField), (cls, f.name)
             if f.metadata["wire"].is_payload:
                 payload_fields.add((cls.__name__, f.name))
-    assert payload_fields == {("Open", "tokens"), ("Activation", "hidden"), ("StatusReply", "body")}
+    assert payload_fields == {
+        ("Open", "tokens"),
+        ("Ask", "body"),
+        ("Activation", "hidden"),
+        ("StatusReply", "body"),
+    }
 
 
 def test_session_messages_are_the_ones_about_a_session() -> None:
     about_a_session = {c for c in MESSAGE_TYPES.values() if issubclass(c, SessionMessage)}
-    assert about_a_session == {Open, Cached, Step, Activation, Token, Close, Cancel}
+    assert about_a_session == {Open, Ask, Cached, Step, Activation, Token, Delta, Close, Cancel}
 
 
 def test_messages_are_frozen() -> None:
@@ -304,6 +338,7 @@ EXAMPLES: dict[type[Message], Message] = {
         dtype="float32",
         device="cpu",
         prefill_chunk=2048,
+        served="tiny",
     ),
     Registered: Registered(worker_id="w-1", boot="b"),
     Refused: Refused(reason="no"),
@@ -317,6 +352,14 @@ EXAMPLES: dict[type[Message], Message] = {
         next="w-2",
         tokens=Payload(np.array([1, 2, 3], np.int32), "int32"),
     ),
+    Ask: Ask(
+        session="s",
+        model="remote",
+        kind=AskKind.COMPLETION,
+        max_tokens=4,
+        body=Payload(np.frombuffer(b'{"prompt": "hi"}', np.uint8).copy(), "uint8"),
+    ),
+    Delta: Delta(session="s", step=2, text="hi", finish="stop", prompt_tokens=3, route=("w",)),
     Cached: Cached(session="s", tokens=32),
     Step: Step(session="s", token=5, group=("g", 1)),
     Activation: Activation(
@@ -402,6 +445,8 @@ BAD: dict[type[Message], dict[str, list[Any]]] = {
         "dtype": _texts(16),
         "device": _texts(32),
         "prefill_chunk": _ints(0, MAX_CONTEXT),
+        "served": _without(_NAMES, ""),
+        "text_model": _FLAGS,
     },
     Registered: {**_COMMON, "worker_id": _NAMES, "boot": _texts(64)},
     Refused: {**_COMMON, "reason": _texts(MAX_TEXT)},
@@ -448,6 +493,22 @@ BAD: dict[type[Message], dict[str, list[Any]]] = {
         "generated": [None, 5, [-1], [MAX_TOKEN_ID + 1], [1.5], [1, 2, 3, 4]],
         # A key out of range, a key of another type, more keys than the prompt has blocks.
         "prefix": [None, 5, [-1], [MAX_PREFIX_KEY + 1], [1.5], [True], ["k"], [1]],
+        "model": _without(_NAMES, ""),
+    },
+    Ask: {
+        **_SESSION,
+        "model": _without(_NAMES, ""),
+        "kind": [None, 5, "CHAT", "image", [], ""],
+        "max_tokens": _ints(1, MAX_CONTEXT),
+    },
+    Delta: {
+        **_SESSION,
+        "text": _texts(MAX_DELTA),
+        "finish": _without(_texts(32), None),
+        "prompt_tokens": _without(_ints(0, MAX_CONTEXT), None),
+        "completion_tokens": _without(_ints(0, MAX_CONTEXT), None),
+        "route": [5, "w-1", [5], ["a b"], [""], [None], ["w"] * (MAX_LAYERS + 1)],
+        "boot": _without(_texts(64), None),
     },
     Cached: {**_SESSION, "tokens": _ints(0, MAX_CONTEXT)},
     Step: {**_SESSION, "token": _ints(0, MAX_TOKEN_ID), "group": _GROUPS},

@@ -19,6 +19,7 @@ from zmqllm.messages import LOAD_KEYS, MAX_LAYERS, MAX_STATUS_BYTES, MAX_TEXT, R
 from zmqllm.protocol import decode, encode
 from zmqllm.registry import (
     MAX_GAPS,
+    MAX_MODELS,
     Registry,
     RegistryError,
     WorkerEntry,
@@ -40,6 +41,8 @@ def register(
     summary: dict[str, Any] | None = None,
     context: int = 512,
     version: str = VERSION,
+    served: str = "",
+    text_model: bool = False,
 ) -> Register:
     return Register(
         start=start,
@@ -51,6 +54,8 @@ def register(
         version=version,
         fingerprint=digest,
         model=summary if summary is not None else SUMMARY,
+        served=served,
+        text_model=text_model,
         host="node-1",
         pid=4242,
         dtype="float32",
@@ -82,7 +87,7 @@ def snapshot(reg: Registry) -> tuple[Any, ...]:
         reg.num_layers,
         reg.context,
         reg.fingerprint,
-        dict(reg.model),
+        {name: m.describe() for name, m in reg.models.items()},
         reg.pools(),
         reg.uncovered(),
         reg.route_shapes(),
@@ -99,7 +104,7 @@ def test_first_worker_defines_the_model() -> None:
     assert reg.num_layers == 4
     assert reg.context == 512
     assert reg.fingerprint == "d1"
-    assert reg.model == SUMMARY
+    assert reg.resolve() is not None and reg.resolve().summary == SUMMARY
     assert ids(reg.find_route(10)) == ["a"]
     assert (a.host, a.pid, a.dtype, a.device) == ("node-1", 4242, "float32", "cpu")
     assert a.max_kv_tokens == 1000 and a.capacity == 4
@@ -382,6 +387,8 @@ def test_describe_carries_only_whitelisted_fields_and_stats() -> None:
     d = w.describe(w.last_seen)
     assert set(d) == {
         "id",
+        "model",
+        "text_model",
         "layers",
         "sessions",
         "capacity",
@@ -569,7 +576,7 @@ def test_an_empty_registry_accepts_another_model() -> None:
     assert reg.refusal(new, VERSION, b"c") is not None  # b still there
     reg.remove(b)
     assert reg.workers == {} and reg.by_identity == {}
-    assert (reg.num_layers, reg.context, reg.fingerprint, reg.model) == (0, 0, "", {})
+    assert (reg.num_layers, reg.context, reg.fingerprint, reg.models) == (0, 0, "", {})
     assert reg.refusal(new, VERSION, b"c") is None
 
     reg.add(b"c", new)
@@ -766,3 +773,71 @@ def test_a_worker_with_another_prefill_chunk_is_refused() -> None:
     reason = reg.refusal(other, VERSION, b"b")
     assert reason is not None and "prefill_chunk is 512, the cluster's is 2048" in reason
     assert reg.refusal(dataclasses.replace(other, prefill_chunk=2048), VERSION, b"b") is None
+
+
+# -- many models -------------------------------------------------------------------------
+
+
+def text_worker(reg: Registry, wid: str, served: str = "remote", **kw: Any) -> WorkerEntry:
+    return add(reg, wid, 0, 1, num_layers=1, served=served, text_model=True, digest="r", **kw)
+
+
+def test_models_are_served_side_by_side_each_by_its_name() -> None:
+    reg = Registry()
+    add(reg, "a", 0, 2, served="tiny")
+    add(reg, "b", 2, 4, served="tiny")
+    text_worker(reg, "r1")
+    text_worker(reg, "r2")
+    assert sorted(reg.models) == ["remote", "tiny"]
+    assert ids(reg.find_route(10, model="tiny")) == ["a", "b"]
+    assert ids(reg.find_route(10, model="remote")) == ["r1"]
+    assert reg.find_route(10, model="nope") is None
+    # Unnamed is the only model; with two there is none to pick.
+    assert reg.find_route(10) is None and reg.resolve() is None
+    assert reg.models["remote"].describe()["complete_route"]
+    assert reg.uncovered("tiny") == "" and reg.pools("remote")[0]["workers"] == ["r1", "r2"]
+
+
+def test_a_model_of_another_digest_under_another_name_is_taken() -> None:
+    reg = Registry()
+    add(reg, "a", 0, 4, served="one")
+    other = register(0, 8, num_layers=8, digest="d2", served="two", context=2048)
+    assert reg.refusal(other, VERSION, b"b") is None
+    reg.add(b"b", other)
+    assert reg.models["two"].num_layers == 8 and reg.models["one"].num_layers == 4
+    # The same name with another digest is still refused, naming the model.
+    clash = register(0, 8, num_layers=8, digest="d3", served="two", context=2048)
+    reason = reg.refusal(clash, VERSION, b"c")
+    assert reason is not None and "'two'" in reason
+
+
+def test_a_text_worker_cannot_join_a_model_of_layers_nor_the_reverse() -> None:
+    reg = Registry()
+    add(reg, "a", 0, 1, num_layers=1, served="m")
+    reason = reg.refusal(register(0, 1, num_layers=1, served="m", text_model=True), VERSION, b"t")
+    assert reason is not None and "other kind" in reason
+    text_worker(reg, "t", served="r")
+    reason = reg.refusal(register(0, 1, num_layers=1, digest="r", served="r"), VERSION, b"u")
+    assert reason is not None and "remote (text) model" in reason
+    # A text model is one layer long: anything else is refused.
+    bad = register(0, 2, num_layers=2, served="x", text_model=True)
+    assert "0:1 of 1" in (reg.refusal(bad, VERSION, b"v") or "")
+
+
+def test_the_number_of_models_is_bounded_and_a_model_leaves_with_its_last_worker() -> None:
+    reg = Registry()
+    for i in range(MAX_MODELS):
+        text_worker(reg, f"w{i}", served=f"m{i}")
+    reason = reg.refusal(register(0, 4, served="one-more"), VERSION, b"x")
+    assert reason is not None and f"at most {MAX_MODELS} models" in reason
+    # A worker moving to a new model leaves its old one empty: that one is not counted.
+    assert reg.refusal(register(0, 4, served="moved"), VERSION, b"w0") is None
+    reg.remove(reg.workers["w1"])
+    assert "m1" not in reg.models
+    assert reg.refusal(register(0, 4, served="one-more"), VERSION, b"x") is None
+
+
+def test_the_pinned_digest_binds_models_of_layers_only() -> None:
+    reg = Registry(model_fingerprint="d1")
+    assert reg.refusal(register(0, 4, digest="d2", served="b"), VERSION, b"a") is not None
+    assert text_worker(reg, "t").served == "remote"

@@ -128,6 +128,38 @@ def test_format_status_prints_the_worker_table() -> None:
     assert busy.index("draining") == header.index("state")
 
 
+def test_format_status_groups_the_workers_of_several_models() -> None:
+    remote = dict(SAMPLE["workers"][1], id="w-remote", layers=[0, 1], model="chat-api")
+    workers = [dict(w, model="big") for w in SAMPLE["workers"]] + [remote]
+    models = [
+        {
+            "name": "big",
+            "text_model": False,
+            "num_layers": 30,
+            "complete_route": True,
+            "routes": [["0:15", "15:30"]],
+        },
+        {
+            "name": "chat-api",
+            "text_model": True,
+            "num_layers": 1,
+            "complete_route": False,
+            "uncovered": "0:1",
+            "routes": [],
+        },
+    ]
+    out = format_status(dict(SAMPLE, workers=workers, models=models))
+    lines = out.splitlines()
+    assert "models 2" in lines[0]
+    big = lines.index("model big  30 layers  complete route: yes")
+    api = lines.index("model chat-api  remote (text)  complete route: NO (missing 0:1)")
+    assert big < api
+    assert any(line.startswith("w-host-0-15") for line in lines[big:api])
+    assert not any(line.startswith("w-remote") for line in lines[big:api])
+    assert any(line.startswith("w-remote") for line in lines[api:])
+    assert "routes: 0:15 -> 15:30" in lines[big:api]
+
+
 def test_format_status_prints_pools_and_counters() -> None:
     out = format_status(SAMPLE)
     assert line_with(out, "15:30 ").split() == ["15:30", "w-host-15-30,", "w-other-15-30"]

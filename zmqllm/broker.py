@@ -28,8 +28,10 @@ from zmqllm.keys import BrokerKeys, as_server
 from zmqllm.log import get_logger
 from zmqllm.messages import (
     Activation,
+    Ask,
     Cached,
     Cancel,
+    Delta,
     Disconnect,
     Error,
     ErrorCode,
@@ -309,7 +311,7 @@ class Broker:
                 )
 
     def _expire(self, now: float) -> None:
-        self.send(self.table.tick(now, self._no_route_reason()))
+        self.send(self.table.tick(now, self._no_route_reason))
 
     # -- sending ---------------------------------------------------------------
     def send(self, outs: list[Out]) -> None:
@@ -350,7 +352,7 @@ class Broker:
     # -- clients ---------------------------------------------------------------
     def on_client_message(self, client: bytes, msg: Message, frames: list[Any]) -> None:
         now = time.monotonic()
-        if isinstance(msg, Open):
+        if isinstance(msg, (Open, Ask)):
             if self.auth is not None:
                 self.client_keys.opened(client, frames)
             self.send(self.table.open(client, msg, now))
@@ -394,6 +396,8 @@ class Broker:
             self.send(self.table.on_activation(w, msg, frames[1:], now))
         elif isinstance(msg, Token):
             self.send(self.table.on_token(w, msg, now))
+        elif isinstance(msg, Delta):
+            self.send(self.table.on_delta(w, msg, now))
         elif isinstance(msg, Cached):
             self.send(self.table.on_cached(w, msg, now))
         elif isinstance(msg, Error):
@@ -424,6 +428,8 @@ class Broker:
         log.info(
             "worker registered",
             worker=w.worker_id,
+            model=w.served,
+            text_model=w.text_model,
             layers=f"{w.start}:{w.end}",
             capacity=w.capacity,
             max_kv_tokens=w.max_kv_tokens,
@@ -441,11 +447,16 @@ class Broker:
         log.warning("worker removed", worker=w.worker_id, reason=reason)
         return self.table.worker_lost(w.worker_id, reason, now)
 
-    def _no_route_reason(self) -> str:
+    def _no_route_reason(self, model: str = "") -> str:
         t = self.s.queue_timeout
         if not self.registry.workers:
             return f"no capacity: no worker registered after {t:g}s"
-        missing = self.registry.uncovered()
+        m = self.registry.resolve(model)
+        if m is None:
+            served = ", ".join(sorted(self.registry.models)[:8])
+            what = f"no worker serves model {model!r}" if model else "no model named"
+            return f"no capacity: {what} (served: {served}) after {t:g}s"
+        missing = self.registry.uncovered(m.name)
         if missing:
             return f"no capacity: no complete route (layers {missing} have no worker) after {t:g}s"
         return f"no capacity: no route with room after {t:g}s"
@@ -474,6 +485,7 @@ class Broker:
             "workers": [w.describe(now) for w in self.registry.workers.values()],
             "pools": self.registry.pools(),
             "routes": self.registry.route_shapes(),
+            "models": [m.describe() for m in self.registry.models.values()],
             "counters": {
                 "sessions_opened": st.opened,
                 "sessions_finished": st.finished,

@@ -9,122 +9,45 @@ Sessions are keyed by (client routing id, the client's session id), so no client
 name, cancel or collide with another client's session. Workers know a session by a wire
 id the broker assigns, plus the attempt number: messages of an earlier attempt still in
 flight match nothing.
+
+Requests name their model (``Open.model`` / ``Ask.model``; unnamed: the only one): each
+model has its own routes, and a model without room holds back only its own queued
+requests. A text model's session (ASK) is one worker that drives its own steps and
+answers with DELTAs.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from zmqllm.log import bind_request, get_logger
 from zmqllm.messages import (
-    MAX_GENERATED,
     Activation,
+    Ask,
     Cached,
     Close,
+    Delta,
     Error,
     ErrorCode,
-    Message,
     Open,
     Step,
     Token,
 )
-from zmqllm.prefix import PrefixIndex, prefix_chain
+from zmqllm.prefix import PrefixIndex
 from zmqllm.registry import Registry, WorkerEntry
+from zmqllm.session_records import Key, Out, Pending, Session, SessionStats
+
+__all__ = ["MAX_ATTEMPTS", "Key", "Out", "Pending", "Session", "SessionStats", "SessionTable"]
 
 log = get_logger("zmqllm.broker")
 
 # Routes one request may be tried on (a full worker, a worker lost before the first
 # token): past this it fails instead of bouncing around a sick cluster forever.
 MAX_ATTEMPTS = 8
-
-Key = tuple[bytes, str]  # (client routing id, client's session id)
-
-
-@dataclass(frozen=True, slots=True)
-class Out:
-    """One message to send: to a worker (by routing id) or a client; ``frames`` are
-    pre-encoded frames forwarded as received (activations)."""
-
-    to_worker: bool
-    identity: bytes
-    msg: Message | None = None
-    frames: Sequence[Any] | None = None
-
-
-@dataclass
-class Pending:
-    """A request waiting for a route: its client and OPEN (the prompt a view of the
-    received frame, forwarded to stage 0 without a copy)."""
-
-    client: bytes
-    open: Open
-    enqueued: float
-    attempts: int = 0
-    _chain: tuple[int, ...] | None = None
-
-    @property
-    def key(self) -> Key:
-        return (self.client, self.open.session)
-
-    @property
-    def generated(self) -> tuple[int, ...]:
-        """A replay's tokens so far (the end of its prompt), when the last stage needs
-        them to sample (penalties, a grammar): at most MAX_GENERATED, the latest."""
-        sampling, tokens = self.open.sampling, self.open.tokens
-        done = min(sampling.first_step, MAX_GENERATED, self.open.prompt_len)
-        if not done or not sampling.needs_history or tokens is None:
-            return ()
-        return tuple(int(t) for t in tokens.array[-done:])
-
-    @property
-    def chain(self) -> tuple[int, ...]:
-        """The prompt's prefix keys (prefix.prefix_chain), computed once."""
-        if self._chain is None:
-            tokens = self.open.tokens
-            self._chain = prefix_chain(tokens.array) if tokens is not None else ()
-        return self._chain
-
-    @property
-    def max_len(self) -> int:
-        return self.open.prompt_len + self.open.max_tokens
-
-
-@dataclass
-class Session:
-    request: Pending
-    wire: str  # the id workers know it by
-    route: list[str]  # worker ids, stage order
-    last_active: float  # any message about it from its route (inactivity deadline)
-    next_step: int = 0  # the step of the TOKEN expected next
-
-    @property
-    def key(self) -> Key:
-        return self.request.key
-
-    @property
-    def attempt(self) -> int:
-        return self.request.attempts
-
-    @property
-    def request_id(self) -> str:
-        return self.request.open.request_id
-
-    @property
-    def streamed(self) -> bool:
-        """A token reached the client: the request can no longer start over unseen."""
-        return self.next_step > 0
-
-
-@dataclass
-class SessionStats:
-    opened: int = 0
-    finished: int = 0
-    failed: int = 0
-    tokens: int = 0
 
 
 @dataclass
@@ -143,22 +66,34 @@ class SessionTable:
     _ids: Any = field(default_factory=lambda: itertools.count(1))
 
     # -- clients ---------------------------------------------------------------
-    def open(self, client: bytes, msg: Open, now: float) -> list[Out]:
+    def open(self, client: bytes, msg: Open | Ask, now: float) -> list[Out]:
+        """A new request: an OPEN (token ids) for a model of layers, an ASK (the request
+        as JSON) for a text model; queued, then routed as soon as a route has room."""
+
         def refuse(code: ErrorCode, text: str) -> list[Out]:
             return [self._to_client(client, msg.session, msg.request_id, code, text)]
 
         key = (client, msg.session)
         if key in self.sessions or any(p.key == key for p in self.queue):
             return refuse(ErrorCode.BAD_REQUEST, f"session {msg.session} is already open")
-        if msg.tokens is None:
-            return refuse(ErrorCode.BAD_REQUEST, "OPEN needs the prompt's int32 token ids")
-        context = self.registry.context
-        if context and msg.prompt_len + msg.max_tokens > context:
-            return refuse(
-                ErrorCode.BAD_REQUEST,
-                f"prompt ({msg.prompt_len}) + max_tokens ({msg.max_tokens}) exceed "
-                f"the model's context of {context} tokens",
-            )
+        model = self.registry.resolve(msg.model)
+        if model is None and not msg.model and len(self.registry.models) > 1:
+            names = ", ".join(sorted(self.registry.models)[:8])
+            return refuse(ErrorCode.BAD_REQUEST, f"several models are served ({names}): name one")
+        ask = isinstance(msg, Ask)
+        if model is not None and model.text_model != ask:
+            what = "a remote (text) model: send ASK" if model.text_model else "a model of tokens"
+            return refuse(ErrorCode.BAD_REQUEST, f"model {model.name!r} is {what}")
+        if isinstance(msg, Open):
+            if msg.tokens is None:
+                return refuse(ErrorCode.BAD_REQUEST, "OPEN needs the prompt's int32 token ids")
+            context = model.context if model is not None else 0
+            if context and msg.prompt_len + msg.max_tokens > context:
+                return refuse(
+                    ErrorCode.BAD_REQUEST,
+                    f"prompt ({msg.prompt_len}) + max_tokens ({msg.max_tokens}) exceed "
+                    f"the model's context of {context} tokens",
+                )
         if len(self.queue) >= self.queue_size:
             return refuse(
                 ErrorCode.BUSY, f"the broker queue is full ({self.queue_size}); retry shortly"
@@ -197,15 +132,25 @@ class SessionTable:
 
     # -- routing ---------------------------------------------------------------
     def dispatch(self, now: float) -> list[Out]:
-        """Open queued requests, oldest first, while a route with room exists."""
+        """Open queued requests, oldest first per model, while a route with room exists
+        (a model without room holds back only its own requests)."""
         out: list[Out] = []
+        blocked: set[str] = set()
+        waiting: deque[Pending] = deque()
         while self.queue:
-            p = self.queue[0]
-            route = self.registry.find_route(p.max_len, held=self._held_by(p.chain))
+            p = self.queue.popleft()
+            model = p.open.model
+            route = None
+            if model not in blocked:
+                route = self.registry.find_route(
+                    p.max_len, held=self._held_by(p.chain), model=model
+                )
             if route is None:
-                break
-            self.queue.popleft()
+                blocked.add(model)
+                waiting.append(p)
+                continue
             out += self._start(p, route, now)
+        self.queue = waiting
         return out
 
     def _held_by(self, chain: tuple[int, ...]) -> Callable[[WorkerEntry], int] | None:
@@ -229,6 +174,17 @@ class SessionTable:
                 attempt=p.attempts,
                 queue_wait_ms=round((now - p.enqueued) * 1e3, 1),
             )
+        if isinstance(p.open, Ask):
+            ask = Ask(
+                session=wire,
+                attempt=p.attempts,
+                request_id=s.request_id,
+                model=p.open.model,
+                kind=p.open.kind,
+                max_tokens=p.open.max_tokens,
+                body=p.open.body,
+            )
+            return [Out(True, route[0].identity, ask)]
         out: list[Out] = []
         n = len(route)
         for w in route:
@@ -252,6 +208,7 @@ class SessionTable:
                 tokens=p.open.tokens if i == 0 else None,
                 prefix=p.chain,
                 generated=p.generated if i == n - 1 else (),
+                model=p.open.model,
             )
             out.append(Out(True, route[i].identity, stage_open))
         return out
@@ -290,27 +247,16 @@ class SessionTable:
         s = self._session_of(w, msg.session, msg.attempt)
         if s is None or s.route[-1] != w.worker_id or msg.step != s.next_step:
             return []
-        first = msg.step == 0
-        s.next_step += 1
-        s.last_active = now
-        self.stats.tokens += 1
-        client, sid = s.key
         token = Token(
-            session=sid,
-            request_id=s.request_id,
-            step=msg.step,
+            **self._advance(s, now),
             token=msg.token,
             finish=msg.finish,
             logprob_ids=msg.logprob_ids,
             logprobs=msg.logprobs,
-            route=tuple(s.route) if first else None,
-            boot=self.boot if first else None,
         )
-        out = [Out(False, client, token)]
+        out = [Out(False, s.key[0], token)]
         if msg.finish is not None:
-            with bind_request(s.request_id, sid):
-                log.info("session finished", finish=msg.finish.value, tokens=msg.step + 1)
-            return out + self._end(s, now, failed=False, tell_client=False)
+            return out + self._finished(s, msg.finish.value, now)
         stage0 = self.registry.workers.get(s.route[0])
         if stage0 is not None:
             step = Step(
@@ -323,6 +269,41 @@ class SessionTable:
             )
             out.append(Out(True, stage0.identity, step))
         return out
+
+    def on_delta(self, w: WorkerEntry, msg: Delta, now: float) -> list[Out]:
+        """A text worker's next piece: to the client; the worker drives its own steps."""
+        s = self._session_of(w, msg.session, msg.attempt)
+        if s is None or not isinstance(s.request.open, Ask) or msg.step != s.next_step:
+            return []
+        delta = Delta(
+            **self._advance(s, now),
+            text=msg.text,
+            finish=msg.finish,
+            prompt_tokens=msg.prompt_tokens,
+            completion_tokens=msg.completion_tokens,
+        )
+        out = [Out(False, s.key[0], delta)]
+        return out if msg.finish is None else out + self._finished(s, msg.finish, now)
+
+    def _advance(self, s: Session, now: float) -> dict[str, Any]:
+        """The session's next step came: the fields of the client's copy of it (on the
+        first one, the route and the broker's boot id)."""
+        step, first = s.next_step, s.next_step == 0
+        s.next_step += 1
+        s.last_active = now
+        self.stats.tokens += 1
+        return {
+            "session": s.key[1],
+            "request_id": s.request_id,
+            "step": step,
+            "route": tuple(s.route) if first else None,
+            "boot": self.boot if first else None,
+        }
+
+    def _finished(self, s: Session, finish: str, now: float) -> list[Out]:
+        with bind_request(s.request_id, s.key[1]):
+            log.info("session finished", finish=finish, steps=s.next_step)
+        return self._end(s, now, failed=False, tell_client=False)
 
     def on_worker_error(self, w: WorkerEntry, msg: Error, now: float) -> list[Out]:
         s = self._session_of(w, msg.session, msg.attempt)
@@ -357,17 +338,23 @@ class SessionTable:
         return out + self.dispatch(now)
 
     # -- time ------------------------------------------------------------------
-    def tick(self, now: float, no_route_reason: str) -> list[Out]:
-        """Queue timeouts, inactivity deadlines, then whatever can now be routed."""
+    def tick(self, now: float, no_route_reason: str | Callable[[str], str]) -> list[Out]:
+        """Queue timeouts, inactivity deadlines, then whatever can now be routed.
+        ``no_route_reason``: what a request that waited too long is told (per model)."""
         out: list[Out] = []
-        while self.queue and now - self.queue[0].enqueued > self.queue_timeout:
-            p = self.queue.popleft()
+        expired = [p for p in self.queue if now - p.enqueued > self.queue_timeout]
+        if expired:
+            self.queue = deque(p for p in self.queue if now - p.enqueued <= self.queue_timeout)
+        for p in expired:
             with bind_request(p.open.request_id, p.open.session):
                 log.warning("request failed in queue", code=ErrorCode.NO_CAPACITY.value)
             code = ErrorCode.NO_CAPACITY
-            out.append(
-                self._to_client(p.client, p.open.session, p.open.request_id, code, no_route_reason)
+            why = (
+                no_route_reason
+                if isinstance(no_route_reason, str)
+                else no_route_reason(p.open.model)
             )
+            out.append(self._to_client(p.client, p.open.session, p.open.request_id, code, why))
         for s in [s for s in self.sessions.values() if now - s.last_active > self.session_timeout]:
             with bind_request(s.request_id, s.key[1]):
                 log.warning("session timed out", idle_s=round(now - s.last_active, 1))

@@ -186,12 +186,17 @@ WORKER_THREAD_ENV = {"GOMP_SPINCOUNT": "10000", "KMP_BLOCKTIME": "0"}
 def cmd_worker(ns: argparse.Namespace) -> int:
     import os
 
+    cfg = _load(ns)
+    configure_logging("worker", cfg.log.level, cfg.log.format)
+    if cfg.worker.remote:
+        # A whole model behind an HTTP API: no torch, no model files.
+        from zmqllm.remote_worker import serve as serve_remote
+
+        return serve_remote(cfg)
     for key, value in WORKER_THREAD_ENV.items():
         os.environ.setdefault(key, value)  # before torch (and its OpenMP) loads
     from zmqllm.worker import serve
 
-    cfg = _load(ns)
-    configure_logging("worker", cfg.log.level, cfg.log.format)
     if resolve_model_path(cfg.model.path) == str(default_model_dir()):
         _model_dir(cfg.model.path)  # convert the default model on first use
     return serve(cfg)
@@ -244,7 +249,12 @@ def _role(
 def _add_roles(sub: argparse._SubParsersAction) -> None:
     _role(sub, "broker", "route messages between gateways and workers", cmd_broker)
 
-    p = _role(sub, "worker", "serve a range of the model's layers", cmd_worker)
+    p = _role(
+        sub,
+        "worker",
+        "serve a range of the model's layers, or (--remote URL) a model behind an HTTP API",
+        cmd_worker,
+    )
     p.add_argument(
         "--stage", metavar="K/N", help='stage K of N, layers split evenly (--layers "K/N")'
     )

@@ -24,13 +24,21 @@ import zmq
 import zmq.asyncio
 
 from zmqllm.bus import Drops
-from zmqllm.client_streams import StreamTable, TokenEvent, TokenStream, open_frames
+from zmqllm.client_streams import (
+    DeltaEvent,
+    StreamTable,
+    TokenEvent,
+    TokenStream,
+    ask_frames,
+    open_frames,
+)
 from zmqllm.keys import PeerKeys, as_client
 from zmqllm.log import get_logger
-from zmqllm.messages import MAX_STATUS_BYTES
+from zmqllm.messages import MAX_STATUS_BYTES, AskKind
 from zmqllm.protocol import (
     MAX_FRAMES,
     Cancel,
+    Delta,
     Error,
     ErrorCode,
     Heartbeat,
@@ -45,7 +53,7 @@ from zmqllm.protocol import (
 )
 from zmqllm.sampling_params import SamplingParams
 
-__all__ = ["DEFAULT_MAX_STREAMS", "BrokerClient", "TokenEvent", "TokenStream"]
+__all__ = ["DEFAULT_MAX_STREAMS", "BrokerClient", "DeltaEvent", "TokenEvent", "TokenStream"]
 
 log = get_logger("zmqllm.client")
 
@@ -144,6 +152,7 @@ class BrokerClient:
         sampling: SamplingParams,
         stop_ids: Sequence[int] = (),
         session: str | None = None,
+        model: str = "",
     ) -> TokenStream:
         """A stream of the tokens for ``prompt`` (nothing is sent until it is opened).
 
@@ -157,8 +166,34 @@ class BrokerClient:
             max_tokens=max_tokens,
             sampling=sampling,
             stop_ids=stop_ids,
+            model=model,
         )
         return TokenStream(self, session, request_id, max_tokens=int(max_tokens), frames=frames)
+
+    def ask(
+        self,
+        *,
+        request_id: str,
+        model: str,
+        kind: AskKind,
+        fields: Mapping[str, Any],
+        max_tokens: int,
+        session: str | None = None,
+    ) -> TokenStream:
+        """A stream of a text model's answer (DeltaEvents) to the request ``fields``
+        (messages or prompt, and sampling, as ask_body reads them)."""
+        session = session or uuid.uuid4().hex
+        frames = ask_frames(
+            session=session,
+            request_id=request_id,
+            model=model,
+            kind=kind,
+            fields=fields,
+            max_tokens=max_tokens,
+        )
+        return TokenStream(
+            self, session, request_id, max_tokens=int(max_tokens), frames=frames, text_model=True
+        )
 
     async def open_stream(self, stream: TokenStream) -> None:
         """Send a stream's OPEN; raises SessionError if it cannot be (stream finished)."""
@@ -295,6 +330,8 @@ class BrokerClient:
     def _dispatch(self, msg: Message) -> None:
         if isinstance(msg, Token):
             self._on_token(msg)
+        elif isinstance(msg, Delta):
+            self._on_delta(msg)
         elif isinstance(msg, Error):
             self._on_error(msg)
         elif isinstance(msg, Heartbeat):
@@ -304,10 +341,10 @@ class BrokerClient:
         else:
             self.drops.drop("unexpected type", type=msg.TYPE.value)
 
-    def _drop_debug(self, reason: str, msg: Token | Error) -> None:
+    def _drop_debug(self, reason: str, msg: Token | Delta | Error) -> None:
         # Late messages of a cancelled stream are routine: counted, not shouted.
         self.drops.counts[reason] += 1
-        step = msg.step if isinstance(msg, Token) else None
+        step = msg.step if isinstance(msg, Token | Delta) else None
         log.debug("message dropped", reason=reason, session=msg.session, step=step)
 
     def _on_token(self, msg: Token) -> None:
@@ -315,7 +352,7 @@ class BrokerClient:
         if stream is None:
             self._drop_debug("token of no stream", msg)
             return
-        if msg.step != stream.next_step or msg.step >= stream.max_tokens:
+        if stream.text_model or msg.step != stream.next_step or msg.step >= stream.max_tokens:
             self._drop_debug("token out of order", msg)
             return
         if not stream.route and msg.route is not None:
@@ -329,6 +366,24 @@ class BrokerClient:
             logprobs = (msg.logprob_ids, msg.logprobs)
         stream.push_event(TokenEvent(msg.token, msg.step, finish, logprobs))
         if finish is not None:
+            self._streams.forget(stream)
+
+    def _on_delta(self, msg: Delta) -> None:
+        stream = self._streams.get(msg.session)
+        if stream is None:
+            self._drop_debug("delta of no stream", msg)
+            return
+        if not stream.text_model or msg.step != stream.next_step:
+            self._drop_debug("delta out of order", msg)
+            return
+        if not stream.route and msg.route is not None:
+            stream.route = list(msg.route)
+        if stream.boot is None and msg.boot is not None:
+            stream.boot = msg.boot
+            stream.orphan_deadline = None
+        event = DeltaEvent(msg.text, msg.step, msg.finish, msg.prompt_tokens, msg.completion_tokens)
+        stream.push_event(event)
+        if msg.finish is not None:
             self._streams.forget(stream)
 
     def _on_error(self, msg: Error) -> None:

@@ -9,20 +9,21 @@ token that is out of order or past the end instead of handing it on.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+import json
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from zmqllm.messages import ErrorCode, Open, SessionError
+from zmqllm.messages import Ask, AskKind, ErrorCode, Open, SessionError
 from zmqllm.protocol import Payload, ProtocolError, decode, encode, is_valid_id
 from zmqllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from zmqllm.client import BrokerClient
 
-__all__ = ["StreamTable", "TokenEvent", "TokenStream", "open_frames"]
+__all__ = ["DeltaEvent", "StreamTable", "TokenEvent", "TokenStream", "ask_frames", "open_frames"]
 
 
 @dataclass
@@ -35,10 +36,22 @@ class TokenEvent:
 
 
 @dataclass
+class DeltaEvent:
+    """A piece of a text model's answer; the last has ``finish`` (and the token counts
+    when the upstream told them)."""
+
+    text: str
+    step: int
+    finish: str | None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+@dataclass
 class _Item:
     """An event, an error, or neither: the stream ended here (cancelled)."""
 
-    event: TokenEvent | None = None
+    event: TokenEvent | DeltaEvent | None = None
     error: SessionError | None = None
 
 
@@ -54,8 +67,12 @@ class TokenStream:
         *,
         max_tokens: int,
         frames: list[Any],
+        text_model: bool = False,
     ) -> None:
         self.client = client
+        # A text model's stream: DELTAs (pieces of text, as many as the upstream sends)
+        # instead of TOKENs (at most max_tokens).
+        self.text_model = text_model
         self.session = session
         self.request_id = request_id
         self.max_tokens = max_tokens
@@ -88,10 +105,10 @@ class TokenStream:
             await self.cancel()
         self.client.forget(self)
 
-    def __aiter__(self) -> AsyncIterator[TokenEvent]:
+    def __aiter__(self) -> AsyncIterator[Any]:
         return self._events()
 
-    async def _events(self) -> AsyncIterator[TokenEvent]:
+    async def _events(self) -> AsyncIterator[Any]:
         if not self.opened:
             await self.client.open_stream(self)
         while not self.finished:
@@ -113,7 +130,7 @@ class TokenStream:
         self._queue.put_nowait(_Item())
         await self.client.cancel(self)
 
-    def push_event(self, event: TokenEvent) -> None:
+    def push_event(self, event: TokenEvent | DeltaEvent) -> None:
         self.next_step = event.step + 1
         self._queue.put_nowait(_Item(event=event))
 
@@ -129,6 +146,7 @@ def open_frames(
     max_tokens: int,
     sampling: SamplingParams,
     stop_ids: Sequence[int],
+    model: str = "",
 ) -> list[Any]:
     """The OPEN for a request, encoded; SessionError(bad_request) for one the broker would
     drop as malformed (ids outside 1-64 of [A-Za-z0-9_-], an empty prompt, a value out of
@@ -148,6 +166,38 @@ def open_frames(
             sampling=sampling,
             stop_ids=tuple(int(t) for t in stop_ids),
             tokens=Payload(tokens, "int32"),
+            model=model,
+        )
+        frames = encode(msg)
+        decode(frames)  # checked as the broker will check it
+    except (ProtocolError, ValueError, TypeError, OverflowError) as exc:
+        raise SessionError(ErrorCode.BAD_REQUEST, f"request not sendable: {exc}") from None
+    return frames
+
+
+def ask_frames(
+    *,
+    session: str,
+    request_id: str,
+    model: str,
+    kind: AskKind,
+    fields: Mapping[str, Any],
+    max_tokens: int,
+) -> list[Any]:
+    """The ASK for a text model's request, encoded; SessionError(bad_request) for one the
+    broker would drop as malformed."""
+    for what, value in (("session", session), ("request", request_id)):
+        if not is_valid_id(value):
+            raise SessionError(ErrorCode.BAD_REQUEST, f"{what} id must be 1 to 64 of [A-Za-z0-9_-]")
+    try:
+        raw = json.dumps(dict(fields), ensure_ascii=False).encode()
+        msg = Ask(
+            session=session,
+            request_id=request_id,
+            model=model,
+            kind=kind,
+            max_tokens=int(max_tokens),
+            body=Payload(np.frombuffer(raw, np.uint8), "uint8"),
         )
         frames = encode(msg)
         decode(frames)  # checked as the broker will check it

@@ -41,6 +41,7 @@ __all__ = [
     "served_model_name",
     "setting",
     "tiny_model_dir",
+    "worker_served_name",
     "zmqllm_home",
 ]
 
@@ -223,6 +224,34 @@ class WorkerSettings:
         choices=WIRE_DTYPE_CHOICES,
     )
     name: str = setting("", "a name for logs and status; empty = HOST-PID")
+    served_name: str = setting(
+        "",
+        "the model name clients ask for; empty = [model] name (or one derived from the "
+        "path), or for a remote worker the upstream's model id",
+        metavar="NAME",
+    )
+    # A remote worker runs no layers: no torch, no model files, only an HTTP client.
+    remote: str = setting(
+        "",
+        "serve a whole model by forwarding to this OpenAI-compatible API (its base URL, "
+        "e.g. http://host:8000/v1) instead of running layers; empty = run layers",
+        metavar="URL",
+    )
+    remote_model: str = setting(
+        "", "the upstream's model id; empty = the first id URL/models lists", metavar="NAME"
+    )
+    api_key_file: str = setting(
+        "",
+        "file holding the upstream's API key (sent as a bearer token, never logged nor sent "
+        "to the broker); empty = no key",
+        metavar="FILE",
+    )
+    remote_stall_timeout: float = setting(
+        60.0, "seconds an upstream stream may send nothing before its session fails"
+    )
+    remote_retries: int = setting(
+        3, "tries after the first when the upstream cannot be reached before the first piece"
+    )
 
 
 @dataclass
@@ -232,6 +261,17 @@ class GatewaySettings:
     broker: str = setting("tcp://127.0.0.1:5555", "the broker's frontend address", metavar="ADDR")
     max_body_bytes: int = setting(1_000_000, "largest request body; past it 413")
     default_max_tokens: int = setting(256, "max_tokens of a request that gives none")
+    local_model: bool = setting(
+        True,
+        "serve the [model] model (the gateway reads its tokenizer and config files); off: "
+        "serve only the remote (text) models the broker has, with no model files",
+    )
+    default_model: str = setting(
+        "",
+        "the model of a request that names none; empty = this gateway's own model, or the "
+        "only one served",
+        metavar="NAME",
+    )
     # As many as one route's worker takes by default (max_sessions).
     max_concurrent: int = setting(
         64, "generations running at once; more wait in the queue, oldest first"
@@ -352,6 +392,16 @@ def resolve_model_path(path: str) -> str:
     if path == TINY_MODEL:
         return str(tiny_model_dir())
     return path
+
+
+def worker_served_name(cfg: Config) -> str:
+    """The model name a worker registers under ("" for a remote worker that takes the
+    upstream's id once it knows it)."""
+    if cfg.worker.served_name:
+        return cfg.worker.served_name
+    if cfg.worker.remote:
+        return cfg.worker.remote_model
+    return served_model_name(cfg.model)
 
 
 def served_model_name(model: ModelSettings) -> str:

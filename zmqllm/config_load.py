@@ -99,6 +99,8 @@ def _field_types(cls: type) -> dict[str, Any]:
 
 _ENDPOINT_RE = re.compile(r"(tcp|ipc|inproc)://\S+")
 _DEVICE_RE = re.compile(r"cpu|cuda|cuda:[0-9]+")
+_URL_RE = re.compile(r"https?://[^\s/?#]+(/[^\s?#]*)?")
+_NAME_RE = re.compile(r"[\x21-\x7e]{1,255}")
 
 
 def _fail(key: str, where: str, must: str, value: object) -> ConfigError:
@@ -174,6 +176,15 @@ def _check_worker(s: WorkerSettings, where: str) -> WorkerSettings:
     _check_positive(s, ("max_sessions", "max_kv_tokens", "prefill_chunk"), where)
     if s.wire_dtype not in WIRE_DTYPE_CHOICES:
         raise _fail("wire_dtype", where, f"one of {', '.join(WIRE_DTYPE_CHOICES)}", s.wire_dtype)
+    if s.remote and not _URL_RE.fullmatch(s.remote):
+        # Not echoed: a URL may hold a password or a key.
+        raise ConfigError(f"remote {where} must be an http(s) URL like 'http://host:8000/v1'")
+    _check_positive(s, ("remote_stall_timeout",), where)
+    _check_positive(s, ("remote_retries",), where, minimum=0)
+    for key in ("served_name", "remote_model"):
+        value = getattr(s, key)
+        if value and not _NAME_RE.fullmatch(value):
+            raise _fail(key, where, "1 to 255 printable characters without spaces", value)
     return s
 
 

@@ -101,6 +101,7 @@ class StreamSource(Protocol):
         sampling: SamplingParams,
         stop_ids: Sequence[int],
         session: str | None = None,
+        model: str = "",
     ) -> Any: ...
 
 
@@ -132,8 +133,10 @@ class ReplayStream:
         stop_ids: Sequence[int] = (),
         policy: FailoverPolicy | None = None,
         on_failover: Callable[[FailoverEvent], None] | None = None,
+        model: str = "",
     ) -> None:
         self.client = client
+        self.model = model
         self.request_id = request_id
         self.prompt = [int(t) for t in prompt]
         self.max_tokens = int(max_tokens)
@@ -315,6 +318,7 @@ class ReplayStream:
             sampling=dataclasses.replace(self.sampling, first_step=self.sampling.first_step + done),
             stop_ids=self.stop_ids,
             session=self._base if self.reopens == 0 else f"{self._base}-{self.reopens}",
+            model=self.model,
         )
         return stream
 

@@ -13,6 +13,7 @@ sockets.
 
 from __future__ import annotations
 
+import json
 import math
 import string
 from collections.abc import Callable
@@ -31,9 +32,12 @@ from zmqllm.messages import (
     MAX_TOKEN_ID,
     MESSAGE_TYPES,
     Activation,
+    Ask,
+    AskKind,
     Cached,
     Cancel,
     Close,
+    Delta,
     Disconnect,
     Error,
     ErrorCode,
@@ -189,6 +193,8 @@ def _register(rng: Rng, sessions: list[str]) -> Register:
         pid=int(rng.integers(0, 1 << 31)),
         dtype=pick(rng, ["float32", "bfloat16", "float16", "int8"]),
         device=pick(rng, ["cpu", "cuda:0", "mps"]),
+        # Models of any name, most of them new: the registry's cap on models.
+        served=pick(rng, ["", "tiny", _name(rng)]),
     )
 
 
@@ -235,6 +241,48 @@ def valid_open(rng: Rng, sessions: list[str]) -> Open:
         prefix=tuple(int(k) for k in rng.integers(0, 1 << 62, min(prefix_blocks(prompt_len), 64)))
         if chance(rng, 0.5)
         else (),
+    )
+
+
+# The remote model the fuzzing benchmark serves beside the tiny one.
+REMOTE_MODEL = "remote-fuzz"
+
+
+def _ask(rng: Rng, sessions: list[str]) -> Ask:
+    # JSON that is no request, requests with fields of every wrong type, huge ones.
+    body = pick(
+        rng,
+        [
+            b"{}",
+            b"not json",
+            b"[1, 2]",
+            json.dumps(
+                {"messages": [{"role": "user", "content": "hi"}], "temperature": 1e9}
+            ).encode(),
+            json.dumps(
+                {"prompt": random_value(rng), "stop": random_value(rng)}, default=repr
+            ).encode(),
+            rng.bytes(int(rng.integers(0, 4096))),
+        ],
+    )
+    return Ask(
+        **_session_fields(rng, sessions),
+        model=pick(rng, ["", "tiny", REMOTE_MODEL, REMOTE_MODEL, _name(rng)]),
+        kind=pick(rng, list(AskKind)),
+        max_tokens=int(pick(rng, [1, 16, MAX_CONTEXT])),
+        body=Payload(np.frombuffer(body, np.uint8), "uint8"),
+    )
+
+
+def _delta(rng: Rng, sessions: list[str]) -> Delta:
+    return Delta(
+        **_session_fields(rng, sessions),
+        text=chars(rng, _NAME_CHARS + " ", 0, 64),
+        finish=pick(rng, [None, None, "stop", "length", "x" * 32]),
+        prompt_tokens=pick(rng, [None, 0, MAX_CONTEXT]),
+        completion_tokens=pick(rng, [None, 3]),
+        route=pick(rng, [None, (_name(rng),)]),
+        boot=pick(rng, [None, _ident(rng)]),
     )
 
 
@@ -301,6 +349,8 @@ _BUILDERS: dict[type[Message], Callable[[Rng, list[str]], Message]] = {
     Disconnect: lambda rng, s: Disconnect(reason=chars(rng, _NAME_CHARS, 0, 100)),
     Heartbeat: _heartbeat,
     Open: valid_open,
+    Ask: _ask,
+    Delta: _delta,
     Cached: lambda rng, s: Cached(
         **_session_fields(rng, s), tokens=int(pick(rng, [0, PREFIX_BLOCK, MAX_CONTEXT]))
     ),
@@ -322,6 +372,8 @@ _VALID_WEIGHTS: dict[type[Message], float] = {
     Disconnect: 1,
     Heartbeat: 2,
     Open: 3,
+    Ask: 2,
+    Delta: 2,
     Cached: 2,
     Step: 3,
     Activation: 3,

@@ -12,10 +12,12 @@ field's type and range, optional fields included, then the checks that span fiel
     HEARTBEAT     both ways
     DISCONNECT    either way (a worker leaving; the broker asking it to register again)
     OPEN          client -> broker -> each stage        stage 0: int32 token ids [prompt_len]
+    ASK           client -> broker -> a text worker     uint8: the request, JSON
     CACHED        stage k>0 -> broker -> stage 0
     STEP          broker -> stage 0
     ACTIVATION    worker -> broker -> next worker       hidden states [rows, hidden]
     TOKEN         last stage -> broker -> client
+    DELTA         text worker -> broker -> client
     CLOSE         broker -> each stage
     CANCEL        client -> broker
     ERROR         any -> the peer it answers
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -62,9 +65,12 @@ __all__ = [
     "MAX_TOKEN_ID",
     "MESSAGE_TYPES",
     "Activation",
+    "Ask",
+    "AskKind",
     "Cached",
     "Cancel",
     "Close",
+    "Delta",
     "Disconnect",
     "Error",
     "ErrorCode",
@@ -94,6 +100,8 @@ MAX_STATUS_BYTES = 4 << 20
 # (what fits in a header): a constrained stream past it cannot be replayed.
 MAX_GENERATED = 8192
 MAX_TEXT = 1024  # reasons and error messages
+MAX_DELTA = 8192  # characters in one DELTA (4 bytes each at most: the header stays small)
+MAX_ASK_BYTES = 4 << 20  # a text session's request: its messages as JSON
 # What a worker's HEARTBEAT may report (see Stage.load); anything else is not carried on.
 LOAD_KEYS = frozenset(
     {
@@ -137,10 +145,12 @@ class MsgType(str, enum.Enum):
     HEARTBEAT = "heartbeat"
     DISCONNECT = "disconnect"
     OPEN = "open"
+    ASK = "ask"
     CACHED = "cached"
     STEP = "step"
     ACTIVATION = "activation"
     TOKEN = "token"
+    DELTA = "delta"
     CLOSE = "close"
     CANCEL = "cancel"
     ERROR = "error"
@@ -161,6 +171,7 @@ class ErrorCode(str, enum.Enum):
     SLOW_CONSUMER = "slow_consumer"  # the client did not read its messages
     CANCELLED = "cancelled"
     INTERNAL = "internal"
+    UPSTREAM_ERROR = "upstream_error"  # a remote model's API failed (unreachable, 5xx, cut short)
 
 
 class SessionError(Exception):
@@ -288,10 +299,18 @@ class Register(Message):
     # Most prompt tokens per forward: the rows of the largest activation it sends and
     # takes, the same on every worker of a cluster (0: not said).
     prefill_chunk: int = wire(integer(0, MAX_CONTEXT), 0)
+    # The model's name, what clients ask for ("" from a worker that names none: the
+    # broker's only model).
+    served: str = wire(name(empty=True), "")
+    # A text model (a remote API): sessions are ASK/DELTA, not tokens; it registers the
+    # whole model as layers 0:1 of 1.
+    text_model: bool = wire(flag(), False)
 
     def _validate(self) -> None:
         if not self.start < self.end <= self.num_layers:
             raise ProtocolError(f"register: layers {self.start}:{self.end} not in [0, L)")
+        if self.text_model and (self.start, self.end, self.num_layers) != (0, 1, 1):
+            raise ProtocolError("register: a text model registers as layers 0:1 of 1")
 
 
 @_register(MsgType.REGISTERED)
@@ -340,6 +359,8 @@ class Open(SessionMessage):
     # Set by the broker for the last stage of a replayed stream whose sampling depends on
     # what came before (penalties, a grammar): its tokens so far, the end of its prompt.
     generated: tuple[int, ...] = wire(int_list(0, MAX_TOKEN_ID, MAX_GENERATED), ())
+    # The model asked for ("": the broker's only model).
+    model: str = wire(name(empty=True), "")
 
     def _validate(self) -> None:
         if self.tokens is not None and self.tokens.array.shape != (self.prompt_len,):
@@ -350,6 +371,39 @@ class Open(SessionMessage):
             raise ProtocolError(
                 f"open: field 'prefix': {len(self.prefix)} keys for a prompt of {self.prompt_len}"
             )
+
+
+class AskKind(str, enum.Enum):
+    CHAT = "chat"  # the body holds "messages"
+    COMPLETION = "completion"  # the body holds "prompt"
+
+
+@_register(MsgType.ASK)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Ask(SessionMessage):
+    """A text session (a remote model): the OpenAI request fields as JSON, which the
+    text worker checks and forwards; the answer comes back as DELTAs."""
+
+    model: str = wire(name(empty=True), "")
+    kind: AskKind = wire(one_of(AskKind), AskKind.CHAT)
+    max_tokens: int = wire(integer(1, MAX_CONTEXT))
+    body: Payload = wire(tensor(frozenset({"uint8"}), 1), is_payload=True)
+
+    def _validate(self) -> None:
+        if self.body.array.size > MAX_ASK_BYTES:
+            raise ProtocolError(
+                f"ask: body of {self.body.array.size} bytes, at most {MAX_ASK_BYTES}"
+            )
+
+    def request(self) -> dict[str, Any]:
+        """The request fields (ProtocolError unless a JSON object)."""
+        try:
+            out = json.loads(self.body.array.tobytes())
+        except (ValueError, UnicodeDecodeError):
+            raise ProtocolError("ask: body is not JSON") from None
+        if not isinstance(out, dict):
+            raise ProtocolError("ask: body must be a JSON object")
+        return out
 
 
 @_register(MsgType.CACHED)
@@ -416,6 +470,27 @@ class Token(SessionMessage):
     # On the first token the broker sends a client: the route and its boot id.
     route: tuple[str, ...] | None = wire(optional(str_list(name(), MAX_LAYERS)), None)
     boot: str | None = wire(optional(text(64)), None)
+
+
+# Checks made here: inside Delta its field ``text`` hides the function.
+_DELTA_TEXT = text(MAX_DELTA)
+_FINISH_TEXT = optional(text(32))
+_BOOT = optional(text(64))
+
+
+@_register(MsgType.DELTA)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Delta(SessionMessage):
+    """The next piece of a text session's answer (``step`` counts pieces from 0); the
+    last one has ``finish`` and, when the upstream said, the token counts."""
+
+    text: str = wire(_DELTA_TEXT, "")
+    finish: str | None = wire(_FINISH_TEXT, None)
+    prompt_tokens: int | None = wire(optional(integer(0, MAX_CONTEXT)), None)
+    completion_tokens: int | None = wire(optional(integer(0, MAX_CONTEXT)), None)
+    # On the first piece the broker sends a client: the route and its boot id.
+    route: tuple[str, ...] | None = wire(optional(str_list(name(), MAX_LAYERS)), None)
+    boot: str | None = wire(_BOOT, None)
 
 
 @_register(MsgType.CLOSE)

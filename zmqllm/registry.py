@@ -1,23 +1,25 @@
-"""The broker's worker registry, without sockets: workers, pools, routes.
+"""The broker's worker registry, without sockets: models, workers, pools, routes.
 
-A pool is the set of workers serving one layer range. A route is one worker per hop,
-chained to cover [0, L); ranges may differ between routes (a worker holding the whole
-model beside a two-stage pipeline).
+Every worker serves one model, by name. A model's pool is the set of its workers serving
+one layer range; a route is one worker per hop, chained to cover [0, L); ranges may
+differ between routes (a worker holding the whole model beside a two-stage pipeline). A
+text model (a remote API behind a worker) is one layer long: each route is one worker.
 
 Every table here is keyed by what peers send, so each is bounded (``max_workers``,
-``max_ranges``, ``MAX_LAYERS``), and every search is polynomial in those bounds: routes
-are found by dynamic programming over layer boundaries, never by trying every chain.
+``max_ranges`` per model, ``MAX_MODELS``, ``MAX_LAYERS``), and every search is
+polynomial in those bounds (route_search.py).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from zmqllm.messages import LOAD_KEYS, MAX_CONTEXT, MAX_LAYERS, MAX_TEXT, Register
+from zmqllm.route_search import Edge, best_chain, gaps, route_shapes
 from zmqllm.wire_types import ProtocolError
 
 if TYPE_CHECKING:
@@ -27,6 +29,8 @@ __all__ = [
     "DEFAULT_MAX_RANGES",
     "DEFAULT_MAX_WORKERS",
     "MAX_GAPS",
+    "MAX_MODELS",
+    "ModelPools",
     "Registry",
     "RegistryError",
     "WorkerEntry",
@@ -37,9 +41,7 @@ DEFAULT_MAX_WORKERS = 1024
 DEFAULT_MAX_RANGES = 512
 MAX_GAPS = 32  # gaps uncovered() names; it counts the rest
 MAX_DIFFERENCES = 16  # fingerprint keys a refusal names
-
-# One candidate hop of a route: (end, load, worker id, worker).
-_Edge = tuple[int, float, str, "WorkerEntry"]
+MAX_MODELS = 64  # models one broker serves at once
 
 
 class RegistryError(ValueError):
@@ -91,6 +93,8 @@ class WorkerEntry:
     full_until: float = 0.0  # refused a session lately: skip it until then
     # The CURVE public key (z85) it registered with: only that key may speak as it.
     key: str = ""
+    served: str = ""  # the model's name
+    text_model: bool = False
 
     def has_room(self, max_len: int, now: float) -> bool:
         return (
@@ -118,6 +122,8 @@ class WorkerEntry:
         }
         return {
             "id": self.worker_id,
+            "model": self.served,
+            "text_model": self.text_model,
             "layers": [self.start, self.end],
             "sessions": len(self.sessions),
             "capacity": self.capacity,
@@ -131,12 +137,46 @@ class WorkerEntry:
         }
 
 
-class Registry:
-    """Registered workers of one model; refuses a worker of another model.
+@dataclass(eq=False)
+class ModelPools:
+    """One served model: what its first worker defined, and its workers by layer range."""
 
-    The model (fingerprint digest, num_layers, context) is defined by the first worker
-    and forgotten when the last one leaves, unless ``model_fingerprint`` pins the digest.
-    """
+    name: str
+    text_model: bool
+    fingerprint: str
+    summary: dict[str, Any]  # the defining worker's fingerprint summary
+    num_layers: int
+    context: int
+    prefill_chunk: int
+    pools: dict[tuple[int, int], dict[str, WorkerEntry]] = field(default_factory=dict)
+
+    def workers(self) -> Iterator[WorkerEntry]:
+        for pool in self.pools.values():
+            yield from pool.values()
+
+    def size(self) -> int:
+        return sum(len(pool) for pool in self.pools.values())
+
+    def describe(self) -> dict[str, Any]:
+        """This model in STATUS."""
+        ranges = list(self.pools)
+        return {
+            "name": self.name,
+            "text_model": self.text_model,
+            "num_layers": self.num_layers,
+            "context": self.context,
+            "workers": self.size(),
+            "complete_route": not gaps(ranges, self.num_layers),
+            "uncovered": ", ".join(gaps(ranges, self.num_layers)[:MAX_GAPS]),
+            "routes": route_shapes(ranges, self.num_layers, limit=8),
+        }
+
+
+class Registry:
+    """Registered workers, by model. A model is defined by its first worker (fingerprint
+    digest, num_layers, context) and forgotten when its last one leaves; a worker of the
+    same name but another model is refused. ``model_fingerprint`` pins the digest of
+    every model of layers (not text models)."""
 
     def __init__(
         self,
@@ -154,12 +194,7 @@ class Registry:
         self.pinned = model_fingerprint
         self.workers: dict[str, WorkerEntry] = {}
         self.by_identity: dict[bytes, WorkerEntry] = {}
-        self._pools: dict[tuple[int, int], dict[str, WorkerEntry]] = {}
-        self.fingerprint = self.pinned
-        self.model: dict[str, Any] = {}  # the defining worker's fingerprint summary
-        self.num_layers = 0
-        self.context = 0
-        self.prefill_chunk = 0
+        self.models: dict[str, ModelPools] = {}
 
     @classmethod
     def from_settings(cls, s: BrokerSettings) -> Registry:
@@ -169,6 +204,32 @@ class Registry:
             model_fingerprint=s.model_fingerprint,
             affinity_slack=s.affinity_slack,
         )
+
+    # -- models --------------------------------------------------------------------------
+
+    def resolve(self, name: str | None = None) -> ModelPools | None:
+        """The model a request names; unnamed ("" or None), the only one served."""
+        if name:
+            return self.models.get(name)
+        if len(self.models) == 1:
+            return next(iter(self.models.values()))
+        return None
+
+    # What the one model of a single-model broker defined (0 / "" when none or several).
+    @property
+    def num_layers(self) -> int:
+        m = self.resolve()
+        return m.num_layers if m is not None else 0
+
+    @property
+    def context(self) -> int:
+        m = self.resolve()
+        return m.context if m is not None else 0
+
+    @property
+    def fingerprint(self) -> str:
+        m = self.resolve()
+        return m.fingerprint if m is not None else self.pinned
 
     # -- admission -----------------------------------------------------------------------
 
@@ -193,6 +254,7 @@ class Registry:
         try:
             for fname, spec in Register.wire_fields():
                 spec.check(fname, getattr(reg, fname))
+            reg._validate()
         except ProtocolError as exc:
             return f"invalid register: {exc}"
         if not 0 <= reg.start < reg.end <= n:
@@ -201,40 +263,56 @@ class Registry:
             return "the routing id must be 1 to 255 printable ASCII characters"
 
         old = self.by_identity.get(identity) if identity is not None else None
-        others = len(self.workers) - (old is not None)
-        if self.pinned and reg.fingerprint != self.pinned:
+        m = self.models.get(reg.served)
+        others = m.size() - (old is not None and old.served == reg.served) if m else 0
+        if self.pinned and not reg.text_model and reg.fingerprint != self.pinned:
             return f"model digest {reg.fingerprint} is not {self.pinned}, the one served here"
-        if others:
-            if reg.fingerprint != self.fingerprint:
-                diffs = fingerprint_differences(self.model, reg.model)
+        named = f"model {reg.served!r}" if reg.served else "the model"
+        of = f" (model {reg.served!r})" if reg.served else ""
+        if m is not None and others:
+            if reg.text_model != m.text_model:
+                kind = "a remote (text) model" if m.text_model else "a model of layers"
+                return f"{named} is {kind} here; this worker serves the other kind"
+            if reg.fingerprint != m.fingerprint:
+                diffs = fingerprint_differences(m.summary, reg.model)
                 if not diffs:
-                    diffs = [f"digest {reg.fingerprint} != {self.fingerprint}"]
+                    diffs = [f"digest {reg.fingerprint} != {m.fingerprint}"]
                 what = "; ".join(diffs)
-                return f"model fingerprint differs from the cluster's: {what}"
-            if n != self.num_layers:
-                return f"model has {n} layers, the cluster's has {self.num_layers}"
-            if reg.context != self.context:
-                return f"model context is {reg.context} tokens, the cluster's is {self.context}"
-            if reg.prefill_chunk != self.prefill_chunk:
+                return f"model fingerprint differs from the cluster's{of}: {what}"
+            if n != m.num_layers:
+                return f"model has {n} layers, the cluster's has {m.num_layers}{of}"
+            if reg.context != m.context:
+                return f"model context is {reg.context} tokens, the cluster's is {m.context}{of}"
+            if reg.prefill_chunk != m.prefill_chunk:
                 # A larger chunk upstream sends activations this worker refuses.
-                return (
-                    f"prefill_chunk is {reg.prefill_chunk}, the cluster's is {self.prefill_chunk}"
-                )
+                return f"prefill_chunk is {reg.prefill_chunk}, the cluster's is {m.prefill_chunk}"
+        elif len(self.models) - self._leaves_a_model(old) >= MAX_MODELS:
+            return (
+                f"the broker serves at most {MAX_MODELS} models; {reg.served!r} would be one more"
+            )
 
-        if others >= self.max_workers:
+        if len(self.workers) - (old is not None) >= self.max_workers:
             return f"the broker takes at most {self.max_workers} workers"
         rng = (reg.start, reg.end)
-        pool = self._pools.get(rng, {})
+        pools = m.pools if m is not None else {}
+        pool = pools.get(rng, {})
         if not pool or (len(pool) == 1 and old is not None and old.worker_id in pool):
-            ranges = len(self._pools)
-            if old is not None and len(self._pools[(old.start, old.end)]) == 1:
+            ranges = len(pools)
+            if old is not None and old.served == reg.served and len(pools[old.start, old.end]) == 1:
                 ranges -= 1  # its old range leaves with it
             if ranges >= self.max_ranges:
                 return (
-                    f"the broker takes at most {self.max_ranges} distinct layer ranges; "
-                    f"{reg.start}:{reg.end} would be one more"
+                    f"the broker takes at most {self.max_ranges} distinct layer ranges per "
+                    f"model; {reg.start}:{reg.end} would be one more"
                 )
         return None
+
+    def _leaves_a_model(self, old: WorkerEntry | None) -> int:
+        """1 if ``old`` (replaced) is the last worker of its model."""
+        if old is None:
+            return 0
+        m = self.models.get(old.served)
+        return int(m is not None and m.size() == 1)
 
     def add(self, identity: bytes, reg: Register) -> WorkerEntry:
         """Admit a worker, replacing its entry under the same identity. RegistryError,
@@ -245,12 +323,17 @@ class Registry:
         old = self.by_identity.get(identity)
         if old is not None:
             self.remove(old)
-        if not self.workers:
-            self.fingerprint = reg.fingerprint
-            self.model = dict(reg.model)
-            self.num_layers = reg.num_layers
-            self.context = reg.context
-            self.prefill_chunk = reg.prefill_chunk
+        m = self.models.get(reg.served)
+        if m is None:
+            m = self.models[reg.served] = ModelPools(
+                name=reg.served,
+                text_model=reg.text_model,
+                fingerprint=reg.fingerprint,
+                summary=dict(reg.model),
+                num_layers=reg.num_layers,
+                context=reg.context,
+                prefill_chunk=reg.prefill_chunk,
+            )
         w = WorkerEntry(
             identity=identity,
             worker_id=identity.decode("ascii"),
@@ -263,10 +346,12 @@ class Registry:
             dtype=reg.dtype,
             device=reg.device,
             model=dict(reg.model),
+            served=reg.served,
+            text_model=reg.text_model,
         )
         self.workers[w.worker_id] = w
         self.by_identity[identity] = w
-        self._pools.setdefault((w.start, w.end), {})[w.worker_id] = w
+        m.pools.setdefault((w.start, w.end), {})[w.worker_id] = w
         return w
 
     def remove(self, w: WorkerEntry) -> None:
@@ -275,15 +360,14 @@ class Registry:
             return
         del self.workers[w.worker_id]
         del self.by_identity[w.identity]
-        pool = self._pools[(w.start, w.end)]
+        m = self.models[w.served]
+        pool = m.pools[(w.start, w.end)]
         del pool[w.worker_id]
         if not pool:
-            del self._pools[(w.start, w.end)]
-        if not self.workers:
-            # An empty cluster may take another model, unless config pins one.
-            self.fingerprint = self.pinned
-            self.model = {}
-            self.num_layers = self.context = self.prefill_chunk = 0
+            del m.pools[(w.start, w.end)]
+        if not m.pools:
+            # A model without workers is forgotten: its name may serve another model.
+            del self.models[w.served]
 
     # -- sessions ------------------------------------------------------------------------
 
@@ -309,26 +393,28 @@ class Registry:
         max_len: int,
         ignore_room: bool = False,
         held: Callable[[WorkerEntry], int] | None = None,
+        model: str | None = None,
     ) -> list[WorkerEntry] | None:
-        """The chain of workers covering [0, L) with room for ``max_len`` tokens whose
-        busiest member is least loaded; then fewest hops; then lowest worker ids.
+        """The chain of ``model``'s workers covering [0, L) with room for ``max_len``
+        tokens whose busiest member is least loaded; then fewest hops; then lowest ids.
 
         ``held`` (prefix affinity): how much of the session's prompt a worker is thought
         to hold cached. Of the replicas of a range with room and at most
         ``affinity_slack`` sessions more than the least busy one, the one holding the
         most is chosen; the least loaded among equals, and past the slack."""
-        if not self.num_layers:
+        m = self.resolve(model)
+        if m is None:
             return None
         now = time.monotonic()
-        edges: dict[int, list[_Edge]] = {}
-        for (start, end), pool in self._pools.items():
+        edges: dict[int, list[Edge]] = {}
+        for (start, end), pool in m.pools.items():
             room = [w for w in pool.values() if ignore_room or w.has_room(max_len, now)]
             if not room:
                 continue
             # Per range only one replica can be on the best route.
             w = min(room, key=self._ranking(room, held))
             edges.setdefault(start, []).append((end, w.load_score(), w.worker_id, w))
-        return _best_chain(edges, self.num_layers)
+        return best_chain(edges, m.num_layers)
 
     def _ranking(
         self, room: list[WorkerEntry], held: Callable[[WorkerEntry], int] | None
@@ -343,89 +429,26 @@ class Registry:
 
         return rank
 
-    def uncovered(self) -> str:
-        """Layer ranges no worker serves, as "a:b, c:d" ("" when covered)."""
-        gaps: list[str] = []
-        pos = 0
-        for start, end in sorted(self._pools):
-            if start > pos:
-                gaps.append(f"{pos}:{start}")
-            pos = max(pos, end)
-        if pos < self.num_layers:
-            gaps.append(f"{pos}:{self.num_layers}")
-        if len(gaps) > MAX_GAPS:
-            gaps[MAX_GAPS:] = [f"and {len(gaps) - MAX_GAPS} more"]
-        return ", ".join(gaps)
+    def uncovered(self, model: str | None = None) -> str:
+        """Layer ranges no worker of ``model`` serves, as "a:b, c:d" ("" when covered)."""
+        m = self.resolve(model)
+        if m is None:
+            return ""
+        found = gaps(m.pools, m.num_layers)
+        if len(found) > MAX_GAPS:
+            found[MAX_GAPS:] = [f"and {len(found) - MAX_GAPS} more"]
+        return ", ".join(found)
 
-    def route_shapes(self, limit: int = 32) -> list[list[str]]:
-        """Chains of layer ranges (pools) covering [0, L), e.g. [["0:15", "15:30"]]; at
-        most ``limit`` of them, in order of their ranges."""
-        L = self.num_layers
-        if not L or limit < 1:
+    def route_shapes(self, limit: int = 32, model: str | None = None) -> list[list[str]]:
+        """Chains of ``model``'s layer ranges (pools) covering [0, L), e.g.
+        [["0:15", "15:30"]]; at most ``limit`` of them, in order of their ranges."""
+        m = self.resolve(model)
+        return route_shapes(m.pools, m.num_layers, limit) if m is not None else []
+
+    def pools(self, model: str | None = None) -> list[dict[str, Any]]:
+        m = self.resolve(model)
+        if m is None:
             return []
-        # Keep only ranges from which L can be reached: then every step of the search
-        # below leads to a chain, and the work is bounded by limit x hops.
-        by_start: dict[int, list[int]] = {}
-        for start, end in self._pools:
-            by_start.setdefault(start, []).append(end)
-        reaches = {L}
-        useful: dict[int, list[int]] = {}
-        for start in sorted(by_start, reverse=True):
-            ends = sorted(e for e in by_start[start] if e in reaches)
-            if ends:
-                useful[start] = ends
-                reaches.add(start)
-        out: list[list[str]] = []
-        path: list[tuple[int, int]] = []
-        stack = [iter(useful.get(0, []))]
-        while stack and len(out) < limit:
-            nxt = next(stack[-1], None)
-            if nxt is None:
-                stack.pop()
-                if path:
-                    path.pop()
-                continue
-            path.append((path[-1][1] if path else 0, nxt))
-            if nxt == L:
-                out.append([f"{a}:{b}" for a, b in path])
-                path.pop()
-            else:
-                stack.append(iter(useful[nxt]))
-        return out
-
-    def pools(self) -> list[dict[str, Any]]:
         return [
-            {"layers": [a, b], "workers": sorted(pool)}
-            for (a, b), pool in sorted(self._pools.items())
+            {"layers": [a, b], "workers": sorted(pool)} for (a, b), pool in sorted(m.pools.items())
         ]
-
-
-def _best_chain(edges: dict[int, list[_Edge]], num_layers: int) -> list[WorkerEntry] | None:
-    """The chain 0 -> num_layers over ``edges`` (by start) with the least maximum load,
-    then the fewest hops, then the lowest worker ids, in O(edges log edges)."""
-    starts = sorted(edges, reverse=True)  # every edge goes forward: later boundaries first
-    # The least possible maximum load of a chain from each boundary to the end.
-    neck: dict[int, float] = {num_layers: -math.inf}
-    for a in starts:
-        options = [max(load, neck[b]) for b, load, _, _ in edges[a] if b in neck]
-        if options:
-            neck[a] = min(options)
-    if 0 not in neck:
-        return None
-    bound = neck[0]
-    # Fewest hops to the end using only hops within that bound.
-    hops: dict[int, int] = {num_layers: 0}
-    for a in starts:
-        counts = [hops[b] + 1 for b, load, _, _ in edges[a] if load <= bound and b in hops]
-        if counts:
-            hops[a] = min(counts)
-    route: list[WorkerEntry] = []
-    pos = 0
-    while pos != num_layers:
-        _, _, _, w = min(
-            (e for e in edges[pos] if e[1] <= bound and hops.get(e[0]) == hops[pos] - 1),
-            key=lambda e: e[2],
-        )
-        route.append(w)
-        pos = w.end
-    return route

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from zmqllm import __version__
-from zmqllm.config import Config, resolve_model_path
+from zmqllm.config import Config, resolve_model_path, worker_served_name
 from zmqllm.engine import native
 from zmqllm.engine.cache import rss_bytes
 from zmqllm.engine.generator import load_shard
@@ -128,4 +128,5 @@ def register_message(cfg: Config, ld: Loaded) -> Register:
         dtype=cfg.model.dtype,
         device=cfg.model.device,
         prefill_chunk=cfg.worker.prefill_chunk,
+        served=worker_served_name(cfg),
     )

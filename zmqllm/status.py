@@ -122,25 +122,60 @@ def _rows(items: Any, make: Any, width: int) -> list[list[str]]:
 
 
 def format_status(st: dict[str, Any]) -> str:
-    out = [
+    """The status as tables: one model's workers, pools and routes; with several models,
+    each model's workers and routes under its name."""
+    models = [m for m in st.get("models") or [] if isinstance(m, dict)]
+    first = (
         f"broker {st.get('boot', '?')}  zmqllm {st.get('version', '?')}  "
-        f"up {st.get('uptime_s', 0)}s  layers {st.get('num_layers', 0)}  "
-        f"complete route: {'yes' if st.get('complete_route') else 'NO'}  "
-        f"sessions {st.get('sessions', 0)}  queue {st.get('queue', 0)}",
-        "",
-        "workers",
-    ]
-    headers = ["id", "layers", "sessions", "kv tokens", "load", "mean batch", "prefix hit"]
-    headers += ["heartbeat", "state"]
-    rows = _rows(st.get("workers"), _worker_row, len(headers))
-    out.append(_table(rows, headers) if rows else "  (none)")
-    out += ["", "pools"]
-    pools = _rows(st.get("pools"), _pool_row, 2)
-    out.append(_table(pools, ["layers", "workers"]) if pools else "  (none)")
-    routes = _rows(st.get("routes"), lambda r: [" -> ".join(str(p) for p in r)], 1)
-    out += ["", "routes (chains of pools covering every layer)"]
-    out += [f"  {r[0]}" for r in routes] if routes else ["  (none)"]
+        f"up {st.get('uptime_s', 0)}s  "
+    )
+    if len(models) > 1:
+        out = [
+            first + f"models {len(models)}  sessions {st.get('sessions', 0)}  "
+            f"queue {st.get('queue', 0)}"
+        ]
+        for m in sorted(models, key=lambda m: str(m.get("name"))):
+            out += ["", *_model_section(st, m)]
+    else:
+        named = f"model {models[0].get('name')}  " if models and models[0].get("name") else ""
+        out = [
+            first + named + f"layers {st.get('num_layers', 0)}  "
+            f"complete route: {'yes' if st.get('complete_route') else 'NO'}  "
+            f"sessions {st.get('sessions', 0)}  queue {st.get('queue', 0)}",
+            "",
+            "workers",
+            _workers_table(st.get("workers")),
+            "",
+            "pools",
+        ]
+        pools = _rows(st.get("pools"), _pool_row, 2)
+        out.append(_table(pools, ["layers", "workers"]) if pools else "  (none)")
+        out += ["", "routes (chains of pools covering every layer)", *_routes(st.get("routes"))]
     counters = st.get("counters")
     if isinstance(counters, dict) and counters:
         out += ["", "  ".join(f"{k} {v}" for k, v in counters.items())]
     return "\n".join(out)
+
+
+def _model_section(st: dict[str, Any], m: dict[str, Any]) -> list[str]:
+    name = m.get("name")
+    kind = "remote (text)" if m.get("text_model") else f"{m.get('num_layers', '?')} layers"
+    ready = "yes" if m.get("complete_route") else f"NO (missing {m.get('uncovered') or '?'})"
+    workers = [w for w in st.get("workers") or [] if isinstance(w, dict) and w.get("model") == name]
+    return [
+        f"model {name}  {kind}  complete route: {ready}",
+        _workers_table(workers),
+        "routes: " + ("; ".join(r.strip() for r in _routes(m.get("routes")))),
+    ]
+
+
+def _workers_table(workers: Any) -> str:
+    headers = ["id", "layers", "sessions", "kv tokens", "load", "mean batch", "prefix hit"]
+    headers += ["heartbeat", "state"]
+    rows = _rows(workers, _worker_row, len(headers))
+    return _table(rows, headers) if rows else "  (none)"
+
+
+def _routes(routes: Any) -> list[str]:
+    rows = _rows(routes, lambda r: [" -> ".join(str(p) for p in r)], 1)
+    return [f"  {r[0]}" for r in rows] if rows else ["  (none)"]

@@ -60,11 +60,14 @@ from zmqllm.worker_link import (
     REFUSED,
     RESET,
     BrokerLink,
+    LinkLost,
     LinkSettings,
+    WorkerRefused,
     named_session,
     session_key,
     split_key,
 )
+from zmqllm.worker_loop import WorkerLoop
 
 __all__ = ["LinkLost", "Loaded", "Worker", "WorkerRefused", "load_stage", "serve"]
 
@@ -72,18 +75,9 @@ log = get_logger("zmqllm.worker")
 
 MAX_MESSAGES_PER_TURN = 1024
 IDLE_POLL_S = 0.1  # an idle loop still looks at signals and publishes its load this often
-TURN_FAILED_PAUSE_S = 0.01  # a turn that raised is not retried in a tight loop
 
 
-class WorkerRefused(RuntimeError):
-    """The broker refused this worker (different model or version)."""
-
-
-class LinkLost(RuntimeError):
-    """The broker link's thread is gone: this worker can no longer be reached."""
-
-
-class Worker:
+class Worker(WorkerLoop):
     def __init__(
         self,
         cfg: Config,
@@ -122,21 +116,10 @@ class Worker:
         self.link = BrokerLink(self.ctx, settings, register_message(cfg, loaded), self.faults)
         self._published = 0.0
 
-    # -- signals ---------------------------------------------------------------
-    def on_sigterm(self, *_: object) -> None:
-        if self.draining:
-            self._stop = True
-        else:
-            self.draining = True
-            log.info(
-                "draining: no new sessions; exiting when the running ones finish",
-                sessions=len(self.stage.sessions),
-            )
+    # -- the loop --------------------------------------------------------------
+    def sessions(self) -> int:
+        return len(self.stage.sessions)
 
-    def on_sigint(self, *_: object) -> None:
-        self._stop = True
-
-    # -- main loop -------------------------------------------------------------
     def run(self) -> int:
         self.link.start()
         log.info(
@@ -146,27 +129,7 @@ class Worker:
             layers=f"{self.loaded.start}:{self.loaded.end}",
             curve=self.link.settings.keys is not None,
         )
-        try:
-            while not self._stop:
-                try:
-                    self._turn()
-                except (WorkerRefused, LinkLost):
-                    raise
-                except Exception as exc:  # the loop outlives whatever one turn meets
-                    self.faults.report("internal", "worker turn failed", exc)
-                    time.sleep(TURN_FAILED_PAUSE_S)
-                if self.draining and not self.stage.sessions:
-                    log.info("drained; leaving")
-                    self._stop = True
-        except WorkerRefused as exc:
-            log.error("refused by the broker", reason=str(exc))
-            return 3
-        except LinkLost as exc:
-            log.error("leaving", reason=str(exc))
-            return 1
-        finally:
-            self.close()
-        return 0
+        return self.run_turns()
 
     def _turn(self) -> None:
         if not self.link.alive():

@@ -42,6 +42,7 @@ from zmqllm.messages import MAX_ATTEMPTS
 from zmqllm.protocol import (
     MAX_FRAMES,
     Activation,
+    Ask,
     Cached,
     Cancel,
     Close,
@@ -68,7 +69,9 @@ __all__ = [
     "REFUSED",
     "RESET",
     "BrokerLink",
+    "LinkLost",
     "LinkSettings",
+    "WorkerRefused",
     "named_session",
     "session_key",
     "split_key",
@@ -77,7 +80,7 @@ __all__ = [
 log = get_logger("zmqllm.worker")
 
 DELIVER, RESET, REFUSED = "deliver", "reset", "refused"
-SESSION_TYPES = (Open, Cached, Step, Activation, Close, Cancel)
+SESSION_TYPES = (Open, Ask, Cached, Step, Activation, Close, Cancel)
 
 RECONNECT_MAX_S = 30.0
 MAX_MESSAGES_PER_PUMP = 1024
@@ -88,6 +91,14 @@ JOIN_TIMEOUT_S = 5.0
 # How often the keeper looks for a free lock (a forward running): well inside a
 # heartbeat interval, and rare enough to cost nothing.
 KEEP_POLL_S = 0.05
+
+
+class WorkerRefused(RuntimeError):
+    """The broker refused this worker (different model or version)."""
+
+
+class LinkLost(RuntimeError):
+    """The broker link's thread is gone: this worker can no longer be reached."""
 
 
 def session_key(session: str, attempt: int) -> str:

@@ -86,12 +86,15 @@ def test_broker_restart_workers_reregister(fresh_cluster: Cluster, reference) ->
 def test_worker_of_another_model_is_refused(
     fresh_cluster: Cluster, tmp_path: Path, reference
 ) -> None:
+    """Under the cluster's model name, another model is refused, naming the difference;
+    under a name of its own it is a second model (test_remote_models.py serves two)."""
     from zmqllm.models import prepare_tiny_model
 
     other = prepare_tiny_model(tmp_path / "other", sliding_window=4)
     c = fresh_cluster
     c.start_all()
-    intruder = c.start_worker("2:4", model=other)
+    name = c.model_dir.resolve().name
+    intruder = c.start_worker("2:4", model=other, flags=("--served-name", name))
     intruder.popen.wait(timeout=60)
     assert intruder.popen.returncode != 0
     log = intruder.text()

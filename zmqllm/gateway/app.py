@@ -45,7 +45,7 @@ def _warmup_prompt(tokenizer: Tokenizer) -> list[int]:
 def create_app(
     client: BrokerClientLike,
     settings: GatewaySettings,
-    tokenizer: Tokenizer,
+    tokenizer: Tokenizer | None,
     model_name: str,
     context_length: int,
     *,
@@ -67,12 +67,15 @@ def create_app(
     """
     if api_keys is None and settings.api_keys_file:
         api_keys = ApiKeys.from_file(settings.api_keys_file)
+    service = GatewayService(client, settings, tokenizer, model_name, context_length)
     readiness = Readiness(
         client,
-        _warmup_prompt(tokenizer),
+        _warmup_prompt(tokenizer) if tokenizer is not None else [],
         poll_interval=ready_poll_interval,
         ready_poll_interval=ready_recheck_interval,
         warmup_timeout=settings.request_timeout,
+        model=model_name,
+        directory=service.models,
     )
 
     @contextlib.asynccontextmanager
@@ -97,7 +100,7 @@ def create_app(
         docs_url=None,
         redoc_url=None,
     )
-    app.state.gateway = GatewayService(client, settings, tokenizer, model_name, context_length)
+    app.state.gateway = service
     app.state.readiness = readiness
     install_error_handlers(app)
     app.state.metrics = GatewayMetrics()

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Protocol
 
-from zmqllm.messages import SessionError
+from zmqllm.messages import AskKind, SessionError
 from zmqllm.sampling_params import SamplingParams
 
 __all__ = [
@@ -85,7 +85,21 @@ class BrokerClientLike(Protocol):
         sampling: SamplingParams,
         stop_ids: Sequence[int],
         session: str | None = None,
+        model: str = "",
     ) -> TokenStreamLike: ...
+
+    def ask(
+        self,
+        *,
+        request_id: str,
+        model: str,
+        kind: AskKind,
+        fields: Mapping[str, Any],
+        max_tokens: int,
+        session: str | None = None,
+    ) -> TokenStreamLike:
+        """A text model's answer: its events are client_streams.DeltaEvent."""
+        ...
 
     async def status(self, timeout: float = 2.0) -> dict[str, Any]: ...
 

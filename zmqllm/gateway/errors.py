@@ -52,6 +52,7 @@ _BROKER_STATUS: dict[ErrorCode, int] = {
     ErrorCode.BROKER_UNREACHABLE: 503,
     ErrorCode.SLOW_CONSUMER: 503,
     ErrorCode.CANCELLED: 503,
+    ErrorCode.UPSTREAM_ERROR: 502,  # a remote model's API failed: a bad gateway, in HTTP's words
 }
 
 
@@ -96,7 +97,7 @@ def broker_failure(code: ErrorCode | str, message: str) -> APIError:
     word = code.value if isinstance(code, ErrorCode) else str(code)
     try:
         status = _BROKER_STATUS[ErrorCode(word)]
-    except ValueError:
+    except (ValueError, KeyError):
         status = 503
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
     kind = "rate_limit_error" if status == 429 else None

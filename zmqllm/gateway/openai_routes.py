@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -29,6 +29,7 @@ from zmqllm.gateway.errors import (
     validation_failure,
 )
 from zmqllm.gateway.logprobs import chat_logprobs, completion_logprobs
+from zmqllm.gateway.remote_requests import remote_fields
 from zmqllm.gateway.request_context import RequestRecord, record_of
 from zmqllm.gateway.response_format import grammar_of
 from zmqllm.gateway.responses import GenerationResponse, collect_unless_disconnected
@@ -48,9 +49,17 @@ from zmqllm.gateway.schemas import (
     Usage,
     unsupported_field,
 )
-from zmqllm.gateway.service import GatewayService, GenerationPlan, service_of
+from zmqllm.gateway.served_models import ServedModel
+from zmqllm.gateway.service import (
+    GatewayService,
+    GenerationPlan,
+    check_messages,
+    check_prompt,
+    service_of,
+)
 from zmqllm.gateway.streaming import GenerationError, TextStream
 from zmqllm.log import get_logger
+from zmqllm.messages import AskKind
 from zmqllm.tokenizer import Tokenizer
 
 __all__ = ["router"]
@@ -92,7 +101,7 @@ class _Logprobs:
     """Formats each choice's token log-probabilities as the request's API shapes them
     (None when the request did not ask for them)."""
 
-    def __init__(self, tok: Tokenizer, top: int | None, chat: bool, choices: int) -> None:
+    def __init__(self, tok: Tokenizer | None, top: int | None, chat: bool, choices: int) -> None:
         self.tok, self.top, self.chat = tok, top, chat
         self.offsets = [0] * choices  # completions: characters of each choice so far
 
@@ -100,6 +109,7 @@ class _Logprobs:
         if self.top is None:
             return None
         entries = stream.take_logprobs()
+        assert self.tok is not None  # only the gateway's own model gives log-probabilities
         if self.chat:
             return chat_logprobs(self.tok, entries, self.top)
         shape, self.offsets[index] = completion_logprobs(
@@ -199,9 +209,9 @@ class _CompletionShapes:
 _Shapes = _ChatShapes | _CompletionShapes
 
 
-def _usage(plan: GenerationPlan, choices: Choices) -> Usage:
+def _usage(prompt: int, choices: Choices) -> Usage:
     # OpenAI counts the prompt once however many choices share it.
-    prompt, completion = len(plan.prompt_ids), choices.generated_tokens
+    completion = choices.generated_tokens
     return Usage(
         prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
     )
@@ -209,17 +219,19 @@ def _usage(plan: GenerationPlan, choices: Choices) -> Usage:
 
 async def _answer(
     request: Request,
-    plans: list[GenerationPlan],
+    choices: Choices,
     shapes: _Shapes,
     logprobs: _Logprobs,
+    prompt_tokens: Callable[[], int],
     *,
     stream: bool,
     include_usage: bool,
 ) -> Response:
-    service, record = service_of(request), record_of(request)
-    choices = await open_choices(service, plans, record, request)
+    """The answer of opened ``choices``: streamed as events, or whole.
+    ``prompt_tokens`` is read at the end (a remote model tells it last)."""
+    record = record_of(request)
     if stream:
-        events = _events(choices, plans[0], shapes, logprobs, record, include_usage)
+        events = _events(choices, prompt_tokens, shapes, logprobs, record, include_usage)
         return GenerationResponse(events, choices, record, media_type="text/event-stream")
     try:
         texts = await collect_unless_disconnected(choices, request, record)
@@ -233,13 +245,13 @@ async def _answer(
         (text, s.finish_reason, logprobs.take(s, i))
         for i, (text, s) in enumerate(zip(texts, choices.streams, strict=True))
     ]
-    body = shapes.whole(answers, _usage(plans[0], choices))
+    body = shapes.whole(answers, _usage(prompt_tokens(), choices))
     return JSONResponse(body.model_dump(mode="json"))
 
 
 async def _events(
     choices: Choices,
-    plan: GenerationPlan,
+    prompt_tokens: Callable[[], int],
     shapes: _Shapes,
     logprobs: _Logprobs,
     record: RequestRecord,
@@ -258,7 +270,7 @@ async def _events(
             else:
                 yield _sse(shapes.piece(text, index, lp))
         if include_usage:
-            yield _sse(shapes.usage_only(_usage(plan, choices)))
+            yield _sse(shapes.usage_only(_usage(prompt_tokens(), choices)))
         yield _DONE  # only after whole answers: a stream that failed ends at its error
     except GenerationError as exc:
         record.error = exc.code
@@ -308,51 +320,98 @@ def _plans(
 async def chat_completions(request: Request) -> Response:
     service = service_of(request)
     body: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
-    service.check_model(body.model)
+    model = await service.model(body.model)
     messages = [
         {"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
         for m in body.messages
     ]
+    shapes = _ChatShapes(model.name)
+    if model.text_model:
+        check_messages(messages)
+        return await _remote_answer(
+            request, model, body, AskKind.CHAT, {"messages": messages}, shapes, chat=True
+        )
     plans = _plans(service, body, service.encode_chat(messages), "messages")
-    return await _answer(
-        request,
-        plans,
-        _ChatShapes(service.model_name),
-        _Logprobs(service.tokenizer, body.logprobs_top, chat=True, choices=len(plans)),
-        stream=bool(body.stream),
-        include_usage=body.include_usage,
-    )
+    return await _own_answer(request, plans, body, shapes, chat=True)
 
 
 @router.post("/completions")
 async def completions(request: Request) -> Response:
     service = service_of(request)
     body: CompletionRequest = await _parse(request, CompletionRequest)
-    service.check_model(body.model)
+    model = await service.model(body.model)
+    shapes = _CompletionShapes(model.name)
+    if model.text_model:
+        check_prompt(body.prompt)
+        return await _remote_answer(
+            request, model, body, AskKind.COMPLETION, {"prompt": body.prompt}, shapes, chat=False
+        )
     plans = _plans(service, body, service.encode_text(body.prompt), "prompt")
+    return await _own_answer(request, plans, body, shapes, chat=False)
+
+
+async def _own_answer(
+    request: Request,
+    plans: list[GenerationPlan],
+    body: ChatCompletionRequest | CompletionRequest,
+    shapes: _Shapes,
+    *,
+    chat: bool,
+) -> Response:
+    """An answer of the gateway's own model: one session per choice."""
+    service, record = service_of(request), record_of(request)
+    choices = await open_choices(service, plans, record, request)
     return await _answer(
         request,
-        plans,
-        _CompletionShapes(service.model_name),
-        _Logprobs(service.tokenizer, body.logprobs_top, chat=False, choices=len(plans)),
+        choices,
+        shapes,
+        _Logprobs(service.tokenizer, body.logprobs_top, chat=chat, choices=len(plans)),
+        lambda: len(plans[0].prompt_ids),
         stream=bool(body.stream),
         include_usage=body.include_usage,
     )
 
 
-def _card(service: GatewayService) -> ModelCard:
-    return ModelCard(
-        id=service.model_name, created=service.created, max_model_len=service.context_length
+async def _remote_answer(
+    request: Request,
+    model: ServedModel,
+    body: ChatCompletionRequest | CompletionRequest,
+    kind: AskKind,
+    prompt: dict[str, Any],
+    shapes: _Shapes,
+    *,
+    chat: bool,
+) -> Response:
+    """An answer of a remote (text) model: the request goes to its worker as it is."""
+    service = service_of(request)
+    fields = {**prompt, **remote_fields(body)}
+    max_tokens = body.token_limit or service.settings.default_max_tokens
+    if max_tokens < 1:
+        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    stream = await service.open_text(model, kind, fields, max_tokens, record_of(request), request)
+    choices = Choices([stream])
+    return await _answer(
+        request,
+        choices,
+        shapes,
+        _Logprobs(None, None, chat=chat, choices=1),
+        lambda: stream.prompt_tokens or 0,
+        stream=bool(body.stream),
+        include_usage=body.include_usage,
     )
+
+
+def _card(model: ServedModel) -> ModelCard:
+    # A remote model's context is its upstream's, unknown here.
+    context = None if model.text_model else model.context
+    return ModelCard(id=model.name, created=model.created, max_model_len=context)
 
 
 @router.get("/models")
 async def list_models(request: Request) -> ModelList:
-    return ModelList(data=[_card(service_of(request))])
+    return ModelList(data=[_card(m) for m in service_of(request).models.listed()])
 
 
 @router.get("/models/{model_id:path}")
 async def get_model(request: Request, model_id: str) -> ModelCard:
-    service = service_of(request)
-    service.check_model(model_id)
-    return _card(service)
+    return _card(await service_of(request).model(model_id))

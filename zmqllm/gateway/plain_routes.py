@@ -2,7 +2,8 @@
 
 Made for ``curl -N -d "Why is the sky blue?" localhost:8080/chat``. The prompt goes through
 the chat template as one user message; sampling and the token budget come as query
-parameters (an unknown one is a 400 naming it). The answer ends with a newline. A failure
+parameters (an unknown one is a 400 naming it; ``model=NAME`` picks a model other than
+the default, a remote one included). The answer ends with a newline. A failure
 after the first bytes were sent can no longer change the status code, so it is appended
 as a last line ``[error: ...]``.
 """
@@ -18,9 +19,10 @@ from zmqllm.gateway.body import read_text
 from zmqllm.gateway.errors import APIError
 from zmqllm.gateway.request_context import RequestRecord, record_of
 from zmqllm.gateway.responses import GenerationResponse
-from zmqllm.gateway.service import service_of
+from zmqllm.gateway.service import DEFAULT_TEMPERATURE, service_of
 from zmqllm.gateway.streaming import GenerationError, TextStream
 from zmqllm.log import get_logger
+from zmqllm.messages import AskKind
 
 __all__ = ["router"]
 
@@ -29,7 +31,7 @@ log = get_logger("zmqllm.gateway")
 
 # The query parameters /chat takes (its handler's arguments); a typo in one would
 # otherwise be ignored without a word.
-CHAT_QUERY = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+CHAT_QUERY = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed")
 NAMES_SHOWN = 4  # unknown names repeated in the error, each cut to NAME_CHARS
 NAME_CHARS = 40
 
@@ -37,6 +39,7 @@ NAME_CHARS = 40
 @router.post("/chat", response_class=Response)
 async def chat(
     request: Request,
+    model: str | None = None,
     max_tokens: int | None = None,
     temperature: float | None = None,
     top_p: float | None = None,
@@ -50,7 +53,42 @@ async def chat(
     prompt = await read_text(request, settings.max_body_bytes, settings.body_timeout)
     if not prompt.strip():
         raise APIError(400, "the prompt (request body) is empty", code="empty_prompt")
-    if service.tokenizer.has_chat_template:
+    served = await service.model(model)
+    if served.text_model:
+        sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
+        fields = {k: v for k, v in sampling.items() if v is not None}
+        fields.setdefault("temperature", DEFAULT_TEMPERATURE)
+        budget = settings.default_max_tokens if max_tokens is None else max_tokens
+        if budget < 1:
+            raise APIError(400, f"max_tokens must be at least 1, got {budget}", param="max_tokens")
+        messages = [{"role": "user", "content": prompt}]
+        ask = {"messages": messages, **fields}
+        generation = await service.open_text(served, AskKind.CHAT, ask, budget, record, request)
+    else:
+        generation = await _own_generation(
+            request, prompt, max_tokens, temperature, top_p, top_k, seed
+        )
+    return GenerationResponse(
+        _text_chunks(generation, record),
+        generation,
+        record,
+        media_type="text/plain; charset=utf-8",
+        abort_on_error=True,  # curl exits non-zero: a script can tell
+    )
+
+
+async def _own_generation(
+    request: Request,
+    prompt: str,
+    max_tokens: int | None,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    seed: int | None,
+) -> TextStream:
+    """The gateway's own model: the prompt through its chat template."""
+    service = service_of(request)
+    if service.own_tokenizer.has_chat_template:
         prompt_ids = service.encode_chat([{"role": "user", "content": prompt}])
     else:
         # A base model without a template still answers: the text is its prompt.
@@ -64,14 +102,7 @@ async def chat(
         seed=seed,
         prompt_param=None,
     )
-    generation = await service.open(plan, record, request)
-    return GenerationResponse(
-        _text_chunks(generation, record),
-        generation,
-        record,
-        media_type="text/plain; charset=utf-8",
-        abort_on_error=True,  # curl exits non-zero: a script can tell
-    )
+    return await service.open(plan, record_of(request), request)
 
 
 def _check_query(request: Request) -> None:

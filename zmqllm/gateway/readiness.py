@@ -1,5 +1,8 @@
 """``/ready``'s state: a complete route exists and a warm-up token went through it.
 
+A gateway serving only remote (text) models is ready once one of them has a worker: a
+warm-up there would cost a call to a paid API.
+
 A route in the broker's table proves that workers registered, not that a token can travel
 the whole pipeline (a stage may still be compiling, a link may be wrong), so readiness
 also waits for one real generation. A background task keeps the answer current: it polls
@@ -16,6 +19,7 @@ from collections.abc import Sequence
 import anyio
 
 from zmqllm.gateway.backend import BrokerClientLike, broker_error_fields
+from zmqllm.gateway.served_models import ModelDirectory, complete_route
 from zmqllm.log import bind_request, get_logger, new_request_id
 from zmqllm.sampling_params import SamplingParams
 
@@ -36,9 +40,13 @@ class Readiness:
         poll_interval: float = 0.5,
         ready_poll_interval: float = 2.0,
         warmup_timeout: float = 120.0,
+        model: str = "",
+        directory: ModelDirectory | None = None,
     ) -> None:
         self._client = client
-        self._warmup_prompt = list(warmup_prompt)
+        self._warmup_prompt = list(warmup_prompt)  # empty: no model of our own
+        self._model = model
+        self._directory = directory
         self._poll_interval = poll_interval
         self._ready_poll_interval = ready_poll_interval
         self._warmup_timeout = warmup_timeout
@@ -62,12 +70,18 @@ class Readiness:
                 log.exception("broker status failed")
             self._set(False, f"broker unreachable: {fields[1] if fields else exc}")
             return
+        if self._directory is not None:
+            self._directory.update(status)
         boot = status.get("boot")
         if boot != self._boot:
             if self._boot is not None and self.ready:
                 self._set(False, "the broker restarted")
             self._boot = boot
-        if not status.get("complete_route"):
+        if not self._warmup_prompt:
+            remote = self._directory is not None and self._directory.remote
+            self._set(bool(remote), "ready" if remote else "waiting for a remote worker")
+            return
+        if not complete_route(status, self._model):
             self._set(False, "no complete route: waiting for workers to cover every layer")
             return
         if self.ready:
@@ -96,6 +110,7 @@ class Readiness:
                         max_tokens=1,
                         sampling=SamplingParams(),
                         stop_ids=(),
+                        model=self._model,
                     )
                     async with stream:
                         async for event in stream:

@@ -314,7 +314,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "zmqllm"
-    max_model_len: int  # vLLM reports the context length here
+    # vLLM reports the context length here; unknown for a remote model.
+    max_model_len: int | None = None
 
 
 class ModelList(BaseModel):

@@ -1,7 +1,8 @@
 """``serve``: run the gateway process (what ``zmqllm gateway`` calls).
 
 The gateway needs only the model's small files (config, tokenizer, chat template): from
-the Hub it downloads just those, never the weights, and it never imports torch.
+the Hub it downloads just those, never the weights, and it never imports torch. A gateway
+with ``local_model`` off serves only remote (text) models and reads no model files.
 """
 
 from __future__ import annotations
@@ -62,10 +63,14 @@ def serve(cfg: Config) -> None:
 
     folder = keys_dir(cfg.security)
     keys = load_peer_keys(folder, "client") if folder is not None else None
-    directory = model_files_dir(cfg.model)
-    tokenizer = Tokenizer.from_dir(directory)
-    context_length = ModelArgs.from_dir(directory).max_position_embeddings
     settings = cfg.gateway
+    tokenizer: Tokenizer | None = None
+    context_length, name = 0, ""
+    if settings.local_model:
+        directory = model_files_dir(cfg.model)
+        tokenizer = Tokenizer.from_dir(directory)
+        context_length = ModelArgs.from_dir(directory).max_position_embeddings
+        name = served_model_name(cfg.model)
     client = BrokerClient(
         settings.broker,
         heartbeat_interval=cfg.broker.heartbeat_interval,
@@ -75,7 +80,6 @@ def serve(cfg: Config) -> None:
         # readiness warm-up one more.
         max_streams=settings.max_concurrent + 1,
     )
-    name = served_model_name(cfg.model)
     app = create_app(client, settings, tokenizer, name, context_length, api_keys=api_keys)
     log.info(
         "gateway starting",
@@ -86,8 +90,9 @@ def serve(cfg: Config) -> None:
         api_keys=None if api_keys is None else api_keys.source,
         api_key_count=0 if api_keys is None else api_keys.count,
         broker=settings.broker,
-        model=name,
-        context_length=context_length,
+        model=name or None,
+        context_length=context_length or None,
+        remote_models_only=not settings.local_model,
     )
     _QuietServer(uvicorn_config(app, settings)).run()
 

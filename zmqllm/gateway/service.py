@@ -9,7 +9,7 @@ from __future__ import annotations
 import secrets
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,11 +22,20 @@ from zmqllm.gateway.admission import Admission, ClientGone, QueueFull, QueueTime
 from zmqllm.gateway.backend import BrokerClientLike, TokenStreamLike, broker_error_fields
 from zmqllm.gateway.errors import CLIENT_CLOSED, RETRY_AFTER_S, APIError, broker_failure
 from zmqllm.gateway.request_context import RequestRecord
+from zmqllm.gateway.served_models import ModelDirectory, ServedModel
 from zmqllm.gateway.streaming import GenerationError, TextStream
+from zmqllm.messages import AskKind
 from zmqllm.sampling_params import NO_LOGPROBS, SamplingParams
-from zmqllm.tokenizer import ChatTemplateError, Tokenizer
+from zmqllm.tokenizer import ChatTemplateError, IncrementalDecoder, Tokenizer
 
-__all__ = ["GatewayService", "GenerationPlan", "client_disconnected", "service_of"]
+__all__ = [
+    "GatewayService",
+    "GenerationPlan",
+    "check_messages",
+    "check_prompt",
+    "client_disconnected",
+    "service_of",
+]
 
 # Sampling when a request names no temperature: greedy, so the same prompt gives the same
 # answer (what the e2e tests compare with HF generate). OpenAI's own default is 1.0.
@@ -37,6 +46,7 @@ _MAX_SEED = 2**63 - 1
 # was busy (a burst of requests parsed and tokenized at once) the broker's messages wait
 # unread: the link only looks stale until the loop gets to them.
 LINK_GRACE_S = 0.5
+MODEL_STATUS_TIMEOUT = 2.0  # a request naming a model not seen yet asks the broker
 LINK_POLL_S = 0.01
 
 
@@ -53,7 +63,9 @@ class GenerationPlan:
 class GatewayService:
     client: BrokerClientLike
     settings: GatewaySettings
-    tokenizer: Tokenizer
+    # The gateway's own model of tokens; None (and model_name "") when it serves only
+    # remote (text) models.
+    tokenizer: Tokenizer | None
     model_name: str
     context_length: int
     created: int = field(default_factory=lambda: int(time.time()))
@@ -62,12 +74,19 @@ class GatewayService:
     admission: Admission = field(init=False)
     failover: FailoverPolicy = field(init=False)
     _replays: weakref.WeakSet[ReplayStream] = field(init=False)
+    models: ModelDirectory = field(init=False)
 
     def __post_init__(self) -> None:
         s = self.settings
         self.admission = Admission(s.max_concurrent, s.max_queued, s.queue_timeout)
         self.failover = FailoverPolicy(timeout=s.failover_timeout, retries=s.failover_retries)
         self._replays = weakref.WeakSet()
+        local = None
+        if self.tokenizer is not None:
+            local = ServedModel(self.model_name, False, self.context_length, self.created)
+        self.models = ModelDirectory(
+            local, s.default_model, lambda: self.client.status(timeout=MODEL_STATUS_TIMEOUT)
+        )
 
     @property
     def history_tokens(self) -> int:
@@ -86,28 +105,26 @@ class GatewayService:
 
     # --- checks ---------------------------------------------------------------------
 
-    def check_model(self, name: str | None) -> None:
-        """A request may omit the model; naming another one is a 404, as with OpenAI."""
-        if name is not None and name != self.model_name:
-            raise APIError(
-                404,
-                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+    async def model(self, name: str | None) -> ServedModel:
+        """The model a request names, or the default; 404 model_not_found if unknown."""
+        return await self.models.find(name)
+
+    @property
+    def own_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:  # routes call this only for the gateway's own model
+            raise APIError(500, "this gateway has no model of its own", code="internal")
+        return self.tokenizer
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        if not any(str(m.get("content") or "").strip() for m in messages):
-            raise APIError(400, "messages contain no text", param="messages", code="empty_prompt")
+        check_messages(messages)
         try:
-            return self.tokenizer.encode_chat(messages)
+            return self.own_tokenizer.encode_chat(messages)
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), param="messages", code="invalid_messages") from None
 
     def encode_text(self, prompt: str, param: str = "prompt") -> list[int]:
-        if not prompt.strip():
-            raise APIError(400, "the prompt is empty", param=param, code="empty_prompt")
-        return self.tokenizer.encode(prompt, add_special_tokens=True)
+        check_prompt(prompt, param)
+        return self.own_tokenizer.encode(prompt, add_special_tokens=True)
 
     def plan(
         self,
@@ -189,6 +206,77 @@ class GatewayService:
         The caller owns the returned stream and must ``close`` it.
         """
         record.prompt_tokens = len(plan.prompt_ids)
+        tok = self.own_tokenizer
+        eos = frozenset() if plan.ignore_eos else tok.eos_token_ids
+
+        def make(release: Callable[[], Awaitable[None]]) -> TextStream:
+            return self._text_stream(
+                self._token_stream(record, plan, sorted(eos)),
+                tok.incremental_decoder(prompt_ids=plan.prompt_ids),
+                plan.max_tokens,
+                release,
+                stop_ids=eos,
+                stops=plan.stops,
+            )
+
+        return await self._start(record, request, make)
+
+    async def open_text(
+        self,
+        model: ServedModel,
+        kind: AskKind,
+        fields: Mapping[str, Any],
+        max_tokens: int,
+        record: RequestRecord,
+        request: Request | None = None,
+    ) -> TextStream:
+        """As ``open``, for a remote (text) model: the request's fields go to its worker
+        as they are (ask_body checks them there), its answer comes back as text."""
+
+        def make(release: Callable[[], Awaitable[None]]) -> TextStream:
+            stream = self.client.ask(
+                request_id=record.request_id,
+                model=model.name,
+                kind=kind,
+                fields=fields,
+                max_tokens=max_tokens,
+            )
+            # Stop strings are the upstream's to apply: they travel in ``fields``.
+            return self._text_stream(stream, None, max_tokens, release)
+
+        return await self._start(record, request, make)
+
+    def _text_stream(
+        self,
+        stream: TokenStreamLike,
+        decoder: IncrementalDecoder | None,
+        max_tokens: int,
+        release: Callable[[], Awaitable[None]],
+        *,
+        stop_ids: frozenset[int] = frozenset(),
+        stops: Sequence[str] = (),
+    ) -> TextStream:
+        s = self.settings
+        return TextStream(
+            stream,
+            decoder,
+            max_tokens=max_tokens,
+            stop_ids=stop_ids,
+            stops=stops,
+            timeout=s.request_timeout,
+            first_token_timeout=s.first_token_timeout,
+            inter_token_timeout=s.inter_token_timeout,
+            on_close=release,
+        )
+
+    async def _start(
+        self,
+        record: RequestRecord,
+        request: Request | None,
+        make: Callable[[Callable[[], Awaitable[None]]], TextStream],
+    ) -> TextStream:
+        """Wait for a slot, start the stream ``make`` builds and wait for its first
+        token; errors become APIError."""
         # Fail fast: an OPEN sent into a dead link would only time out much later. Checked
         # before queueing (no wait for a dead broker) and again once a slot is free.
         await self._check_broker_link(record)
@@ -206,20 +294,8 @@ class GatewayService:
                 released = True
                 self.admission.release()
 
-        eos = frozenset() if plan.ignore_eos else self.tokenizer.eos_token_ids
         try:
-            stream = self._token_stream(record, plan, sorted(eos))
-            text_stream = TextStream(
-                stream,
-                self.tokenizer.incremental_decoder(prompt_ids=plan.prompt_ids),
-                max_tokens=plan.max_tokens,
-                stop_ids=eos,
-                stops=plan.stops,
-                timeout=self.settings.request_timeout,
-                first_token_timeout=self.settings.first_token_timeout,
-                inter_token_timeout=self.settings.inter_token_timeout,
-                on_close=release,
-            )
+            text_stream = make(release)
             record.add_generation(text_stream)
             await self._first_token(text_stream, record, request)
         except GenerationError as exc:
@@ -251,6 +327,7 @@ class GatewayService:
                 max_tokens=plan.max_tokens,
                 sampling=plan.sampling,
                 stop_ids=stop_ids,
+                model=self.model_name,
             )
         replay = ReplayStream(
             self.client,
@@ -261,6 +338,7 @@ class GatewayService:
             stop_ids=stop_ids,
             policy=self.failover,
             on_failover=self.on_failover,
+            model=self.model_name,
         )
         self._replays.add(replay)
         return replay
@@ -335,6 +413,16 @@ class GatewayService:
             raise APIError(
                 CLIENT_CLOSED, "the client closed the request while it was queued"
             ) from None
+
+
+def check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
+    if not any(str(m.get("content") or "").strip() for m in messages):
+        raise APIError(400, "messages contain no text", param="messages", code="empty_prompt")
+
+
+def check_prompt(prompt: str, param: str = "prompt") -> None:
+    if not prompt.strip():
+        raise APIError(400, "the prompt is empty", param=param, code="empty_prompt")
 
 
 async def client_disconnected(request: Request) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
+from typing import Any
 
 import anyio
 
@@ -90,7 +91,7 @@ class TextStream:
     def __init__(
         self,
         stream: TokenStreamLike,
-        decoder: IncrementalDecoder,
+        decoder: IncrementalDecoder | None,
         *,
         max_tokens: int,
         stop_ids: Iterable[int] = (),
@@ -118,6 +119,8 @@ class TextStream:
         self.last_token_at: float | None = None
         self.token_gaps: list[float] = []  # seconds between tokens, for the ITL histogram
         self.generated_tokens = 0
+        # A text model's count of the prompt's tokens, when its upstream told it.
+        self.prompt_tokens: int | None = None
         self.finish_reason: str | None = None
         # (token, ids, log-probabilities) of shown tokens not yet taken (take_logprobs).
         self._logprobs: list[tuple[int, tuple[int, ...], tuple[float, ...]]] = []
@@ -249,6 +252,8 @@ class TextStream:
         if self.last_token_at is not None:
             self.token_gaps.append(now - self.last_token_at)
         self.last_token_at = now
+        if self._decoder is None:
+            return self._accept_piece(event)
         self.generated_tokens += 1
         finish = event.finish
         if event.token in self._stop_ids:
@@ -275,4 +280,22 @@ class TextStream:
         if not hit:
             released += self._matcher.flush()
         self.finish_reason = finish
+        return released, True
+
+    def _accept_piece(self, event: Any) -> tuple[str, bool]:
+        """A text model's piece (client_streams.DeltaEvent): its text is the answer's
+        next text; the last piece carries the finish and the upstream's token counts."""
+        if event.finish is None:
+            self.generated_tokens += 1  # pieces, until the upstream tells the tokens
+            released, hit = self._matcher.push(event.text)
+            if hit:
+                self.finish_reason = "stop"
+            return released, hit
+        if event.completion_tokens is not None:
+            self.generated_tokens = event.completion_tokens
+        self.prompt_tokens = event.prompt_tokens
+        released, hit = self._matcher.push(event.text)
+        if not hit:
+            released += self._matcher.flush()
+        self.finish_reason = "stop" if hit else event.finish
         return released, True
