@@ -119,6 +119,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             max_tokens=args.max_tokens,
             stop_ids=sorted(tok.eos_token_ids),
             sessions=sessions,
+            model=model_dir.name,
         )
         chats = ChatStreams(c.http_port, PROMPTS, max_tokens=args.max_tokens)
         poller = StatusPoller(c.frontend, deadline=args.status_deadline)
@@ -198,6 +199,8 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             },
             "exact": all(victim_ok) and all(chat_ok) and bool(victim_ok) and bool(chat_ok),
             "remote_model_answers_after": remote_ok,
+            # ASKs of the fuzzer's that the remote worker found whole and forwarded.
+            "upstream_calls": len(upstream.requests),
             "status": {
                 "polls": len(poller.latencies),
                 "max_s": round(max(poller.latencies, default=0.0), 3),
@@ -247,7 +250,10 @@ def print_table(r: dict[str, Any]) -> None:
         f"{st['client']}, /chat {st['chat_exact']}/{st['chat']}, "
         f"{st['during_fuzz']} during the fuzz)"
     )
-    print(f"remote model answers after:     {'yes' if r['remote_model_answers_after'] else 'NO'}")
+    print(
+        f"remote model answers after:     {'yes' if r['remote_model_answers_after'] else 'NO'}"
+        f"  ({r['upstream_calls']} fuzzed ASKs forwarded upstream)"
+    )
     print(f"status: {s['polls']} polls, slowest {s['max_s']}s, {len(s['failures'])} failed")
     for err in st["errors"] + s["failures"]:
         print("  ", err)

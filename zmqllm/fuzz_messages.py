@@ -255,6 +255,9 @@ def _ask(rng: Rng, sessions: list[str]) -> Ask:
         [
             b"{}",
             b"not json",
+            # Whole requests (the remote worker forwards them), some with stop strings.
+            b'{"messages": [{"role": "user", "content": "hi"}]}',
+            b'{"prompt": "once", "stop": ["x"], "seed": 3}',
             b"[1, 2]",
             json.dumps(
                 {"messages": [{"role": "user", "content": "hi"}], "temperature": 1e9}

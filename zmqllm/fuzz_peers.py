@@ -191,8 +191,10 @@ class VictimStreams:
         sessions: list[str],
         connect_timeout: float = 30.0,
         heartbeat: float = 1.0,
+        model: str = "",
     ) -> None:
         self.address = address
+        self.model = model  # "": the broker's only model
         self.prompts = [list(p) for p in prompts]
         self.max_tokens = max_tokens
         self.stop_ids = list(stop_ids)
@@ -258,6 +260,7 @@ class VictimStreams:
                 sampling=SamplingParams(),
                 stop_ids=self.stop_ids,
                 session=session,
+                model=self.model,
             )
             async with stream:
                 async for event in stream:
