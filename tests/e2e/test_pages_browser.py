@@ -226,3 +226,32 @@ def test_with_api_keys_the_page_asks_for_the_key_and_then_chats(
         expect(reply.locator(".text")).to_have_text(ANSWER)
         expect(page.locator("#model")).to_have_text("tiny-test")
         page.screenshot(path=str(shots / "chat-api-key.png"), full_page=True)
+
+
+def test_the_cluster_page_shows_each_model_apart(
+    tmp_path: Path, e2e_model: Path, page: Page, shots: Path
+) -> None:
+    """A pipeline model and a remote one on one broker: each model's stages under its
+    name, and each model's routes."""
+    from testbed.fake_upstream import FakeUpstream
+
+    with FakeUpstream() as up:
+        c = Cluster(tmp_path / "mixed", e2e_model)
+        try:
+            c.start_broker()
+            for layers in ("0:2", "2:4"):
+                c.start_worker(layers)
+            c.start_remote_worker(up.url)
+            c.start_gateway()
+            c.wait_ready()
+            c.wait_for(lambda: len(c.status().get("models", [])) == 2, what="both models")
+            page.goto(c.url + "/cluster")
+            expect(page.locator(".worker")).to_have_count(3)
+            for title in ("tiny · layers 0:2", "tiny · layers 2:4", f"{up.model_id} · remote"):
+                expect(page.get_by_role("region", name=title)).to_be_visible()
+            expect(page.locator("#routes li")).to_have_text(
+                [f"{up.model_id}: remote", "tiny: 0:2 → 2:4"]
+            )
+            page.screenshot(path=str(shots / "cluster-two-models.png"), full_page=True)
+        finally:
+            c.stop()

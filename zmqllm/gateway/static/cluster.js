@@ -100,23 +100,31 @@
     if (!st) return;
     const seconds = old ? snap.at - old.at : 0;
     const oldWorkers = new Map(old ? old.broker.workers.map((w) => [w.id, w]) : []);
-    const stages = new Map(); // "a:b" -> workers, in the order of their layers
+    // Several models: each model's stages side by side, the model named on each.
+    const many = (st.models || []).length > 1;
+    const stages = new Map(); // "model layers a:b" -> workers, in the order of their layers
     const sorted = [...st.workers].sort(
-      (x, y) => x.layers[0] - y.layers[0] || x.layers[1] - y.layers[1] || (x.id < y.id ? -1 : 1)
+      (x, y) =>
+        (x.model || "").localeCompare(y.model || "") ||
+        x.layers[0] - y.layers[0] ||
+        x.layers[1] - y.layers[1] ||
+        (x.id < y.id ? -1 : 1)
     );
     for (const w of sorted) {
-      const key = `${w.layers[0]}:${w.layers[1]}`;
-      if (!stages.has(key)) stages.set(key, []);
-      stages.get(key).push(w);
+      const where = w.text_model ? "remote" : `layers ${w.layers[0]}:${w.layers[1]}`;
+      const key = many ? `${w.model} · ${where}` : where;
+      if (!stages.has(key)) stages.set(key, { model: w.model, workers: [] });
+      stages.get(key).workers.push(w);
     }
-    let firstStage = true;
-    for (const [range, workers] of stages) {
-      if (!firstStage) pipeline.append(el("div", "arrow", "→"));
-      firstStage = false;
+    let previous = null;
+    for (const [title, stage] of stages) {
+      // An arrow between stages of one model; between two models only a gap.
+      if (previous !== null) pipeline.append(el("div", "arrow", previous === stage.model ? "→" : ""));
+      previous = stage.model;
       const column = el("section", "stage");
-      column.setAttribute("aria-label", `layers ${range}`);
-      column.append(el("h3", "", `layers ${range}`));
-      for (const w of workers) column.append(workerCard(w, oldWorkers.get(w.id), seconds));
+      column.setAttribute("aria-label", title);
+      column.append(el("h3", "", title));
+      for (const w of stage.workers) column.append(workerCard(w, oldWorkers.get(w.id), seconds));
       pipeline.append(column);
     }
     if (!st.workers.length) pipeline.append(el("p", "hint", "No worker is registered."));
@@ -125,9 +133,18 @@
   function drawRoutes(snap) {
     const list = $("routes");
     list.replaceChildren();
-    const routes = snap.broker ? snap.broker.routes : [];
-    for (const route of routes) list.append(el("li", "", route.join(" → ")));
-    if (snap.broker && !routes.length) {
+    const st = snap.broker;
+    const models =
+      st && st.models && st.models.length > 1
+        ? [...st.models].sort((a, b) => a.name.localeCompare(b.name))
+        : null;
+    const routes = !st
+      ? []
+      : models
+        ? models.flatMap((m) => m.routes.map((r) => `${m.name}: ${m.text_model ? "remote" : r.join(" → ")}`))
+        : st.routes.map((r) => r.join(" → "));
+    for (const route of routes) list.append(el("li", "", route));
+    if (st && !routes.length) {
       list.append(el("li", "", "none: the workers do not cover every layer"));
     }
   }
