@@ -129,10 +129,16 @@ async def test_worker_faults_are_exported_by_reason(tok: Tokenizer) -> None:
     fake = FakeBrokerClient(answer_script(tok))
     app, _clock = await scrape_app(fake, tok)
     worker = {"id": "w0", "layers": [0, 2], "stats": {"fault_bad_request": 2, "forwards": 9}}
-    fake.status_extra = {"workers": [worker]}
+    remote = {"id": "r0", "layers": [0, 1], "model": "api", "stats": {"fault_bad_request": 1}}
+    fake.status_extra = {"workers": [worker, remote]}
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
         text = (await c.get("/metrics")).text
-    line = 'zmqllm_worker_faults_total{layers="0:2",reason="bad_request",worker="w0"} 2.0'
+    line = 'zmqllm_worker_faults_total{layers="0:2",model="",reason="bad_request",worker="w0"} 2.0'
+    assert line in text
+    # Each worker is labelled with the model it serves.
+    line = (
+        'zmqllm_worker_faults_total{layers="0:1",model="api",reason="bad_request",worker="r0"} 1.0'
+    )
     assert line in text
 
 

@@ -121,7 +121,7 @@ class ClusterCollector(Collector):
                 dropped.add_metric([str(reason)], float(value))
         yield dropped
         yield from _auth_metrics(st.get("auth", {}))
-        labels = ["worker", "layers"]
+        labels = ["worker", "layers", "model"]
         gauges = {k: GaugeMetricFamily(n, t, labels=labels) for k, n, t in _WORKER_GAUGES}
         counters = {k: CounterMetricFamily(n, t, labels=labels) for k, n, t in _WORKER_COUNTERS}
         draining = GaugeMetricFamily("zmqllm_worker_draining", "1 while draining", labels=labels)
@@ -131,7 +131,7 @@ class ClusterCollector(Collector):
             labels=[*labels, "reason"],
         )
         for w in st.get("workers", []):
-            lv = [str(w["id"]), f"{w['layers'][0]}:{w['layers'][1]}"]
+            lv = [str(w["id"]), f"{w['layers'][0]}:{w['layers'][1]}", str(w.get("model", ""))]
             stats = w.get("stats", {})
             for key, fam in gauges.items():
                 if isinstance(stats.get(key), (int, float)):
