@@ -451,3 +451,39 @@ def test_a_model_without_room_holds_back_only_its_own_requests() -> None:
     assert isinstance(ask, Ask)
     errs = to(t.tick(100.0, lambda model: f"none for {model}"), A)
     assert [e.message for e in errs] == ["none for tiny"]
+
+
+def test_requests_for_models_nobody_serves_fill_only_their_share_of_the_queue() -> None:
+    t = two_models()
+    t.queue_size = 8
+    for i in range(2):
+        assert to(t.open(A, ask_msg(f"n{i}", model="nope"), 0.0), A) == []  # queued
+    (err,) = to(t.open(A, ask_msg("n2", model="nope"), 0.0), A)
+    assert err.code is ErrorCode.BUSY and "'nope'" in err.message
+    # The served models still have the rest of the queue.
+    full = Registry()
+    register(full, "t0", 0, 4, served="tiny", capacity=1)
+    t2 = SessionTable(full, "boot1", queue_size=8)
+    tiny = dataclasses.replace(open_msg(), model="tiny")
+    for i in range(5):
+        t2.open(A, dataclasses.replace(tiny, session=f"s{i}"), 0.0)
+    assert len(t2.queue) == 4 and len(t2.sessions) == 1
+
+
+def test_a_request_queued_before_its_model_came_is_checked_when_it_does() -> None:
+    """An ASK waiting for "m" when a model of layers registers as "m": refused, not sent
+    to a worker that cannot take it."""
+    reg = Registry()
+    t = SessionTable(reg, "boot1")
+    assert t.open(A, ask_msg(model="m"), 0.0) == []
+    register(reg, "w", 0, 4, served="m")
+    (err,) = to(t.dispatch(0.0), A)
+    assert err.code is ErrorCode.BAD_REQUEST and "'m'" in err.message
+    assert not t.queue and not t.sessions and reg.workers["w"].reserved_tokens == 0
+
+
+def test_a_token_on_a_text_session_is_ignored() -> None:
+    t = two_models()
+    (ask,) = to(t.open(B, ask_msg(), 0.0), b"r1")
+    assert token(t, "r1", ask.session, 0) == []
+    assert t.sessions[(B, "q1")].next_step == 0

@@ -38,7 +38,7 @@ from zmqllm.messages import (
     Token,
 )
 from zmqllm.prefix import PrefixIndex
-from zmqllm.registry import Registry, WorkerEntry
+from zmqllm.registry import ModelPools, Registry, WorkerEntry
 from zmqllm.session_records import Key, Out, Pending, Session, SessionStats
 
 __all__ = ["MAX_ATTEMPTS", "Key", "Out", "Pending", "Session", "SessionStats", "SessionTable"]
@@ -48,6 +48,9 @@ log = get_logger("zmqllm.broker")
 # Routes one request may be tried on (a full worker, a worker lost before the first
 # token): past this it fails instead of bouncing around a sick cluster forever.
 MAX_ATTEMPTS = 8
+# Of the queue, the share that requests for models no worker serves may fill: they may be
+# starting, or be names a peer made up.
+UNSERVED_SHARE = 4
 
 
 @dataclass
@@ -80,26 +83,28 @@ class SessionTable:
         if model is None and not msg.model and len(self.registry.models) > 1:
             names = ", ".join(sorted(self.registry.models)[:8])
             return refuse(ErrorCode.BAD_REQUEST, f"several models are served ({names}): name one")
-        ask = isinstance(msg, Ask)
-        if model is not None and model.text_model != ask:
-            what = "a remote (text) model: send ASK" if model.text_model else "a model of tokens"
-            return refuse(ErrorCode.BAD_REQUEST, f"model {model.name!r} is {what}")
-        if isinstance(msg, Open):
-            if msg.tokens is None:
-                return refuse(ErrorCode.BAD_REQUEST, "OPEN needs the prompt's int32 token ids")
-            context = model.context if model is not None else 0
-            if context and msg.prompt_len + msg.max_tokens > context:
-                return refuse(
-                    ErrorCode.BAD_REQUEST,
-                    f"prompt ({msg.prompt_len}) + max_tokens ({msg.max_tokens}) exceed "
-                    f"the model's context of {context} tokens",
-                )
+        if isinstance(msg, Open) and msg.tokens is None:
+            return refuse(ErrorCode.BAD_REQUEST, "OPEN needs the prompt's int32 token ids")
+        why = self._unfit(msg, model) if model is not None else ""
+        if why:
+            return refuse(ErrorCode.BAD_REQUEST, why)
         if len(self.queue) >= self.queue_size:
             return refuse(
                 ErrorCode.BUSY, f"the broker queue is full ({self.queue_size}); retry shortly"
             )
+        if model is None and self._unserved() >= max(1, self.queue_size // UNSERVED_SHARE):
+            # Names nobody serves (yet) must not fill the queue the served models share.
+            return refuse(
+                ErrorCode.BUSY,
+                f"no worker serves model {msg.model!r} and the queue holds enough requests "
+                "for models without workers; retry shortly",
+            )
         self.queue.append(Pending(client, msg, now))
         return self.dispatch(now)
+
+    def _unserved(self) -> int:
+        """Queued requests whose model no worker serves."""
+        return sum(1 for p in self.queue if self.registry.resolve(p.open.model) is None)
 
     def cancel(self, client: bytes, session: str, now: float) -> list[Out]:
         """Only the session's own client can name it: the key holds the client's id."""
@@ -139,19 +144,50 @@ class SessionTable:
         waiting: deque[Pending] = deque()
         while self.queue:
             p = self.queue.popleft()
-            model = p.open.model
-            route = None
-            if model not in blocked:
-                route = self.registry.find_route(
-                    p.max_len, held=self._held_by(p.chain), model=model
-                )
+            model = self.registry.resolve(p.open.model)
+            if model is None or model.name in blocked:
+                waiting.append(p)
+                continue
+            # Checked again here: the model may have come (or changed) since the request
+            # was queued.
+            why = self._unfit(p.open, model)
+            if why:
+                out.append(self._refusal(p, why))
+                continue
+            route = self.registry.find_route(
+                p.max_len, held=self._held_by(p.chain), model=model.name
+            )
             if route is None:
-                blocked.add(model)
+                blocked.add(model.name)
                 waiting.append(p)
                 continue
             out += self._start(p, route, now)
         self.queue = waiting
         return out
+
+    @staticmethod
+    def _unfit(msg: Open | Ask, model: ModelPools) -> str:
+        """Why ``model`` cannot take this request ("" when it can)."""
+        if model.text_model != isinstance(msg, Ask):
+            what = "a remote (text) model: send ASK" if model.text_model else "a model of tokens"
+            return f"model {model.name!r} is {what}"
+        if (
+            isinstance(msg, Open)
+            and model.context
+            and msg.prompt_len + msg.max_tokens > model.context
+        ):
+            return (
+                f"prompt ({msg.prompt_len}) + max_tokens ({msg.max_tokens}) exceed "
+                f"the model's context of {model.context} tokens"
+            )
+        return ""
+
+    def _refusal(self, p: Pending, why: str) -> Out:
+        with bind_request(p.open.request_id, p.open.session):
+            log.info("request refused", reason=why[:200])
+        return self._to_client(
+            p.client, p.open.session, p.open.request_id, ErrorCode.BAD_REQUEST, why
+        )
 
     def _held_by(self, chain: tuple[int, ...]) -> Callable[[WorkerEntry], int] | None:
         """Prefix affinity: how much of ``chain`` a worker is thought to hold."""
@@ -247,6 +283,8 @@ class SessionTable:
         s = self._session_of(w, msg.session, msg.attempt)
         if s is None or s.route[-1] != w.worker_id or msg.step != s.next_step:
             return []
+        if isinstance(s.request.open, Ask):
+            return []  # a text model's session moves by DELTAs only
         token = Token(
             **self._advance(s, now),
             token=msg.token,

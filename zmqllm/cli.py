@@ -19,6 +19,7 @@ from zmqllm.config import (
     ConfigError,
     default_model_dir,
     resolve_model_path,
+    worker_served_name,
 )
 from zmqllm.config_load import load_config
 from zmqllm.keys_cli import add_keys_command
@@ -193,6 +194,7 @@ def cmd_worker(ns: argparse.Namespace) -> int:
         from zmqllm.remote_worker import serve as serve_remote
 
         return serve_remote(cfg)
+    worker_served_name(cfg)  # a name the bus cannot carry is told before the model loads
     for key, value in WORKER_THREAD_ENV.items():
         os.environ.setdefault(key, value)  # before torch (and its OpenMP) loads
     from zmqllm.worker import serve

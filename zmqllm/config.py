@@ -35,6 +35,7 @@ __all__ = [
     "SecuritySettings",
     "StageSpec",
     "WorkerSettings",
+    "checked_model_name",
     "default_model_dir",
     "log_dir",
     "resolve_model_path",
@@ -401,7 +402,18 @@ def worker_served_name(cfg: Config) -> str:
         return cfg.worker.served_name
     if cfg.worker.remote:
         return cfg.worker.remote_model
-    return served_model_name(cfg.model)
+    return checked_model_name(served_model_name(cfg.model))
+
+
+def checked_model_name(name: str) -> str:
+    """A model name as the bus carries it (1 to 255 printable ASCII characters, no
+    spaces); ConfigError otherwise, pointing at the setting that names it."""
+    if not 1 <= len(name) <= 255 or not all(0x21 <= ord(c) <= 0x7E for c in name):
+        raise ConfigError(
+            f"model name {name[:80]!r} must be 1 to 255 printable ASCII characters without "
+            "spaces: set one with --model-name (or --served-name on a worker)"
+        )
+    return name
 
 
 def served_model_name(model: ModelSettings) -> str:

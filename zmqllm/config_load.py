@@ -134,6 +134,8 @@ def _check_model(s: ModelSettings, where: str) -> ModelSettings:
         raise _fail("path", where, 'a directory, a repo id, "default" or "tiny"', s.path)
     if s.dtype not in DTYPES:
         raise _fail("dtype", where, f"one of {', '.join(DTYPES)}", s.dtype)
+    if s.name and not _NAME_RE.fullmatch(s.name):
+        raise _fail("name", where, "1 to 255 printable characters without spaces", s.name)
     if not _DEVICE_RE.fullmatch(s.device):
         raise _fail("device", where, '"cpu", "cuda" or "cuda:N"', s.device)
     if s.quant not in QUANTS:

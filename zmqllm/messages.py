@@ -100,7 +100,9 @@ MAX_STATUS_BYTES = 4 << 20
 # (what fits in a header): a constrained stream past it cannot be replayed.
 MAX_GENERATED = 8192
 MAX_TEXT = 1024  # reasons and error messages
-MAX_DELTA = 8192  # characters in one DELTA (4 bytes each at most: the header stays small)
+# Characters in one DELTA: at 4 UTF-8 bytes each they stay under protocol.py's
+# MAX_HEADER_STR_LEN (16 KiB), the longest string a header may hold.
+MAX_DELTA = 4000
 MAX_ASK_BYTES = 4 << 20  # a text session's request: its messages as JSON
 # What a worker's HEARTBEAT may report (see Stage.load); anything else is not carried on.
 LOAD_KEYS = frozenset(

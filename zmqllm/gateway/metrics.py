@@ -107,6 +107,17 @@ class ClusterCollector(Collector):
         route = GaugeMetricFamily("zmqllm_broker_complete_route", "1 if layers are covered")
         route.add_metric([], 1.0 if st.get("complete_route") else 0.0)
         yield route
+        per_model = GaugeMetricFamily(
+            "zmqllm_model_complete_route",
+            "1 if a model's layers are covered (a remote model: it has a worker)",
+            labels=["model"],
+        )
+        for m in st.get("models", []):
+            if isinstance(m, dict):
+                per_model.add_metric(
+                    [str(m.get("name", ""))], 1.0 if m.get("complete_route") else 0.0
+                )
+        yield per_model
         for key, value in sorted(st.get("counters", {}).items()):
             c = CounterMetricFamily(f"zmqllm_broker_{key}", f"Broker counter {key}")
             c.add_metric([], float(value))

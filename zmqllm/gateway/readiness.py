@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import anyio
 
@@ -54,6 +55,11 @@ class Readiness:
         self.reason = "waiting for the broker's first status"
         self._boot: object = None  # the broker's boot id: a restart means warm up again
 
+    @property
+    def model(self) -> str:
+        """The name the gateway's own model has on the bus."""
+        return self._directory.route_name if self._directory is not None else self._model
+
     async def run(self) -> None:
         """Poll forever (until cancelled)."""
         while True:
@@ -81,8 +87,8 @@ class Readiness:
             remote = self._directory is not None and self._directory.remote
             self._set(bool(remote), "ready" if remote else "waiting for a remote worker")
             return
-        if not complete_route(status, self._model):
-            self._set(False, "no complete route: waiting for workers to cover every layer")
+        if not complete_route(status, self.model):
+            self._set(False, _no_route_reason(status, self.model))
             return
         if self.ready:
             return
@@ -110,7 +116,7 @@ class Readiness:
                         max_tokens=1,
                         sampling=SamplingParams(),
                         stop_ids=(),
-                        model=self._model,
+                        model=self.model,
                     )
                     async with stream:
                         async for event in stream:
@@ -128,3 +134,17 @@ class Readiness:
             duration_ms=round((time.perf_counter() - started) * 1000, 1),
         )
         return True
+
+
+def _no_route_reason(status: dict[str, Any], model: str) -> str:
+    models = status.get("models")
+    names = (
+        [m.get("name") for m in models if isinstance(m, dict)] if isinstance(models, list) else []
+    )
+    if names and model not in names:
+        served = ", ".join(repr(n) for n in names[:8])
+        return (
+            f"no worker serves model {model!r} (the broker has {served}): give the workers "
+            "and the gateway the same --model-name"
+        )
+    return "no complete route: waiting for workers to cover every layer"

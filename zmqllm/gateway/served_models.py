@@ -15,11 +15,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from zmqllm.gateway.errors import RETRY_AFTER_S, APIError
+from zmqllm.log import get_logger
 
 __all__ = ["ModelDirectory", "ServedModel", "complete_route"]
 
+log = get_logger("zmqllm.gateway")
+
 # A request naming an unknown model asks the broker again at most this often.
 REFRESH_MIN_S = 0.5
+# How long a remote model whose workers left is answered 503 (it may be restarting)
+# before it is unknown (404); and how many such names are kept.
+GONE_GRACE_S = 60.0
+MAX_GONE = 256
 MAX_NAMES_SHOWN = 8
 
 
@@ -53,14 +60,22 @@ class ModelDirectory:
         self.default = default
         self._fetch_status = fetch_status
         self.remote: dict[str, ServedModel] = {}
+        # Remote models seen lately whose workers are gone for now: 503, not 404.
+        self.gone: dict[str, float] = {}
+        # The name the gateway's own model's workers registered under: its own name,
+        # unless they call it otherwise and it is the only model of layers the broker has
+        # (a gateway given a Hub id, workers a local copy of it).
+        self.route_name = local.name if local is not None else ""
         self._refreshed = -float("inf")
 
     def update(self, status: dict[str, Any]) -> None:
         """Take the remote models from a broker status (those with a whole route)."""
-        self._refreshed = time.monotonic()
+        self._refreshed = now = time.monotonic()
         seen: dict[str, ServedModel] = {}
         models = status.get("models")
-        for m in models if isinstance(models, list) else []:
+        entries = [m for m in models if isinstance(m, dict)] if isinstance(models, list) else []
+        self._follow_workers(entries)
+        for m in entries:
             if not isinstance(m, dict) or not m.get("text_model") or not m.get("complete_route"):
                 continue
             name = m.get("name")
@@ -69,7 +84,27 @@ class ModelDirectory:
             known = self.remote.get(name)
             created = known.created if known is not None else int(time.time())
             seen[name] = ServedModel(name, True, int(m.get("context") or 0), created)
+        for name in self.remote.keys() - seen.keys():
+            self.gone[name] = now
+        self.gone = {n: t for n, t in self.gone.items() if now - t < GONE_GRACE_S and n not in seen}
+        while len(self.gone) > MAX_GONE:
+            self.gone.pop(next(iter(self.gone)))
         self.remote = seen
+
+    def _follow_workers(self, entries: list[dict[str, Any]]) -> None:
+        if self.local is None:
+            return
+        layered = [m.get("name") for m in entries if not m.get("text_model")]
+        name = self.local.name
+        if name not in layered and len(layered) == 1 and isinstance(layered[0], str):
+            name = layered[0]
+        if name != self.route_name:
+            log.warning(
+                "this gateway's model goes by another name on the bus",
+                model=self.local.name,
+                workers_call_it=name,
+            )
+            self.route_name = name
 
     @property
     def name_of_local(self) -> str:
@@ -87,6 +122,13 @@ class ModelDirectory:
         found = self._lookup(wanted)
         if found is None and await self._refresh():
             found = self._lookup(wanted)
+        if found is None and wanted in self.gone:
+            raise APIError(
+                503,
+                f"the model {wanted!r} has no worker right now; retry shortly",
+                code="no_capacity",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         if found is None:
             served = ", ".join(repr(m.name) for m in self.listed()[:MAX_NAMES_SHOWN]) or "none yet"
             raise APIError(

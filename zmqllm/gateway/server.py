@@ -15,7 +15,14 @@ from pathlib import Path
 
 import uvicorn
 
-from zmqllm.config import Config, ConfigError, ModelSettings, resolve_model_path, served_model_name
+from zmqllm.config import (
+    Config,
+    ConfigError,
+    ModelSettings,
+    checked_model_name,
+    resolve_model_path,
+    served_model_name,
+)
 from zmqllm.gateway.api_keys import load_api_keys
 from zmqllm.gateway.app import create_app
 from zmqllm.gateway.http_server import base_url, tls_files, uvicorn_config
@@ -70,7 +77,7 @@ def serve(cfg: Config) -> None:
         directory = model_files_dir(cfg.model)
         tokenizer = Tokenizer.from_dir(directory)
         context_length = ModelArgs.from_dir(directory).max_position_embeddings
-        name = served_model_name(cfg.model)
+        name = checked_model_name(served_model_name(cfg.model))
     client = BrokerClient(
         settings.broker,
         heartbeat_interval=cfg.broker.heartbeat_interval,

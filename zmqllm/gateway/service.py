@@ -327,7 +327,7 @@ class GatewayService:
                 max_tokens=plan.max_tokens,
                 sampling=plan.sampling,
                 stop_ids=stop_ids,
-                model=self.model_name,
+                model=self.models.route_name,
             )
         replay = ReplayStream(
             self.client,
@@ -338,7 +338,7 @@ class GatewayService:
             stop_ids=stop_ids,
             policy=self.failover,
             on_failover=self.on_failover,
-            model=self.model_name,
+            model=self.models.route_name,
         )
         self._replays.add(replay)
         return replay
