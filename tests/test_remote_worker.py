@@ -257,6 +257,18 @@ def test_a_chat_streams_its_deltas_then_the_finish(worker: RemoteWorker, up: Fak
     assert worker.tasks == {} and not worker.outbox
 
 
+def test_a_long_piece_goes_in_deltas_the_wire_takes(worker: RemoteWorker) -> None:
+    """10,000 three-byte characters in one upstream chunk: cut into DELTAs each of which
+    decodes (a header string holds 16 KiB), together the whole text in order."""
+    content = "字" * 10_000
+    worker.handle(ask(fields={"messages": [{"role": "user", "content": content}]}))
+    deltas = [m for m in settle(worker) if isinstance(m, Delta)]
+    assert len(deltas) >= 3
+    for d in deltas:
+        assert decode(encode(d)) == d
+    assert "".join(d.text for d in deltas) == "echo: " + content
+
+
 def test_a_completion_is_asked_of_the_completions_endpoint(
     worker: RemoteWorker, up: FakeUpstream
 ) -> None:
