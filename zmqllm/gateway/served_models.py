@@ -98,13 +98,13 @@ class ModelDirectory:
         name = self.local.name
         if name not in layered and len(layered) == 1 and isinstance(layered[0], str):
             name = layered[0]
-        if name != self.route_name:
+        if name != self.route_name and name != self.local.name:
             log.warning(
                 "this gateway's model goes by another name on the bus",
                 model=self.local.name,
                 workers_call_it=name,
             )
-            self.route_name = name
+        self.route_name = name
 
     @property
     def name_of_local(self) -> str:
