@@ -22,6 +22,9 @@ import pytest
 
 from testbed.cluster import Cluster
 
+# The pages are tried on the tiny model: only where torch is (the torch environment).
+pytest.importorskip("torch")
+
 CHROMIUM = Path("/usr/bin/chromium")
 IN_CI = os.environ.get("CI") == "true"
 if not IN_CI:
