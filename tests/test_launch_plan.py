@@ -4,6 +4,7 @@ command line, where children connect, the ports it checks, and the log names."""
 from __future__ import annotations
 
 import argparse
+import re
 import socket
 import textwrap
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 from zmqllm import launch_plan
 from zmqllm.cli import _load as cli_load
 from zmqllm.cli import build_parser
-from zmqllm.config import Config
+from zmqllm.config import Config, ConfigError
 from zmqllm.launch_plan import (
     Child,
     connect_address,
@@ -181,6 +182,58 @@ def test_replicas_and_layer_ranges(tmp_path: Path) -> None:
     workers = [c for c in plan(cfg, used, python=PY) if c.role == "worker"]
     assert [c.name for c in workers] == ["worker-0-2-0", "worker-0-2-1", "worker-2-end-0"]
     assert [c.argv[6:8] for c in workers] == [("--layers", "0:2")] * 2 + [("--layers", "2:")]
+
+
+def test_remote_models_start_remote_workers_beside_the_stages(tmp_path: Path) -> None:
+    path = write_config(
+        tmp_path,
+        """
+        [[remotes]]
+        url = "https://api.example.com/v1"
+        model = "gpt-4o-mini"
+        served_name = "mini"
+        api_key_file = "/keys/upstream"
+        count = 2
+
+        [[remotes]]
+        url = "http://10.0.0.9:8080/v1"
+        """,
+    )
+    cfg, used = up_config(ns(config=str(path)))
+    children = plan(cfg, used, python=PY)
+    names = [c.name for c in children]
+    assert names == [
+        "broker",
+        "worker-1of2-0",
+        "worker-2of2-0",
+        "remote-0-0",
+        "remote-0-1",
+        "remote-1-0",
+        "gateway",
+    ]
+    first, _, last = (c for c in children if c.name.startswith("remote-"))
+    argv = " ".join(first.argv)
+    assert "--remote https://api.example.com/v1 --name remote-0-0" in argv
+    assert "--remote-model gpt-4o-mini --served-name mini --api-key-file /keys/upstream" in argv
+    assert "--cpu-lock" not in argv and "--layers" not in argv  # no layers to take turns on
+    assert "--served-name" not in last.argv and first.role == "worker"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[[remotes]]\nmodel = "m"\n', "url in [[remotes]] #1"),
+        ('[[remotes]]\nurl = "ftp://x"\n', "http(s) URL"),
+        ('[[remotes]]\nurl = "http://u:secret@h/v1 x"\n', "http(s) URL"),
+        ('[[remotes]]\nurl = "http://h/v1"\nserved_name = "a b"\n', "served_name"),
+        ('[[remotes]]\nurl = "http://h/v1"\ncount = 0\n', "count"),
+        ('[[remotes]]\nurl = "http://h/v1"\nkey = "k"\n', "unknown key 'key'"),
+    ],
+)
+def test_a_bad_remotes_table_is_a_clear_error(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)) as info:
+        up_config(ns(config=str(write_config(tmp_path, text))))
+    assert "secret" not in str(info.value)
 
 
 def test_no_config_file_gives_two_stages_and_no_config_flag(

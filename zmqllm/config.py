@@ -32,6 +32,7 @@ __all__ = [
     "GatewaySettings",
     "LogSettings",
     "ModelSettings",
+    "RemoteSpec",
     "SecuritySettings",
     "StageSpec",
     "WorkerSettings",
@@ -343,6 +344,18 @@ class StageSpec:
 
 
 @dataclass
+class RemoteSpec:
+    """A model behind an OpenAI-compatible API that `zmqllm up` serves beside its own
+    (remote workers: ``zmqllm worker --remote``)."""
+
+    url: str  # the API's base URL, e.g. "https://api.example.com/v1"
+    model: str = ""  # the upstream's model id; "" = the first URL/models lists
+    served_name: str = ""  # the name clients ask for; "" = the upstream's id
+    api_key_file: str = ""  # the upstream's key; "" = none
+    count: int = 1  # remote workers the launcher starts for it
+
+
+@dataclass
 class LogSettings:
     level: str = setting("info", "log level", flag="--log-level", choices=tuple(LOG_LEVELS))
     format: str = setting(
@@ -365,6 +378,7 @@ class Config:
     log: LogSettings = field(default_factory=LogSettings)
     security: SecuritySettings = field(default_factory=SecuritySettings)
     stages: list[StageSpec] = field(default_factory=list)
+    remotes: list[RemoteSpec] = field(default_factory=list)
 
 
 # --- locations --------------------------------------------------------------------------

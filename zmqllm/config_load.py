@@ -31,6 +31,7 @@ from zmqllm.config import (
     GatewaySettings,
     LogSettings,
     ModelSettings,
+    RemoteSpec,
     SecuritySettings,
     StageSpec,
     WorkerSettings,
@@ -267,29 +268,57 @@ def _apply(section: str, base: _DataclassT, values: Mapping[str, Any], origin: s
     return checked
 
 
-def _load_stages(raw: object, origin: str) -> list[StageSpec]:
+def _tables(raw: object, origin: str, section: str, cls: type, required: str) -> list[Any]:
+    """An array of [[section]] tables as ``cls`` values, each key known and typed."""
     if not isinstance(raw, list):
-        raise ConfigError(f"stages in {origin} must be an array of [[stages]] tables")
-    types = _field_types(StageSpec)
-    stages = []
+        raise ConfigError(f"{section} in {origin} must be an array of [[{section}]] tables")
+    types = _field_types(cls)
+    out = []
     for number, table in enumerate(raw, start=1):
-        where = f"in [[stages]] #{number} of {origin}"
+        where = f"in [[{section}]] #{number} of {origin}"
         if not isinstance(table, dict):
-            raise ConfigError(f"[[stages]] #{number} in {origin} must be a table")
+            raise ConfigError(f"[[{section}]] #{number} in {origin} must be a table")
         for key in table:
             if key not in types:
                 raise ConfigError(
-                    f"unknown key {key!r} in section [[stages]] #{number} of {origin}; "
+                    f"unknown key {key!r} in section [[{section}]] #{number} of {origin}; "
                     f"valid keys: {', '.join(types)}"
                 )
-        if "layers" not in table:
-            raise ConfigError(f'layers {where} is required (e.g. layers = "1/2")')
+        if required not in table:
+            raise ConfigError(f"{required} {where} is required")
         values = {key: _coerce(value, types[key], key, where) for key, value in table.items()}
-        stage = StageSpec(**values)
+        item = cls(**values)
+        _check_positive(item, ("count",), where)
+        out.append((item, where))
+    return out
+
+
+def _load_stages(raw: object, origin: str) -> list[StageSpec]:
+    stages = []
+    try:
+        tables = _tables(raw, origin, "stages", StageSpec, "layers")
+    except ConfigError as err:
+        if "layers in" in str(err) and "is required" in str(err):
+            raise ConfigError(f'{err} (e.g. layers = "1/2")') from None
+        raise
+    for stage, where in tables:
         _check_layers("layers", stage.layers, where)
-        _check_positive(stage, ("count",), where)
         stages.append(stage)
     return stages
+
+
+def _load_remotes(raw: object, origin: str) -> list[RemoteSpec]:
+    remotes = []
+    for remote, where in _tables(raw, origin, "remotes", RemoteSpec, "url"):
+        if not _URL_RE.fullmatch(remote.url):
+            # Not echoed: a URL may hold a password or a key.
+            raise ConfigError(f"url {where} must be an http(s) URL like 'http://host:8000/v1'")
+        for key in ("model", "served_name"):
+            value = getattr(remote, key)
+            if value and not _NAME_RE.fullmatch(value):
+                raise _fail(key, where, "1 to 255 printable characters without spaces", value)
+        remotes.append(remote)
+    return remotes
 
 
 def load_config(path: str | Path | None = None) -> Config:
@@ -312,6 +341,8 @@ def load_config(path: str | Path | None = None) -> Config:
     for section, values in data.items():
         if section == "stages":
             cfg.stages = _load_stages(values, origin)
+        elif section == "remotes":
+            cfg.remotes = _load_remotes(values, origin)
         elif section in _SECTIONS:
             if not isinstance(values, dict):
                 raise ConfigError(f"[{section}] in {origin} must be a table, got {values!r}")
@@ -319,7 +350,7 @@ def load_config(path: str | Path | None = None) -> Config:
         else:
             raise ConfigError(
                 f"unknown section [{section}] in {origin}; "
-                f"valid sections: {', '.join([*_SECTIONS, 'stages'])}"
+                f"valid sections: {', '.join([*_SECTIONS, 'stages', 'remotes'])}"
             )
     return cfg
 

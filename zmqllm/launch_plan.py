@@ -100,7 +100,8 @@ def local_host(host: str) -> str:
 
 
 def plan(cfg: Config, config_path: Path | None, python: str = sys.executable) -> list[Child]:
-    """The broker, every stage's replicas, then the gateway, as command lines.
+    """The broker, every stage's replicas, the remote workers ([[remotes]]), then the
+    gateway, as command lines.
 
     Children read the same config file themselves, so only what differs from that file
     becomes a flag: each of `up`'s own settings (--model, --port, --keys, --insecure,
@@ -133,6 +134,20 @@ def plan(cfg: Config, config_path: Path | None, python: str = sys.executable) ->
         for replica in range(stage.count):
             name = f"worker-{stage_slug(stage.layers)}-{replica}"
             flags = [*layer_flags(stage.layers), "--name", name, *given("worker"), *share]
+            if cfg.worker.broker != backend:
+                flags += ["--broker", backend]
+            children.append(Child(name, "worker", command("worker", *flags)))
+    for number, remote in enumerate(cfg.remotes):
+        for replica in range(remote.count):
+            name = f"remote-{number}-{replica}"
+            flags = ["--remote", remote.url, "--name", name, *given("worker")]
+            for flag, value in (
+                ("--remote-model", remote.model),
+                ("--served-name", remote.served_name),
+                ("--api-key-file", remote.api_key_file),
+            ):
+                if value:
+                    flags += [flag, value]
             if cfg.worker.broker != backend:
                 flags += ["--broker", backend]
             children.append(Child(name, "worker", command("worker", *flags)))
