@@ -207,7 +207,8 @@ def http_status(url: str) -> int | None:
 
 
 def _workers(cfg: Config) -> list[list[int]] | None:
-    """Layer ranges of the registered workers, from the broker (None if it won't say)."""
+    """Layer ranges of the registered workers of layers, from the broker (None if it
+    won't say); remote workers are not among them."""
     from zmqllm.status import fetch_status  # zmq only, no torch
 
     try:
@@ -216,7 +217,7 @@ def _workers(cfg: Config) -> list[list[int]] | None:
         st = fetch_status(connect_address(cfg.broker.frontend), timeout=0.5, keys=keys)
     except Exception:  # progress is best-effort: an answer later will do
         return None
-    return sorted(w["layers"] for w in st.get("workers", []))
+    return sorted(w["layers"] for w in st.get("workers", []) if not w.get("text_model"))
 
 
 class _Progress:
@@ -368,7 +369,7 @@ def _say_up(cluster: Cluster, cfg: Config, url: str) -> None:
     """The lines that tell a person the cluster serves, and how to try it."""
     ranges = _workers(cfg) or []
     layers = ", ".join(f"{a}:{b}" for a, b in ranges) or ", ".join(s.layers for s in stages_of(cfg))
-    count = len(ranges) or len(cluster.children) - 2
+    count = len(ranges) or len(cluster.children) - 2 - sum(r.count for r in cfg.remotes)
     frontend = connect_address(cfg.broker.frontend)
     keyed = cfg.gateway.api_keys_file or os.environ.get("ZMQLLM_API_KEY")
     auth = ' -H "Authorization: Bearer $KEY"' if keyed else ""
@@ -376,8 +377,12 @@ def _say_up(cluster: Cluster, cfg: Config, url: str) -> None:
     status = f"{os.environ.get('ZMQLLM_CLI', 'zmqllm')} status --broker {frontend}"
     if cfg.security.keys and not cfg.security.insecure:
         status += f" --keys {cfg.security.keys}"
+    # Not the URL: it may hold a password or a key.
+    remote = [r.served_name or r.model or "(the upstream's first)" for r in cfg.remotes]
+    more = f", remote models {', '.join(remote)}" if remote else ""
     print(
-        f"zmqllm is up: broker {frontend}, {count} workers (layers {layers}), gateway {url}\n"
+        f"zmqllm is up: broker {frontend}, {count} workers (layers {layers}){more}, "
+        f"gateway {url}\n"
         f'try:  curl -N{auth} -d "Why is the sky blue?" {url}/chat\n'
         f"status: {status}\n"
         f"logs: {cluster.dir}\n"

@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -60,3 +61,30 @@ def test_up_serves_chat_and_stops_on_ctrl_c(tmp_path: Path, e2e_model: Path, ref
         assert names == ["broker.log", "gateway.log", "worker-1of2-0.log", "worker-2of2-0.log"]
     finally:
         up.stop()
+
+
+def test_up_serves_a_remote_model_beside_its_own(
+    tmp_path: Path, e2e_model: Path, reference
+) -> None:
+    """A [[remotes]] table: `up` starts a remote worker for it, and the one gateway answers
+    for both models."""
+    from testbed.fake_upstream import FakeUpstream
+
+    with FakeUpstream() as fake:
+        remotes = f'[[remotes]]\nurl = "{fake.url}"\nserved_name = "echo"\n'
+        up = UpRun(tmp_path, e2e_model, extra=remotes).start()
+        try:
+            up.wait_up(timeout=120)
+            assert "2 workers (layers 0:2, 2:4), remote models echo, gateway" in up.stdout()
+            up.wait_for(lambda: "remote-0-0" in up.pids(), "the remote worker")
+            assert up.chat("Hello", 8) == (200, reference.body("Hello", 8))
+            request = urllib.request.Request(
+                f"{up.url}/chat?model=echo", data=b"hi there", method="POST"
+            )
+            with urllib.request.urlopen(request, timeout=60) as resp:
+                assert resp.read().decode() == "echo: hi there\n"
+            up.running().send_signal(signal.SIGINT)
+            assert up.running().wait(timeout=20) == 0
+            assert "remote-0-0.log" in {p.name for p in up.logs.iterdir()}
+        finally:
+            up.stop()

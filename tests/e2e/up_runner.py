@@ -66,9 +66,12 @@ class UpRun:
         model: Path,
         stages: tuple[str, ...] = ("1/2", "2/2"),
         gateway: str = "",
+        extra: str = "",
     ) -> None:
-        """``gateway``: more lines for the config's [gateway] section."""
+        """``gateway``: more lines for the config's [gateway] section; ``extra``: more
+        tables at the end of the config ([[remotes]] ...)."""
         self.root = root
+        self.extra = extra
         self.model = model
         self.stages = stages
         self.gateway = gateway
@@ -99,7 +102,7 @@ class UpRun:
             # Short heartbeats: the broker drops a killed worker in 1.5 s, not 3.
             "heartbeat_interval = 0.5\n"
             f"[gateway]\nport = {self.port}\n{self.gateway}\n"
-            f'[log]\ndir = "{self.logs}"\n' + stages
+            f'[log]\ndir = "{self.logs}"\n' + stages + self.extra
         )
         with self.out.open("wb") as stdout, self.err.open("wb") as stderr:
             self.proc = subprocess.Popen(
