@@ -143,6 +143,8 @@ class SessionTable:
         blocked: set[str] = set()
         waiting: deque[Pending] = deque()
         while self.queue:
+            if len(blocked) >= len(self.registry.models):
+                break  # no model has room: the rest waits as it is, in order
             p = self.queue.popleft()
             model = self.registry.resolve(p.open.model)
             if model is None or model.name in blocked:
@@ -162,6 +164,7 @@ class SessionTable:
                 waiting.append(p)
                 continue
             out += self._start(p, route, now)
+        waiting.extend(self.queue)
         self.queue = waiting
         return out
 
