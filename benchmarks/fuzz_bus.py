@@ -102,14 +102,8 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     upstream = FakeUpstream()
     upstream.start()
     try:
-        c.start_broker()
-        for layers in ("0:2", "2:4"):
-            c.start_worker(layers)
         # A second model, remote: the fuzzer's ASKs name it (fuzz_messages.REMOTE_MODEL).
-        c.start_remote_worker(upstream.url, "--served-name", REMOTE_MODEL)
-        c.start_gateway()
-        c.wait_ready()
-        c.wait_for(lambda: len(c.status().get("models", [])) == 2, what="both models")
+        c.start_all(("0:2", "2:4"), upstream.url, "--served-name", REMOTE_MODEL)
         procs = {p.name: p.popen.pid for p in c.procs}
         workers_before = sorted(w["id"] for w in c.status()["workers"])
         sessions: list[str] = []

@@ -131,12 +131,20 @@ class Cluster:
         args += ["--model", str(self.model_dir), *self.beats(), *self.security(), *flags]
         return self._start("gateway", args)
 
-    def start_all(self, splits: tuple[str, ...] = ("0:2", "2:4")) -> None:
+    def start_all(
+        self, splits: tuple[str, ...] = ("0:2", "2:4"), remote: str = "", *remote_flags: str
+    ) -> None:
+        """Broker, a worker per split and the gateway, ready; with ``remote`` (an
+        OpenAI-compatible URL) also a remote worker for a second model, both listed."""
         self.start_broker()
         for layers in splits:
             self.start_worker(layers)
+        if remote:
+            self.start_remote_worker(remote, *remote_flags)
         self.start_gateway()
         self.wait_ready()
+        if remote:
+            self.wait_for(lambda: len(self.status().get("models", [])) == 2, what="both models")
 
     def stop(self) -> None:
         for p in self.procs:

@@ -196,7 +196,7 @@ def test_remote_models_start_remote_workers_beside_the_stages(tmp_path: Path) ->
         count = 2
 
         [[remotes]]
-        url = "http://10.0.0.9:8080/v1"
+        url = "http://198.18.0.9:8080/v1"
         """,
     )
     cfg, used = up_config(ns(config=str(path)))

@@ -18,6 +18,7 @@ answers with DELTAs.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import deque
 from collections.abc import Callable
@@ -214,15 +215,8 @@ class SessionTable:
                 queue_wait_ms=round((now - p.enqueued) * 1e3, 1),
             )
         if isinstance(p.open, Ask):
-            ask = Ask(
-                session=wire,
-                attempt=p.attempts,
-                request_id=s.request_id,
-                model=p.open.model,
-                kind=p.open.kind,
-                max_tokens=p.open.max_tokens,
-                body=p.open.body,
-            )
+            # The client's ASK under the wire id workers know the session by.
+            ask = dataclasses.replace(p.open, session=wire, attempt=p.attempts, step=0)
             return [Out(True, route[0].identity, ask)]
         out: list[Out] = []
         n = len(route)

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from zmqllm.messages import Ask, AskKind, ErrorCode, Open, SessionError
+from zmqllm.messages import Ask, AskKind, ErrorCode, Message, Open, SessionError
 from zmqllm.protocol import Payload, ProtocolError, decode, encode, is_valid_id
 from zmqllm.sampling_params import SamplingParams
 
@@ -151,14 +151,12 @@ def open_frames(
     """The OPEN for a request, encoded; SessionError(bad_request) for one the broker would
     drop as malformed (ids outside 1-64 of [A-Za-z0-9_-], an empty prompt, a value out of
     range): it must fail now, not after the first-token deadline."""
-    for what, value in (("session", session), ("request", request_id)):
-        if not is_valid_id(value):
-            raise SessionError(ErrorCode.BAD_REQUEST, f"{what} id must be 1 to 64 of [A-Za-z0-9_-]")
-    try:
+
+    def build() -> Open:
         tokens = np.asarray(prompt, dtype=np.int32)
         if tokens.size and int(tokens.min()) < 0:
             raise ValueError("token ids must be >= 0")
-        msg = Open(
+        return Open(
             session=session,
             request_id=request_id,
             max_tokens=int(max_tokens),
@@ -168,11 +166,8 @@ def open_frames(
             tokens=Payload(tokens, "int32"),
             model=model,
         )
-        frames = encode(msg)
-        decode(frames)  # checked as the broker will check it
-    except (ProtocolError, ValueError, TypeError, OverflowError) as exc:
-        raise SessionError(ErrorCode.BAD_REQUEST, f"request not sendable: {exc}") from None
-    return frames
+
+    return _sendable(session, request_id, build)
 
 
 def ask_frames(
@@ -186,12 +181,10 @@ def ask_frames(
 ) -> list[Any]:
     """The ASK for a text model's request, encoded; SessionError(bad_request) for one the
     broker would drop as malformed."""
-    for what, value in (("session", session), ("request", request_id)):
-        if not is_valid_id(value):
-            raise SessionError(ErrorCode.BAD_REQUEST, f"{what} id must be 1 to 64 of [A-Za-z0-9_-]")
-    try:
+
+    def build() -> Ask:
         raw = json.dumps(dict(fields), ensure_ascii=False).encode()
-        msg = Ask(
+        return Ask(
             session=session,
             request_id=request_id,
             model=model,
@@ -199,8 +192,19 @@ def ask_frames(
             max_tokens=int(max_tokens),
             body=Payload(np.frombuffer(raw, np.uint8), "uint8"),
         )
-        frames = encode(msg)
-        decode(frames)  # checked as the broker will check it
+
+    return _sendable(session, request_id, build)
+
+
+def _sendable(session: str, request_id: str, build: Callable[[], Message]) -> list[Any]:
+    """The frames of the message ``build`` makes, checked as the broker will check them;
+    SessionError(bad_request) naming what is wrong."""
+    for what, value in (("session", session), ("request", request_id)):
+        if not is_valid_id(value):
+            raise SessionError(ErrorCode.BAD_REQUEST, f"{what} id must be 1 to 64 of [A-Za-z0-9_-]")
+    try:
+        frames = encode(build())
+        decode(frames)
     except (ProtocolError, ValueError, TypeError, OverflowError) as exc:
         raise SessionError(ErrorCode.BAD_REQUEST, f"request not sendable: {exc}") from None
     return frames

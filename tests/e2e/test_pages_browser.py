@@ -241,13 +241,7 @@ def test_the_cluster_page_shows_each_model_apart(
     with FakeUpstream() as up:
         c = Cluster(tmp_path / "mixed", e2e_model)
         try:
-            c.start_broker()
-            for layers in ("0:2", "2:4"):
-                c.start_worker(layers)
-            c.start_remote_worker(up.url)
-            c.start_gateway()
-            c.wait_ready()
-            c.wait_for(lambda: len(c.status().get("models", [])) == 2, what="both models")
+            c.start_all(("0:2", "2:4"), up.url)
             page.goto(c.url + "/cluster")
             expect(page.locator(".worker")).to_have_count(3)
             for title in ("tiny · layers 0:2", "tiny · layers 2:4", f"{up.model_id} · remote"):

@@ -131,13 +131,7 @@ def mixed(tmp_path_factory: pytest.TempPathFactory, e2e_model: Path) -> Iterator
     with FakeUpstream() as up:
         c = Cluster(tmp_path_factory.mktemp("mixed"), e2e_model)
         try:
-            c.start_broker()
-            for layers in ("0:2", "2:4"):
-                c.start_worker(layers)
-            c.start_remote_worker(up.url)
-            c.start_gateway()
-            c.wait_ready()
-            c.wait_for(lambda: len(c.status().get("models", [])) == 2, what="both models")
+            c.start_all(("0:2", "2:4"), up.url)
             yield c, up
         finally:
             c.stop()
