@@ -190,6 +190,37 @@ def test_gemv_matches_f_linear(kernel: ModuleType, out: int, inp: int) -> None:
         kernel.gemv(x.double(), w.double())
 
 
+@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize(("past", "lo"), [(0, 0), (37, 0), (300, 290)])
+def test_decode_attention_matches_softmax_attention(
+    kernel: ModuleType, head_dim: int, past: int, lo: int
+) -> None:
+    """Two sessions, grouped-query heads, keys from ``lo`` (a sliding window) to the new
+    one: the kernel writes the new rows into the caches and equals softmax(q K^T / sqrt(D)) V.
+    Heads of 64 take the AVX-512 path where the CPU has it, others the generic loop."""
+    g = torch.Generator().manual_seed(head_dim + past)
+    layers, kv_heads, heads, max_len = 2, 3, 9, 320
+    caches = [torch.randn(layers, kv_heads, max_len, head_dim, generator=g) for _ in range(4)]
+    q = torch.randn(2, heads, head_dim, generator=g)
+    k_new = torch.randn(2, kv_heads, head_dim, generator=g)
+    v_new = torch.randn(2, kv_heads, head_dim, generator=g)
+    batch = kernel.DecodeBatch(caches[:2], caches[2:], [1, 0], [past, past + 5], [lo, lo])
+    out = torch.zeros(2, heads * head_dim)
+    layer = 1
+    kernel.decode_attention(out, q, k_new, v_new, batch, layer, head_dim**-0.5)
+    for session, row, pos in ((0, 1, past), (1, 0, past + 5)):
+        kc, vc = caches[session][layer], caches[2 + session][layer]
+        torch.testing.assert_close(kc[:, pos], k_new[row])
+        torch.testing.assert_close(vc[:, pos], v_new[row])
+        keys = kc[:, lo : pos + 1].repeat_interleave(heads // kv_heads, dim=0)
+        values = vc[:, lo : pos + 1].repeat_interleave(heads // kv_heads, dim=0)
+        weights = torch.softmax(q[row, :, None, :] @ keys.transpose(1, 2) * head_dim**-0.5, -1)
+        want = (weights @ values).reshape(-1)
+        torch.testing.assert_close(
+            out[row], want, **reorder_tolerance(want, max(head_dim, pos + 1 - lo))
+        )
+
+
 def test_single_stream_fast_path_tracks_the_pytorch_path(
     kernel: ModuleType, tiny_model_dir: Path
 ) -> None:

@@ -56,6 +56,50 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+
+#if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define ZMQLLM_AVX512_ATTENTION 1
+// Heads of 64 (the default model's): a query, a key or a value row is four 512-bit
+// vectors, held in registers instead of re-read through a generic loop.
+constexpr int64_t kWide = 64;
+
+// s[j] = scale * q . k_j for the len keys from kc (rows kWide apart); the largest.
+inline float scores64(const float* qr, const float* kc, int64_t len, float scale, float* s) {
+  const __m512 q0 = _mm512_loadu_ps(qr), q1 = _mm512_loadu_ps(qr + 16);
+  const __m512 q2 = _mm512_loadu_ps(qr + 32), q3 = _mm512_loadu_ps(qr + 48);
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < len; ++j) {
+    const float* k = kc + j * kWide;
+    // Two chains, summed at the end: a key's four products need not wait on each other.
+    __m512 a = _mm512_mul_ps(q0, _mm512_loadu_ps(k));
+    __m512 b = _mm512_mul_ps(q1, _mm512_loadu_ps(k + 16));
+    a = _mm512_fmadd_ps(q2, _mm512_loadu_ps(k + 32), a);
+    b = _mm512_fmadd_ps(q3, _mm512_loadu_ps(k + 48), b);
+    s[j] = _mm512_reduce_add_ps(_mm512_add_ps(a, b)) * scale;
+    mx = std::max(mx, s[j]);
+  }
+  return mx;
+}
+
+// out = sum_j p[j] * v_j over the len value rows from vc (rows kWide apart).
+inline void weighted_values64(const float* p, const float* vc, int64_t len, float* out) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+  for (int64_t j = 0; j < len; ++j) {
+    const float* v = vc + j * kWide;
+    const __m512 w = _mm512_set1_ps(p[j]);
+    a0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v), a0);
+    a1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16), a1);
+    a2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 32), a2);
+    a3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 48), a3);
+  }
+  _mm512_storeu_ps(out, a0);
+  _mm512_storeu_ps(out + 16, a1);
+  _mm512_storeu_ps(out + 32, a2);
+  _mm512_storeu_ps(out + 48, a3);
+}
+#endif
+
 }  // namespace
 
 // The decode sessions of one forward, built once and used by every layer.
@@ -150,6 +194,11 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_new, t
         const float* qr = q_p + row * q.stride(0) + (head0 + g) * q.stride(1);
         float* s = scores.data() + g * len;
         float mx = -INFINITY;
+#if defined(ZMQLLM_AVX512_ATTENTION)
+        if (D == kWide) {
+          mx = scores64(qr, kc + first * D, len, fscale, s);
+        } else
+#endif
         for (int64_t j = 0; j < len; ++j) {
           s[j] = dot(qr, kc + (first + j) * D, D) * fscale;
           mx = std::max(mx, s[j]);
@@ -160,6 +209,15 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_new, t
         const float inv = 1.f / sum;
         for (int64_t j = 0; j < len; ++j) s[j] *= inv;
       }
+#if defined(ZMQLLM_AVX512_ATTENTION)
+      if (D == kWide) {
+        for (int64_t g = 0; g < per; ++g) {
+          weighted_values64(scores.data() + g * len, vc + first * D, len,
+                            out_p + row * H * D + (head0 + g) * D);
+        }
+        continue;
+      }
+#endif
       std::fill(acc.begin(), acc.begin() + per * D, 0.f);
       for (int64_t j = 0; j < len; ++j) {
         const float* vr = vc + (first + j) * D;

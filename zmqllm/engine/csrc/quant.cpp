@@ -124,11 +124,20 @@ inline float hmax(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// With AVX-512 two blocks meet in one 512-bit product. Their activations are laid out
+// in pairs so that the codes of blocks b and b + 1 line up with plain loads: per pair,
+// [x_b 0..15, x_b+1 0..15, x_b 16..31, x_b+1 16..31] (the low nibbles' weights, then
+// the high ones'). A row's last block, when its count is odd, keeps the plain order.
+inline int64_t paired_offset(int64_t b, int64_t groups, int half) {
+  if (b == groups - 1 && (groups & 1)) return b * kGroup + half * 16;
+  return (b >> 1) * 2 * kGroup + half * kGroup + (b & 1) * 16;
+}
+
 // n blocks of x in 16-bit steps of each block's largest magnitude (x ~ sx * xq), and
 // each block's sum (xsum, when not null) for the offsets' share. Rounds to nearest
 // even, as lrint does in the default rounding mode.
 inline void quantize_activations(const float* x, int64_t n, int16_t* xq, float* sx,
-                                 float* xsum) {
+                                 float* xsum, int64_t paired_groups = 0) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t i = 0; i < n; ++i) {
     const float* xb = x + i * kGroup;
@@ -149,8 +158,18 @@ inline void quantize_activations(const float* x, int64_t n, int16_t* xq, float* 
     const __m256i hi = _mm256_permute4x64_epi64(
         _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v2, inv)),
                            _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv))), 0xD8);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + i * kGroup), lo);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + i * kGroup + 16), hi);
+    // Plain: block i's 32 values in order. Paired (paired_groups blocks per row): see
+    // paired_offset.
+    int16_t* first = xq + i * kGroup;
+    int16_t* last = first + 16;
+    if (paired_groups > 0) {
+      const int64_t row = i / paired_groups, b = i % paired_groups;
+      int16_t* base = xq + row * paired_groups * kGroup;
+      first = base + paired_offset(b, paired_groups, 0);
+      last = base + paired_offset(b, paired_groups, 1);
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(first), lo);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(last), hi);
     sx[i] = step;
   }
 }
@@ -163,6 +182,96 @@ inline float dot_short(const float* a, const float* b, int64_t n) {
   float s = hsum(acc);
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX2__) && defined(__FMA__)
+#define ZMQLLM_AVX512 1
+
+// The 32 codes of blocks b and b + 1 whose activations sit at lanes 0-15 and 16-31
+// of a paired vector: v[0] the first 16 weights of each block, v[1] the last 16.
+inline void widen_pair(const View& w, const uint8_t* qrow, int64_t b, __m512i v[2]) {
+  if (w.kind == MatrixKind::kInt8) {
+    const uint8_t* q0 = qrow + b * kGroup;
+    const __m256i first = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(q0 + kGroup),
+                                              reinterpret_cast<const __m128i*>(q0));
+    const __m256i last = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(q0 + kGroup + 16),
+                                             reinterpret_cast<const __m128i*>(q0 + 16));
+    v[0] = _mm512_cvtepi8_epi16(first);
+    v[1] = _mm512_cvtepi8_epi16(last);
+    return;
+  }
+  // 16 bytes per block, adjacent: byte j of each block holds weights j and j + 16.
+  const __m512i raw = _mm512_cvtepu8_epi16(
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qrow + b * kGroup / 2)));
+  v[0] = _mm512_and_si512(raw, _mm512_set1_epi16(15));
+  v[1] = _mm512_srli_epi16(raw, 4);
+}
+
+// Lanes 0-7 and 8-15 of a pair's int32 products: codes . activations, exact.
+inline __m512i pair_products(const __m512i v[2], const int16_t* xp) {
+  const __m512i x0 = _mm512_loadu_si512(xp);
+  const __m512i x1 = _mm512_loadu_si512(xp + kGroup);
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(_mm512_madd_epi16(v[0], x0), v[1], x1);
+#else
+  return _mm512_add_epi32(_mm512_madd_epi16(v[0], x0), _mm512_madd_epi16(v[1], x1));
+#endif
+}
+
+// As dot_rows below, two blocks per step: the pair's scales d_b * sx_b spread over
+// lanes 0-7 and 8-15.
+template <int R>
+inline void dot_rows512(const View& w, int64_t row, const int16_t* xq, const float* sx,
+                        float* sums) {
+  const int64_t groups = w.groups;
+  const uint8_t* qrow = w.q + row * w.qstride;
+  const float* drow = w.d + row * groups;
+  const __m512i spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t pairs = groups >> 1;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t b = 2 * p;
+    __m512i v[2];
+    widen_pair(w, qrow, b, v);
+    const __m128 d = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(drow + b)));
+    for (int r = 0; r < R; ++r) {
+      const __m512i prod = pair_products(v, xq + r * w.in + b * kGroup);
+      const __m128 s = _mm_mul_ps(
+          d, _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sx + r * groups + b))));
+      const __m512 scale = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(prod), scale, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(acc[r]);
+  if (groups & 1) {  // the last block alone, in the plain layout
+    const int64_t b = groups - 1;
+    __m256i v[2];
+    widen_q16(w, qrow, b, v);
+    for (int r = 0; r < R; ++r) {
+      const int16_t* xb = xq + r * w.in + b * kGroup;
+      const __m256i p = _mm256_add_epi32(
+          _mm256_madd_epi16(v[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb))),
+          _mm256_madd_epi16(v[1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16))));
+      sums[r] += hsum(_mm256_cvtepi32_ps(p)) * (drow[b] * sx[r * groups + b]);
+    }
+  }
+}
+
+// sum_b a[b] * b[b] over n values, sixteen lanes at a time, the tail masked.
+inline float dot_short512(const float* a, const float* b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  }
+  if (i < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, a + i), _mm512_maskz_loadu_ps(tail, b + i),
+                          acc);
+  }
+  return _mm512_reduce_add_ps(acc);
 }
 #endif
 
@@ -204,8 +313,13 @@ torch::Tensor matmul_direct(const torch::Tensor& x, const Matrix& matrix) {
   thread_local std::vector<float> sx;
   xq.resize(rows * w.in);
   sx.resize(rows * groups);
+#if defined(ZMQLLM_AVX512)
+  const int64_t paired = groups;
+#else
+  const int64_t paired = 0;
+#endif
   quantize_activations(xp, rows * groups, xq.data(), sx.data(),
-                       w.m != nullptr ? xsum.data() : nullptr);
+                       w.m != nullptr ? xsum.data() : nullptr, paired);
   const int16_t* xqp = xq.data();
   const float* sxp = sx.data();
 #else
@@ -224,12 +338,21 @@ torch::Tensor matmul_direct(const torch::Tensor& x, const Matrix& matrix) {
       for (int64_t r = 0; r < rows; r += 4) {
         const int16_t* xr = xqp + r * w.in;
         const float* sr = sxp + r * groups;
+#if defined(ZMQLLM_AVX512)
+        switch (std::min<int64_t>(4, rows - r)) {
+          case 1: dot_rows512<1>(w, row, xr, sr, sums + r); break;
+          case 2: dot_rows512<2>(w, row, xr, sr, sums + r); break;
+          case 3: dot_rows512<3>(w, row, xr, sr, sums + r); break;
+          default: dot_rows512<4>(w, row, xr, sr, sums + r); break;
+        }
+#else
         switch (std::min<int64_t>(4, rows - r)) {
           case 1: dot_rows<1>(w, row, xr, sr, sums + r); break;
           case 2: dot_rows<2>(w, row, xr, sr, sums + r); break;
           case 3: dot_rows<3>(w, row, xr, sr, sums + r); break;
           default: dot_rows<4>(w, row, xr, sr, sums + r); break;
         }
+#endif
       }
 #else
       dot_rows_portable(w, row, xp, rows, sums);
@@ -238,7 +361,11 @@ torch::Tensor matmul_direct(const torch::Tensor& x, const Matrix& matrix) {
         const float* mrow = w.m + row * groups;
         for (int64_t r = 0; r < rows; ++r) {
 #if defined(__AVX2__) && defined(__FMA__)
+#if defined(ZMQLLM_AVX512)
+          sums[r] += dot_short512(mrow, xsp + r * groups, groups);
+#else
           sums[r] += dot_short(mrow, xsp + r * groups, groups);
+#endif
 #else
           float s = 0.0f;
           for (int64_t b = 0; b < groups; ++b) s += mrow[b] * xsp[r * groups + b];
