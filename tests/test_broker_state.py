@@ -108,6 +108,7 @@ def test_tokens_reach_the_client_and_the_next_step_goes_to_stage_0() -> None:
     (step,) = to(outs, b"w0")
     assert isinstance(step, Step)
     assert (step.session, step.step, step.group) == (wire, 1, ("g", 1))
+    assert outs[0].msg is step  # the next forward starts before the client is told
     # Later tokens carry no route; a repeated or skipped step is dropped.
     assert to(token(t, "w1", wire, 1), A)[0].route is None
     assert token(t, "w1", wire, 1) == []

@@ -302,7 +302,8 @@ class SessionTable:
                 token=msg.token,
                 group=msg.group,  # the next forward at stage 0 waits for its whole group
             )
-            out.append(Out(True, stage0.identity, step))
+            # The next step first: stage 0 computes while the token goes on to the client.
+            out.insert(0, Out(True, stage0.identity, step))
         return out
 
     def on_delta(self, w: WorkerEntry, msg: Delta, now: float) -> list[Out]:
