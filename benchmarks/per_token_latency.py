@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 from links import CROSSINGS, across_hosts, stream_stamps
+from process_cpu import Usage, measured
 from report import write_json, write_plot
 
 from zmqllm.config import default_model_dir
@@ -306,6 +307,7 @@ def per_token_rows(model_dir: Path, ids: list[int], a: argparse.Namespace) -> di
     for k in a.stages:
         with running_cluster(model_dir, k, a.threads, quant=a.quant) as c:
             runs: dict[str, list[dict[str, float]]] = {"engine": [], "cluster": []}
+            usage = Usage()
 
             def run(
                 name: str,
@@ -315,10 +317,19 @@ def per_token_rows(model_dir: Path, ids: list[int], a: argparse.Namespace) -> di
                 runs[name].append(measure(once, a.requests))
                 return runs[name][-1]["itl_ms_p50"]
 
+            def run_cluster(c: Any = c, usage: Usage = usage) -> float:
+                # measure() makes requests + 1 answers of n tokens each (ignore_eos).
+                tokens = (a.requests + 1) * n
+
+                def once() -> list[float]:
+                    return stream_once(c.http_port, n)
+
+                return float(measured(c, usage, tokens, lambda: run("cluster", once)))
+
             alternate(
                 a.rounds,
                 ("engine", lambda: run("engine", lambda: engine_stamps(gen, ids, n))),
-                ("cluster", lambda: run("cluster", lambda: stream_once(c.http_port, n))),
+                ("cluster", run_cluster),
             )
             row = median_row(runs["cluster"])
             pairs = list(zip(runs["engine"], runs["cluster"], strict=True))
@@ -329,6 +340,7 @@ def per_token_rows(model_dir: Path, ids: list[int], a: argparse.Namespace) -> di
                 [q["itl_ms_p50"] - e["itl_ms_p50"] for e, q in pairs]
             )
             row["rss_mb"] = {p.name: round(peak_rss_mb(p.popen.pid), 1) for p in c.procs}
+            row.update(usage.per_token_ms())
             rows[f"cluster_{k}_stage"] = row
             engine_runs += runs["engine"]
     rows["engine"] = median_row(engine_runs)
@@ -409,6 +421,8 @@ def main() -> None:
                 f"{name}: bus overhead {o['median']:.2f} ms/token ({o['min']:.2f}-{o['max']:.2f})"
                 f"; peak RSS MB {r['rss_mb']}"
             )
+            print(f"  CPU ms/token by process: {r['cpu_ms_per_token']}")
+            print(f"  ms/token inside forwards, by worker: {r['forward_ms_per_token']}")
 
     meta = {
         "model": str(model_dir),
