@@ -88,6 +88,14 @@ inline void widen_q16(const View& w, const uint8_t* qrow, int64_t b, __m256i v[2
   v[1] = _mm256_srli_epi16(raw, 4);
 }
 
+// One block's codes (from widen_q16) against its 32 activations xb: eight int32 lanes
+// of pair sums, exact.
+inline __m256i block_products(const __m256i v[2], const int16_t* xb) {
+  return _mm256_add_epi32(
+      _mm256_madd_epi16(v[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb))),
+      _mm256_madd_epi16(v[1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16))));
+}
+
 // y[r, row] for R input rows and one weight row: sum_b d_b * sx_rb * (q_b . xq_rb),
 // the offset's share left to the caller. xq holds the rows ``in`` apart, sx theirs
 // ``groups`` apart. The block products are exact in int32: |q| <= 255, |xq| <= 32767.
@@ -105,10 +113,7 @@ inline void dot_rows(const View& w, int64_t row, const int16_t* xq, const float*
     __m256i v[2];
     widen_q16(w, qrow, b, v);
     for (int r = 0; r < R; ++r) {
-      const int16_t* xb = xq + r * w.in + b * kGroup;
-      const __m256i p = _mm256_add_epi32(
-          _mm256_madd_epi16(v[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb))),
-          _mm256_madd_epi16(v[1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16))));
+      const __m256i p = block_products(v, xq + r * w.in + b * kGroup);
       const __m256 scale = _mm256_set1_ps(drow[b] * sx[r * groups + b]);
       acc[r][b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[r][b & 1]);
     }
@@ -250,10 +255,7 @@ inline void dot_rows512(const View& w, int64_t row, const int16_t* xq, const flo
     __m256i v[2];
     widen_q16(w, qrow, b, v);
     for (int r = 0; r < R; ++r) {
-      const int16_t* xb = xq + r * w.in + b * kGroup;
-      const __m256i p = _mm256_add_epi32(
-          _mm256_madd_epi16(v[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb))),
-          _mm256_madd_epi16(v[1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16))));
+      const __m256i p = block_products(v, xq + r * w.in + b * kGroup);
       sums[r] += hsum(_mm256_cvtepi32_ps(p)) * (drow[b] * sx[r * groups + b]);
     }
   }
