@@ -1,0 +1,157 @@
+"""Two builds of the compiled kernels, the working tree's and an older revision's,
+timed in alternating fresh processes.
+
+A kernel change moves a decode step by a few percent at most, less than this shared
+machine's drift between runs minutes apart. This script builds the older revision's
+csrc/ into a temporary folder (the working tree's build is the usual cached one), then
+times each build in turn, in a fresh process that imports only that module, round
+after round with the order flipped, and reports both medians and every round's ratio:
+
+- ``int4``: one token's one-row products through every layer weight of the default
+  model, quantized to int4 (group-32, scale and minimum), 120 products;
+- ``attention``: decode attention of one session over ``--context`` tokens, 30 layers
+  of 9 query heads on 3 kv heads of 64 (the default model's shape).
+
+    python benchmarks/compare_kernels.py --before 615e014 [--rounds 6] [--threads 2]
+
+Writes benchmarks/results/compare_kernels.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import repo_root  # noqa: F401  (this checkout first on sys.path)
+from paired import alternate, compare, describe
+from report import write_json
+
+from zmqllm.engine import native
+
+REPO = Path(__file__).resolve().parent.parent
+ITERATIONS = 15  # timed repetitions per process; the median is its figure
+
+
+def build_revision(rev: str, into: Path) -> Path:
+    """REV's csrc/ compiled into ``into``; the module's path."""
+    src = into / "src"
+    src.mkdir(parents=True)
+    sources = []
+    for path in (*native.SOURCES, *native.HEADERS):
+        rel = path.relative_to(REPO).as_posix()
+        text = subprocess.run(
+            ["git", "-C", str(REPO), "show", f"{rev}:{rel}"],
+            capture_output=True,
+            check=True,
+        ).stdout
+        (src / path.name).write_bytes(text)
+        if path in native.SOURCES:
+            sources.append(str(src / path.name))
+    args = json.dumps([native.NAME, sources, str(src), list(native.CFLAGS), list(native.LDFLAGS)])
+    print(f"building {rev}'s kernels (1-2 minutes)...", flush=True)
+    # ninja from the `worker` extra sits beside this interpreter, maybe not on PATH.
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    subprocess.run([sys.executable, "-c", native._BUILD_SCRIPT, args], check=True, env=env)
+    return src / f"{native.NAME}.so"
+
+
+def time_build(so: str, what: str, threads: int, context: int) -> float:
+    """(In the child process.) Median ms of ``what`` with the module at ``so``."""
+    import torch
+
+    torch.set_num_threads(threads)
+    kernel = native._import(Path(so))
+    g = torch.Generator().manual_seed(0)
+    if what == "int4":
+        from zmqllm.config import default_model_dir
+        from zmqllm.engine import quant
+        from zmqllm.engine.generator import load_shard
+        from zmqllm.model_args import ModelArgs
+
+        directory = default_model_dir()
+        shard = load_shard(directory, 0, ModelArgs.from_dir(directory).num_layers)
+        weights = [p.detach() for p in shard.layers.parameters() if p.dim() == 2]
+        mats = []
+        for w in weights:
+            t = quant.quantize_int4(w)
+            mats.append(kernel.Matrix(quant.KIND["int4"], t.q, t.d, t.m))
+        xs = [torch.randn(1, w.shape[1], generator=g) for w in weights]
+
+        def once() -> None:
+            for x, m in zip(xs, mats, strict=True):
+                kernel.matmul(x, m)
+
+    else:
+        layers, kv_heads, heads, dim = 30, 3, 9, 64
+        caches = [torch.randn(layers, kv_heads, context + 1, dim, generator=g) for _ in (0, 1)]
+        batch = kernel.DecodeBatch(caches[:1], caches[1:], [0], [context], [0])
+        q = torch.randn(1, heads, dim, generator=g)
+        k, v = torch.randn(1, kv_heads, dim, generator=g), torch.randn(1, kv_heads, dim)
+        out = torch.empty(1, heads * dim)
+
+        def once() -> None:
+            for layer in range(layers):
+                kernel.decode_attention(out, q, k, v, batch, layer, dim**-0.5)
+
+    for _ in range(3):
+        once()
+    times = []
+    for _ in range(ITERATIONS):
+        t0 = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def run_child(so: Path, what: str, a: argparse.Namespace) -> float:
+    cmd = [sys.executable, __file__, "--child", str(so), "--what", what]
+    cmd += ["--threads", str(a.threads), "--context", str(a.context)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument("--before", default="HEAD", help="the older revision (any git rev)")
+    ap.add_argument("--rounds", type=int, default=6, help="alternating rounds")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--context", type=int, default=400, help="tokens the attention reads")
+    ap.add_argument("--out", default="benchmarks/results/compare_kernels.json")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--what", default="int4", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        print(f"{time_build(a.child, a.what, a.threads, a.context):.4f}")
+        return
+    after = native.load()
+    if after is None or after.__file__ is None:
+        raise SystemExit("the working tree's kernels cannot be built here")
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        before = build_revision(a.before, Path(tmp))
+        for what in ("int4", "attention"):
+            print(f"{what}, ms:", flush=True)
+            values = alternate(
+                a.rounds,
+                ("before", lambda w=what: run_child(before, w, a)),
+                ("after", lambda w=what: run_child(Path(str(after.__file__)), w, a)),
+            )
+            results[what] = compare(values, "before", "after")
+            print(describe(results[what], "before", "after", "ms"), flush=True)
+    meta = {"before": a.before, "threads": a.threads, "context": a.context, "rounds": a.rounds}
+    write_json(Path(a.out), {"meta": meta, "results": results})
+
+
+if __name__ == "__main__":
+    main()
