@@ -20,8 +20,6 @@ Writes benchmarks/results/compare_kernels.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import subprocess
 import sys
@@ -44,23 +42,12 @@ def build_revision(rev: str, into: Path) -> Path:
     """REV's csrc/ compiled into ``into``; the module's path."""
     src = into / "src"
     src.mkdir(parents=True)
-    sources = []
     for path in (*native.SOURCES, *native.HEADERS):
         rel = path.relative_to(REPO).as_posix()
-        text = subprocess.run(
-            ["git", "-C", str(REPO), "show", f"{rev}:{rel}"],
-            capture_output=True,
-            check=True,
-        ).stdout
-        (src / path.name).write_bytes(text)
-        if path in native.SOURCES:
-            sources.append(str(src / path.name))
-    args = json.dumps([native.NAME, sources, str(src), list(native.CFLAGS), list(native.LDFLAGS)])
+        show = ["git", "-C", str(REPO), "show", f"{rev}:{rel}"]
+        (src / path.name).write_bytes(subprocess.run(show, capture_output=True, check=True).stdout)
     print(f"building {rev}'s kernels (1-2 minutes)...", flush=True)
-    # ninja from the `worker` extra sits beside this interpreter, maybe not on PATH.
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    subprocess.run([sys.executable, "-c", native._BUILD_SCRIPT, args], check=True, env=env)
-    return src / f"{native.NAME}.so"
+    return native.build_from(src, into / "build")
 
 
 def time_build(so: str, what: str, threads: int, context: int) -> float:
@@ -68,7 +55,7 @@ def time_build(so: str, what: str, threads: int, context: int) -> float:
     import torch
 
     torch.set_num_threads(threads)
-    kernel = native._import(Path(so))
+    kernel = native.import_built(Path(so))
     g = torch.Generator().manual_seed(0)
     if what == "int4":
         from zmqllm.config import default_model_dir

@@ -289,22 +289,22 @@ class SessionTable:
             logprob_ids=msg.logprob_ids,
             logprobs=msg.logprobs,
         )
-        out = [Out(False, s.key[0], token)]
+        to_client = Out(False, s.key[0], token)
         if msg.finish is not None:
-            return out + self._finished(s, msg.finish.value, now)
+            return [to_client, *self._finished(s, msg.finish.value, now)]
         stage0 = self.registry.workers.get(s.route[0])
-        if stage0 is not None:
-            step = Step(
-                session=s.wire,
-                attempt=s.attempt,
-                request_id=s.request_id,
-                step=msg.step + 1,
-                token=msg.token,
-                group=msg.group,  # the next forward at stage 0 waits for its whole group
-            )
-            # The next step first: stage 0 computes while the token goes on to the client.
-            out.insert(0, Out(True, stage0.identity, step))
-        return out
+        if stage0 is None:
+            return [to_client]
+        step = Step(
+            session=s.wire,
+            attempt=s.attempt,
+            request_id=s.request_id,
+            step=msg.step + 1,
+            token=msg.token,
+            group=msg.group,  # the next forward at stage 0 waits for its whole group
+        )
+        # The next step first: stage 0 computes while the token goes on to the client.
+        return [Out(True, stage0.identity, step), to_client]
 
     def on_delta(self, w: WorkerEntry, msg: Delta, now: float) -> list[Out]:
         """A text worker's next piece: to the client; the worker drives its own steps."""

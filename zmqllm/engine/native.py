@@ -116,7 +116,8 @@ def load() -> ModuleType | None:
         return _state["module"]
 
 
-def _import(path: Path) -> ModuleType:
+def import_built(path: Path) -> ModuleType:
+    """The compiled module at ``path`` (a built ``.so``), imported as it is."""
     spec = importlib.util.spec_from_file_location(NAME, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import {path}")
@@ -130,7 +131,7 @@ def _load_or_build() -> ModuleType | None:
     built = directory / f"{NAME}.so"
     try:
         if built.exists():
-            return _import(built)
+            return import_built(built)
         directory.mkdir(parents=True, exist_ok=True)
         with open(directory / "build.lock", "a+") as held:
             # flock dies with its process, unlike the lock file torch's loader leaves
@@ -147,7 +148,7 @@ def _load_or_build() -> ModuleType | None:
                     time.sleep(0.2)
             if not built.exists():  # another process may have built it while we waited
                 _build(directory, built)
-            return _import(built)
+            return import_built(built)
     except Exception as exc:  # no compiler, no ninja, a failed build: stay in Python
         log.warning(
             "compiled kernels unavailable; using the PyTorch path",
@@ -156,9 +157,9 @@ def _load_or_build() -> ModuleType | None:
         return None
 
 
-def _build(directory: Path, built: Path) -> None:
-    """Compile in a scratch folder, then move the module into place in one rename:
-    a ``.so`` at ``built`` is always a whole one."""
+def _build(directory: Path, built: Path, csrc: Path = CSRC) -> None:
+    """Compile the sources in ``csrc`` in a scratch folder, then move the module into
+    place in one rename: a ``.so`` at ``built`` is always a whole one."""
     # ninja from the `worker` extra sits beside this interpreter, maybe not on PATH.
     bindir = str(Path(sys.executable).parent)
     if shutil.which("ninja") is None and (Path(bindir) / "ninja").exists():
@@ -169,7 +170,7 @@ def _build(directory: Path, built: Path) -> None:
     copies = []
     for src in (*SOURCES, *HEADERS):  # copies, so the build files name no checkout's path
         copy = scratch / src.name
-        copy.write_bytes(src.read_bytes())
+        copy.write_bytes((csrc / src.name).read_bytes())
         if src in SOURCES:
             copies.append(str(copy))
     log.info(
@@ -192,3 +193,12 @@ def _build(directory: Path, built: Path) -> None:
     os.replace(scratch / f"{NAME}.so", built)
     log.info(KERNELS_BUILT, seconds=round(time.perf_counter() - t0, 1))
     shutil.rmtree(scratch, ignore_errors=True)
+
+
+def build_from(csrc: Path, directory: Path) -> Path:
+    """Build the kernels whose sources are in ``csrc`` (files named as in csrc/, e.g. an
+    older revision's) into ``directory``, outside the cache; the module's path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    built = directory / f"{NAME}.so"
+    _build(directory, built, csrc)
+    return built
