@@ -226,6 +226,60 @@ def test_activations_go_to_the_next_stage_only_from_the_route() -> None:
     assert t.on_activation(t.registry.workers["w1"], act, ["f"], 0.0) == []  # the last stage
 
 
+KEY0, KEY1, KEY2 = ("0" * 39 + c for c in "abc")  # three CURVE public keys (Z85)
+
+
+def peered_table(*ranges: tuple[str, int, int, str]) -> SessionTable:
+    """Workers with peer links (id, start, end, endpoint; "" for none); keys by order."""
+    reg = Registry()
+    for (wid, start, end, peer), key in zip(ranges, (KEY0, KEY1, KEY2), strict=False):
+        register(reg, wid, start, end, peer=peer).key = key
+    return SessionTable(reg, "boot1")
+
+
+def test_a_peered_route_names_each_stage_its_neighbours() -> None:
+    t = peered_table(
+        ("w0", 0, 1, "tcp://127.0.0.1:7000"),
+        ("w1", 1, 3, "tcp://127.0.0.1:7001"),
+        ("w2", 3, 4, "tcp://127.0.0.1:7002"),
+    )
+    got = {o.stage: (ident, o) for ident, o in opens(t.open(A, open_msg(), 0.0))}
+    # Each stage: its results go to the next worker's endpoint under that worker's key,
+    # and only the previous worker (with its key) may send it work; stage 0's previous
+    # and the last stage's next are each other.
+    want = {0: ("w1", 7001, KEY1, "w2", KEY2), 1: ("w2", 7002, KEY2, "w0", KEY0)}
+    want[2] = ("w0", 7000, KEY0, "w1", KEY1)
+    for stage, (nxt, port, key, prev, prev_key) in want.items():
+        ident, o = got[stage]
+        assert ident == f"w{stage}".encode()
+        assert (o.next, o.next_peer, o.next_key) == (nxt, f"tcp://127.0.0.1:{port}", key)
+        assert (o.prev, o.prev_key) == (prev, prev_key)
+
+
+def test_a_route_with_a_worker_without_peer_link_goes_through_the_broker() -> None:
+    t = peered_table(("w0", 0, 2, "tcp://127.0.0.1:7000"), ("w1", 2, 4, ""))
+    for _, o in opens(t.open(A, open_msg(), 0.0)):
+        assert (o.next_peer, o.next_key, o.prev, o.prev_key) == ("", "", "", "")
+    # One stage alone needs no peer link.
+    t = peered_table(("w", 0, 4, "tcp://127.0.0.1:7000"))
+    ((_, o),) = opens(t.open(A, open_msg(), 0.0))
+    assert (o.next_peer, o.prev) == ("", "")
+
+
+def test_a_stepped_token_goes_to_the_client_only() -> None:
+    t = peered_table(("w0", 0, 2, "tcp://127.0.0.1:7000"), ("w1", 2, 4, "tcp://127.0.0.1:7001"))
+    wire = opens(t.open(A, open_msg(), 0.0))[0][1].session
+    w1 = t.registry.workers["w1"]
+    outs = t.on_token(w1, Token(session=wire, attempt=1, step=0, token=7, stepped=True), 1.0)
+    assert [o.identity for o in outs] == [A] and outs[0].msg.token == 7
+    assert t.stats.relayed == 0 and t.stats.tokens == 1
+    # Unstepped (the peer link could not take it): the broker sends the step itself.
+    outs = t.on_token(w1, Token(session=wire, attempt=1, step=1, token=8), 2.0)
+    assert [o.identity for o in outs] == [b"w0", A]
+    assert isinstance(outs[0].msg, Step) and outs[0].msg.step == 2
+    assert t.stats.relayed == 1
+
+
 def test_tick_fails_old_queued_requests_and_idle_sessions() -> None:
     t = table(("w", 0, 2), queue_timeout=5.0, session_timeout=10.0)
     t.open(A, open_msg("q"), 0.0)  # no complete route: waits

@@ -322,6 +322,22 @@ def test_messages_are_frozen() -> None:
 # ---------------------------------------------------------------- every field, wrongly typed
 
 # One valid instance per type: each test below corrupts one field of its header.
+_KEY = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"  # a CURVE public key in Z85
+# An endpoint's host, port and scheme each wrong; a key too short, too long, off Z85.
+_ENDPOINTS = [
+    None,
+    5,
+    "tcp://h",
+    "tcp://h:0",
+    "tcp://h:65536",
+    "tcp://h:*",
+    "ipc:///tmp/x",
+    "tcp://a b:1",
+    "tcp://h:1/x",
+    "tcp://" + "h" * 254 + ":1",
+]
+_KEYS = [None, 5, _KEY[:39], _KEY + "x", "~" * 40, " " * 40]
+
 EXAMPLES: dict[type[Message], Message] = {
     Register: Register(
         start=0,
@@ -339,6 +355,7 @@ EXAMPLES: dict[type[Message], Message] = {
         device="cpu",
         prefill_chunk=2048,
         served="tiny",
+        peer="tcp://127.0.0.1:40001",
     ),
     Registered: Registered(worker_id="w-1", boot="b"),
     Refused: Refused(reason="no"),
@@ -351,6 +368,10 @@ EXAMPLES: dict[type[Message], Message] = {
         stop_ids=(2,),
         next="w-2",
         tokens=Payload(np.array([1, 2, 3], np.int32), "int32"),
+        next_peer="tcp://[::1]:40002",
+        next_key=_KEY,
+        prev="w-0",
+        prev_key=_KEY,
     ),
     Ask: Ask(
         session="s",
@@ -373,6 +394,7 @@ EXAMPLES: dict[type[Message], Message] = {
         boot="b",
         logprob_ids=(5, 5, 7),
         logprobs=(-0.25, -0.25, -1.5),
+        stepped=True,
     ),
     Close: Close(session="s"),
     Cancel: Cancel(session="s"),
@@ -447,6 +469,7 @@ BAD: dict[type[Message], dict[str, list[Any]]] = {
         "prefill_chunk": _ints(0, MAX_CONTEXT),
         "served": _without(_NAMES, ""),
         "text_model": _FLAGS,
+        "peer": _ENDPOINTS,
     },
     Registered: {**_COMMON, "worker_id": _NAMES, "boot": _texts(64)},
     Refused: {**_COMMON, "reason": _texts(MAX_TEXT)},
@@ -494,6 +517,10 @@ BAD: dict[type[Message], dict[str, list[Any]]] = {
         # A key out of range, a key of another type, more keys than the prompt has blocks.
         "prefix": [None, 5, [-1], [MAX_PREFIX_KEY + 1], [1.5], [True], ["k"], [1]],
         "model": _without(_NAMES, ""),
+        "next_peer": _ENDPOINTS,
+        "next_key": _KEYS,
+        "prev": _without(_NAMES, ""),
+        "prev_key": _KEYS,
     },
     Ask: {
         **_SESSION,
@@ -518,6 +545,7 @@ BAD: dict[type[Message], dict[str, list[Any]]] = {
         "token": _ints(0, MAX_TOKEN_ID),
         "finish": [5, True, "STOP", "eos", ["stop"], ""],
         "group": _GROUPS,
+        "stepped": _FLAGS,
         "route": [5, "w-1", [5], ["a b"], [""], [None], ["w"] * (MAX_LAYERS + 1)],
         "boot": _without(_texts(64), None),
         # Alone, or one id too many: the two lists come together and alike long.
@@ -622,7 +650,7 @@ def test_optional_fields_accept_nil() -> None:
         logprob_ids=None,
         logprobs=None,
     )
-    assert got == Token(session="s", token=5)
+    assert got == Token(session="s", token=5, stepped=True)
     assert _decode_with(EXAMPLES[Heartbeat], load=None, boot=None) == Heartbeat()
 
 

@@ -397,6 +397,7 @@ def test_describe_carries_only_whitelisted_fields_and_stats() -> None:
         "load",
         "last_heartbeat_s",
         "draining",
+        "peer",
         "info",
         "stats",
     }

@@ -1,5 +1,8 @@
 """The broker's side of CURVE: who may connect (ZAP), and what failed handshakes tell.
 
+:class:`ZapHandler` is the ZAP thread itself, whatever decides; the worker's peer link
+(peer_link.py) runs one that admits the keys its broker named.
+
 libzmq asks a ZAP handler (RFC 27) about every CURVE handshake on a socket that has a
 ZAP domain; without a handler on the socket's own context it admits any client that
 knows the server's public key. :class:`Authenticator` is that handler, in a thread of
@@ -48,6 +51,7 @@ __all__ = [
     "Authenticator",
     "ClientKeys",
     "HandshakeMonitor",
+    "ZapHandler",
     "peer_key",
 ]
 
@@ -69,25 +73,105 @@ HANDSHAKE_EVENTS: dict[int, str] = {
 }
 
 
-class Authenticator:
-    """A ZAP handler for CURVE: ``domains`` maps a ZAP domain to its folder of allowed
-    public keys. Start it before any socket of its context binds."""
+class ZapHandler:
+    """A ZAP handler thread for CURVE on one context: admits a handshake when
+    ``allowed(domain, key)`` says so and answers with the key as the user id. Start it
+    before any socket of its context binds."""
+
+    def __init__(self, ctx: zmq.Context[Any]) -> None:
+        self.ctx = ctx
+        # Handshakes refused, by domain: apart from the process's message counters,
+        # since nothing of such a peer ever reaches its handlers.
+        self.denied = Drops(log)
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def allowed(self, domain: str, key: str | bytes | None) -> bool:
+        raise NotImplementedError
+
+    def refresh(self, force: bool = False) -> bool:
+        """Bring the allowed keys up to date; True when they changed."""
+        return False
+
+    # -- the handler thread ------------------------------------------------------------
+    def start(self) -> None:
+        self.refresh(force=True)
+        self._thread = threading.Thread(target=self._run, name="zap", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(5.0):
+            raise RuntimeError("the ZAP handler did not start within 5 s")
+        if self._error is not None:
+            raise RuntimeError(f"cannot start the ZAP handler: {self._error}")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+
+    def _run(self) -> None:
+        sock = self.ctx.socket(zmq.REP)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.bind(ZAP_ENDPOINT)
+        except zmq.ZMQError as exc:
+            self._error = exc
+            self._ready.set()
+            sock.close()
+            return
+        self._ready.set()
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(POLL_MS):
+                    continue
+                frames = sock.recv_multipart()
+                try:
+                    reply = self._answer(frames)
+                except Exception as exc:  # the handler must answer, whatever it met
+                    self.denied.error("zap", exc)
+                    reply = [b"1.0", frames[1] if len(frames) > 1 else b"", b"500", b"", b"", b""]
+                sock.send_multipart(reply)
+        finally:
+            sock.close(linger=0)
+
+    def _answer(self, frames: list[bytes]) -> list[bytes]:
+        if len(frames) < 6 or len(frames) > MAX_ZAP_FRAMES or frames[0] != b"1.0":
+            request_id = frames[1] if len(frames) > 1 else b""
+            return [b"1.0", request_id, b"400", b"malformed ZAP request", b"", b""]
+        _, request_id, domain_b, address_b, _, mechanism = frames[:6]
+        credentials = frames[6:]
+        domain = domain_b.decode(errors="replace")
+        self.refresh()
+        if mechanism != b"CURVE" or len(credentials) != 1 or len(credentials[0]) != 32:
+            why = "CURVE is required"
+        else:
+            key = zmq.utils.z85.encode(credentials[0])
+            if self.allowed(domain, key):
+                return [b"1.0", request_id, b"200", b"OK", key, b""]
+            why = "key not allowed"
+        self.denied.report(
+            domain,
+            "handshake refused",
+            why=why,
+            peer=address_b.decode(errors="replace")[:64],
+            mechanism=mechanism.decode(errors="replace")[:16],
+        )
+        return [b"1.0", request_id, b"400", why.encode(), b"", b""]
+
+
+class Authenticator(ZapHandler):
+    """The broker's ZAP handler: ``domains`` maps a ZAP domain to its folder of allowed
+    public keys."""
 
     def __init__(self, ctx: zmq.Context[Any], domains: dict[str, Path]) -> None:
-        self.ctx = ctx
+        super().__init__(ctx)
         self.domains = domains
-        # Handshakes refused, by domain: apart from the broker's message counters,
-        # since nothing of such a peer ever reaches the broker's handlers.
-        self.denied = Drops(log)
         self._lock = threading.Lock()
         self._allowed: dict[str, frozenset[bytes]] = {d: frozenset() for d in domains}
         self._scanned_at = -RESCAN_S
         self._seen: tuple[tuple[tuple[str, int, int, int], ...], ...] = ()
         self._removed_at: dict[tuple[str, bytes], float] = {}  # (domain, key) -> when
-        self._stop = threading.Event()
-        self._ready = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
 
     # -- the allowed keys ----------------------------------------------------------
     def _stamps(self) -> tuple[tuple[tuple[str, int, int, int], ...], ...]:
@@ -154,70 +238,6 @@ class Authenticator:
         raw = key.encode() if isinstance(key, str) else key
         removed = self._removed_at.get((domain, raw))
         return removed is not None and time.monotonic() - removed < GRACE_S
-
-    # -- the handler thread ------------------------------------------------------------
-    def start(self) -> None:
-        self.refresh(force=True)
-        self._thread = threading.Thread(target=self._run, name="zap", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(5.0):
-            raise RuntimeError("the ZAP handler did not start within 5 s")
-        if self._error is not None:
-            raise RuntimeError(f"cannot start the ZAP handler: {self._error}")
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2.0)
-
-    def _run(self) -> None:
-        sock = self.ctx.socket(zmq.REP)
-        sock.setsockopt(zmq.LINGER, 0)
-        try:
-            sock.bind(ZAP_ENDPOINT)
-        except zmq.ZMQError as exc:
-            self._error = exc
-            self._ready.set()
-            sock.close()
-            return
-        self._ready.set()
-        try:
-            while not self._stop.is_set():
-                if not sock.poll(POLL_MS):
-                    continue
-                frames = sock.recv_multipart()
-                try:
-                    reply = self._answer(frames)
-                except Exception as exc:  # the handler must answer, whatever it met
-                    self.denied.error("zap", exc)
-                    reply = [b"1.0", frames[1] if len(frames) > 1 else b"", b"500", b"", b"", b""]
-                sock.send_multipart(reply)
-        finally:
-            sock.close(linger=0)
-
-    def _answer(self, frames: list[bytes]) -> list[bytes]:
-        if len(frames) < 6 or len(frames) > MAX_ZAP_FRAMES or frames[0] != b"1.0":
-            request_id = frames[1] if len(frames) > 1 else b""
-            return [b"1.0", request_id, b"400", b"malformed ZAP request", b"", b""]
-        _, request_id, domain_b, address_b, _, mechanism = frames[:6]
-        credentials = frames[6:]
-        domain = domain_b.decode(errors="replace")
-        self.refresh()
-        if mechanism != b"CURVE" or len(credentials) != 1 or len(credentials[0]) != 32:
-            why = "CURVE is required"
-        else:
-            key = zmq.utils.z85.encode(credentials[0])
-            if self.allowed(domain, key):
-                return [b"1.0", request_id, b"200", b"OK", key, b""]
-            why = "key not allowed"
-        self.denied.report(
-            domain,
-            "handshake refused",
-            why=why,
-            peer=address_b.decode(errors="replace")[:64],
-            mechanism=mechanism.decode(errors="replace")[:16],
-        )
-        return [b"1.0", request_id, b"400", why.encode(), b"", b""]
 
 
 class HandshakeMonitor:

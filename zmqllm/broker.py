@@ -491,6 +491,7 @@ class Broker:
                 "sessions_finished": st.finished,
                 "sessions_failed": st.failed,
                 "tokens": st.tokens,
+                "relayed": st.relayed,
                 "dropped_messages": sum(self.drops.counts.values()),
             },
             "dropped": dict(self.drops.counts),

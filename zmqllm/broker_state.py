@@ -222,9 +222,13 @@ class SessionTable:
         n = len(route)
         for w in route:
             self.prefixes.note(w.worker_id, p.chain)
+        # Over peer links only when every stage has one (and there is more than one).
+        peered = n > 1 and all(w.peer for w in route)
         # Later stages first: each must hold the session before stage 0's activations
-        # reach it (per-peer ordering keeps each OPEN ahead of what follows it).
+        # reach it (per-peer ordering keeps each OPEN ahead of what follows it; over peer
+        # links the receiving worker holds back what comes before its OPEN).
         for i in reversed(range(n)):
+            nxt, prev = route[(i + 1) % n], route[i - 1]
             # next: where stage i's results go (the last stage's STEPs go to the first).
             stage_open = Open(
                 session=wire,
@@ -237,11 +241,15 @@ class SessionTable:
                 stage=i,
                 stages=n,
                 max_len=p.max_len,
-                next=route[(i + 1) % n].worker_id,
+                next=nxt.worker_id,
                 tokens=p.open.tokens if i == 0 else None,
                 prefix=p.chain,
                 generated=p.generated if i == n - 1 else (),
                 model=p.open.model,
+                next_peer=nxt.peer if peered else "",
+                next_key=nxt.key if peered else "",
+                prev=prev.worker_id if peered else "",
+                prev_key=prev.key if peered else "",
             )
             out.append(Out(True, route[i].identity, stage_open))
         return out
@@ -262,6 +270,7 @@ class SessionTable:
         if nxt is None:
             return []  # from the last stage (a worker's bug), or the next one just left
         s.last_active = now
+        self.stats.relayed += 1
         return [Out(True, nxt.identity, frames=frames)]
 
     def on_cached(self, w: WorkerEntry, msg: Cached, now: float) -> list[Out]:
@@ -293,8 +302,8 @@ class SessionTable:
         if msg.finish is not None:
             return [to_client, *self._finished(s, msg.finish.value, now)]
         stage0 = self.registry.workers.get(s.route[0])
-        if stage0 is None:
-            return [to_client]
+        if stage0 is None or msg.stepped:
+            return [to_client]  # (stepped: the last stage sent stage 0 the step itself)
         step = Step(
             session=s.wire,
             attempt=s.attempt,
@@ -303,6 +312,7 @@ class SessionTable:
             token=msg.token,
             group=msg.group,  # the next forward at stage 0 waits for its whole group
         )
+        self.stats.relayed += 1
         # The next step first: stage 0 computes while the token goes on to the client.
         return [Out(True, stage0.identity, step), to_client]
 

@@ -166,6 +166,15 @@ class BrokerSettings:
 @dataclass
 class WorkerSettings:
     broker: str = setting("tcp://127.0.0.1:5556", "the broker's backend address", metavar="ADDR")
+    # Activations and next steps then go from worker to worker: the broker forwards only
+    # the tokens.
+    peer: str = setting(
+        "auto",
+        "direct links to the workers beside this one on its routes: auto (loopback when the "
+        "broker is local, else the address towards it, with CURVE keys only), off, or the "
+        "tcp://HOST:PORT to bind (PORT * = any)",
+        metavar="ENDPOINT",
+    )
     layers: str = setting(
         "",
         'half-open layer range "0:15", stage "1/2" (split evenly) or "" for all layers',

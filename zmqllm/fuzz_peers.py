@@ -74,11 +74,13 @@ class HostilePeers:
         reuse_ids: float = 0.0,
         hwm: int = 64,
         churn_every: int = 256,
+        known_ids: tuple[bytes, ...] = (),
     ) -> None:
         self.ctx, self.address, self.rng = ctx, address, rng
         self.reuse_ids, self.hwm, self.churn_every = reuse_ids, hwm, churn_every
         self.stats = BlastStats()
-        self._used_ids: list[bytes] = []
+        # Ids to take as their own (with reuse_ids): e.g. the real workers'.
+        self._used_ids: list[bytes] = list(known_ids)
         self._peers = [self._peer() for _ in range(peers)]
 
     def _peer(self) -> zmq.Socket[Any]:
@@ -139,11 +141,15 @@ def blast(
     sessions: list[str],
     seed: int = 0,
     peers: int = 8,
+    more: dict[str, tuple[str, tuple[bytes, ...]]] | None = None,
 ) -> dict[str, BlastStats]:
     """Send ``messages`` hostile messages (sent or dropped) to each of a broker's
     sockets, alternating. ``sessions`` may grow meanwhile: new ids are named from then
-    on. Frontend peers get fresh random ids; backend peers often reuse earlier ones."""
-    seeds = np.random.SeedSequence(seed).spawn(4)
+    on. Frontend peers get fresh random ids; backend peers often reuse earlier ones.
+    ``more``: other sockets by name (workers' peer links), each with routing ids its
+    peers often take (the real workers')."""
+    extra = more or {}
+    seeds = np.random.SeedSequence(seed).spawn(4 + 2 * len(extra))
     sides = {
         "frontend": (
             HostilePeers(ctx, frontend, np.random.default_rng(seeds[0]), peers=peers),
@@ -154,6 +160,12 @@ def blast(
             hostile_messages(np.random.default_rng(seeds[3]), sessions=sessions),
         ),
     }
+    for i, (side, (address, ids)) in enumerate(extra.items()):
+        rng = np.random.default_rng(seeds[4 + 2 * i])
+        sides[side] = (
+            HostilePeers(ctx, address, rng, peers=peers, reuse_ids=0.5, known_ids=ids),
+            hostile_messages(np.random.default_rng(seeds[5 + 2 * i]), sessions=sessions),
+        )
     started = time.monotonic()
     try:
         for _ in range(messages):

@@ -14,8 +14,8 @@ field's type and range, optional fields included, then the checks that span fiel
     OPEN          client -> broker -> each stage        stage 0: int32 token ids [prompt_len]
     ASK           client -> broker -> a text worker     uint8: the request, JSON
     CACHED        stage k>0 -> broker -> stage 0
-    STEP          broker -> stage 0
-    ACTIVATION    worker -> broker -> next worker       hidden states [rows, hidden]
+    STEP          broker or the last stage -> stage 0
+    ACTIVATION    worker -> (broker ->) next worker     hidden states [rows, hidden]
     TOKEN         last stage -> broker -> client
     DELTA         text worker -> broker -> client
     CLOSE         broker -> each stage
@@ -42,6 +42,8 @@ from zmqllm.wire_types import (
     Payload,
     ProtocolError,
     WireField,
+    curve_key,
+    endpoint,
     flag,
     group,
     ident,
@@ -134,6 +136,7 @@ LOAD_KEYS = frozenset(
         "fault_forward_failed",
         "fault_unsent",
         "fault_overloaded",
+        "fault_peer_refused",
     }
 )
 
@@ -307,6 +310,9 @@ class Register(Message):
     # A text model (a remote API): sessions are ASK/DELTA, not tokens; it registers the
     # whole model as layers 0:1 of 1.
     text_model: bool = wire(flag(), False)
+    # Where the workers before and after it on a route may send it activations and steps
+    # directly (peer_link.py; "": only through the broker).
+    peer: str = wire(endpoint(empty=True), "")
 
     def _validate(self) -> None:
         if not self.start < self.end <= self.num_layers:
@@ -363,6 +369,14 @@ class Open(SessionMessage):
     generated: tuple[int, ...] = wire(int_list(0, MAX_TOKEN_ID, MAX_GENERATED), ())
     # The model asked for ("": the broker's only model).
     model: str = wire(name(empty=True), "")
+    # Set by the broker when every stage of the route has a peer link: where this
+    # stage's results go directly (the next worker's peer endpoint and, with CURVE, its
+    # public key), and who alone may send this session's work to this stage (the
+    # previous worker's id and key; stage 0's previous is the last stage).
+    next_peer: str = wire(endpoint(empty=True), "")
+    next_key: str = wire(curve_key(empty=True), "")
+    prev: str = wire(name(empty=True), "")
+    prev_key: str = wire(curve_key(empty=True), "")
 
     def _validate(self) -> None:
         if self.tokens is not None and self.tokens.array.shape != (self.prompt_len,):
@@ -469,6 +483,8 @@ class Token(SessionMessage):
             raise ProtocolError("token: 'logprob_ids' and 'logprobs' come together, alike long")
 
     group: tuple[str, int] | None = wire(_GROUP, None)
+    # The last stage sent the next STEP to stage 0 itself, over their peer link.
+    stepped: bool = wire(flag(), False)
     # On the first token the broker sends a client: the route and its boot id.
     route: tuple[str, ...] | None = wire(optional(str_list(name(), MAX_LAYERS)), None)
     boot: str | None = wire(optional(text(64)), None)

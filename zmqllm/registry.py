@@ -95,6 +95,7 @@ class WorkerEntry:
     key: str = ""
     served: str = ""  # the model's name
     text_model: bool = False
+    peer: str = ""  # its peer link's endpoint ("": it takes work only through the broker)
 
     def has_room(self, max_len: int, now: float) -> bool:
         return (
@@ -132,6 +133,7 @@ class WorkerEntry:
             "load": round(self.load_score(), 3),
             "last_heartbeat_s": round(now - self.last_seen, 2),
             "draining": self.draining,
+            "peer": self.peer,
             "info": dict(host=self.host, pid=self.pid, dtype=self.dtype, device=self.device),
             "stats": stats,
         }
@@ -348,6 +350,7 @@ class Registry:
             model=dict(reg.model),
             served=reg.served,
             text_model=reg.text_model,
+            peer=reg.peer,
         )
         self.workers[w.worker_id] = w
         self.by_identity[identity] = w

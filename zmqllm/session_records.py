@@ -101,3 +101,6 @@ class SessionStats:
     finished: int = 0
     failed: int = 0
     tokens: int = 0
+    # Work the broker passed from stage to stage itself (activations, next steps): none
+    # on routes whose workers have peer links.
+    relayed: int = 0

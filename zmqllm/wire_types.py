@@ -29,6 +29,8 @@ __all__ = [
     "Payload",
     "ProtocolError",
     "WireField",
+    "curve_key",
+    "endpoint",
     "flag",
     "group",
     "ident",
@@ -172,6 +174,42 @@ def ident(*, empty: bool = False) -> Check:
         if not is_valid_id(value):
             raise _fail(field_name, "1 to 64 of [A-Za-z0-9_-]", value)
         return str(value)
+
+    return check
+
+
+# A peer link's address: TCP to a host name, IPv4 or bracketed IPv6 address, and a port.
+_ENDPOINT_PATTERN = re.compile(r"tcp://(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9.-]{1,253}):[0-9]{1,5}")
+# A CURVE public key in Z85: 40 characters of its alphabet.
+_Z85_PATTERN = re.compile(r"[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}")
+
+
+def endpoint(*, empty: bool = False) -> Check:
+    """A TCP endpoint a worker can connect to ("tcp://HOST:PORT"; "" too when ``empty``)."""
+
+    def check(field_name: str, value: Any) -> str:
+        if empty and value == "":
+            return ""
+        if (
+            type(value) is not str
+            or _ENDPOINT_PATTERN.fullmatch(value) is None
+            or not 0 < int(value.rpartition(":")[2]) < 65536
+        ):
+            raise _fail(field_name, "an endpoint tcp://HOST:PORT", value)
+        return value
+
+    return check
+
+
+def curve_key(*, empty: bool = False) -> Check:
+    """A CURVE public key, Z85-encoded (40 characters; "" too when ``empty``)."""
+
+    def check(field_name: str, value: Any) -> str:
+        if empty and value == "":
+            return ""
+        if type(value) is not str or _Z85_PATTERN.fullmatch(value) is None:
+            raise _fail(field_name, "a Z85 CURVE public key", value)
+        return value
 
     return check
 

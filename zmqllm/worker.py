@@ -12,6 +12,7 @@ at once. A refusal by the broker exits with status 3.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -36,6 +37,7 @@ from zmqllm.engine.frames import (
 from zmqllm.engine.stage import BadWork, BatchFailed, Output
 from zmqllm.keys import PeerKeys, keys_dir, load_peer_keys
 from zmqllm.log import bind_request, get_logger
+from zmqllm.peer_link import PeerLink, PeerRoute, peer_bind
 from zmqllm.protocol import (
     Activation,
     Cached,
@@ -114,6 +116,9 @@ class Worker(WorkerLoop):
             keys=keys,
         )
         self.link = BrokerLink(self.ctx, settings, register_message(cfg, loaded), self.faults)
+        self.peers = PeerLink(
+            self.ctx, self.identity, settings.max_message_bytes, self.faults, keys=keys
+        )
         self._published = 0.0
 
     # -- the loop --------------------------------------------------------------
@@ -121,6 +126,11 @@ class Worker(WorkerLoop):
         return len(self.stage.sessions)
 
     def run(self) -> int:
+        try:
+            self.start_peers()
+        except Exception:
+            self.close()
+            raise
         self.link.start()
         log.info(
             "worker started",
@@ -128,8 +138,15 @@ class Worker(WorkerLoop):
             broker=self.cfg.worker.broker,
             layers=f"{self.loaded.start}:{self.loaded.end}",
             curve=self.link.settings.keys is not None,
+            peer=self.peers.endpoint,
         )
         return self.run_turns()
+
+    def start_peers(self) -> None:
+        """Bind the peer link and advertise it in the REGISTER."""
+        secure = self.link.settings.keys is not None
+        endpoint = self.peers.start(peer_bind(self.cfg.worker.peer, self.cfg.worker.broker, secure))
+        self.link.register = dataclasses.replace(self.link.register, peer=endpoint)
 
     def _turn(self) -> None:
         if not self.link.alive():
@@ -137,13 +154,15 @@ class Worker(WorkerLoop):
         now = time.monotonic()
         if now - self._published >= min(IDLE_POLL_S, self.cfg.broker.heartbeat_interval / 2):
             self.publish_load(now)
+            self.peers.expire(now)
         busy = self.stage.has_work()
         wait = self.turns.wait() if busy and self.turns is not None else 0.0
         timeout = wait if busy else IDLE_POLL_S
         with self.link.lock:
             if not self.link.inbox:  # what the keeper took in during a forward comes first
-                self.link.pump(timeout)
+                self.link.pump(timeout, self.peers.sock)
             self.drain_inbox()
+        self.drain_peers()
         if self.stage.has_work() and not (self.turns is not None and self.turns.wait()):
             self.run_batch()
         elif self.turns is not None and self.turns.holding and not self.stage.has_work():
@@ -155,6 +174,7 @@ class Worker(WorkerLoop):
 
     def close(self) -> None:
         self.link.stop()  # once stopped, or never started, it does nothing
+        self.peers.close()
         if self.turns is not None:
             self.turns.close()
             self.turns = None
@@ -179,6 +199,32 @@ class Worker(WorkerLoop):
                 self.stage.reset()
             elif kind == REFUSED:
                 raise WorkerRefused(value)
+
+    def drain_peers(self) -> None:
+        """Act on what the workers beside this one sent over the peer link."""
+        for sender, user, frames in self.peers.receive():
+            self.from_peer(sender, user, frames)
+
+    def from_peer(self, sender: str, user: str | None, frames: list[Any]) -> None:
+        """A peer's message feeds only a session whose previous stage the broker named
+        as that peer; one for a session not open here yet waits for its OPEN."""
+        try:
+            cls, head = decode_header(frames[0])
+        except ProtocolError as exc:
+            self.faults.report("malformed", "malformed peer message", exc)
+            return
+        named = named_session(head)
+        if cls not in (Activation, Step) or named is None:
+            self.faults.report("peer_refused", "peer message dropped", type=cls.TYPE.value)
+            return
+        key = session_key(named[0], named[1])
+        s = self.stage.sessions.get(key)
+        if s is None:
+            self.peers.hold(key, sender, user, frames)
+        elif PeerLink.accepts(s.link, sender, user):
+            self.handle_frames(frames)
+        else:
+            self.faults.report("peer_refused", "peer message not from the session's previous stage")
 
     # -- messages ----------------------------------------------------------------
     def handle_frames(self, frames: list[Any]) -> None:
@@ -274,6 +320,11 @@ class Worker(WorkerLoop):
                 self.fail(msg, ErrorCode.BAD_REQUEST, str(exc), "bad_request")
                 return
             state.next_hop = msg.next
+            if msg.prev or msg.next_peer:
+                state.link = PeerRoute(msg.next_peer, msg.prev, msg.prev_key)
+                self.peers.expect(msg.prev_key)
+                if msg.next_peer:
+                    self.peers.connect(msg.next_peer, msg.next_key)
             log.info(
                 "session opened",
                 max_len=msg.max_len,
@@ -290,6 +341,8 @@ class Worker(WorkerLoop):
                     tokens=state.held,
                 )
                 self.send(told, key)
+            for sender, user, frames in self.peers.take_held(key):
+                self.from_peer(sender, user, frames)
 
     # -- computing ---------------------------------------------------------------
     def _tag_groups(self, outputs: list[Output]) -> list[tuple[str, int] | None]:
@@ -338,12 +391,35 @@ class Worker(WorkerLoop):
         self.stage.failed.clear()
         for o, group in zip(outputs, self._tag_groups(outputs), strict=True):
             try:
-                result = self._result(o, group)
+                result = self._over_peer_link(self._result(o, group), o.session)
             except Exception as exc:
                 self.faults.report("internal", "result cannot be sent", exc, session=o.session)
                 self._fail_key(o.session, f"result cannot be sent: {type(exc).__name__}")
                 continue
             self.send(result, o.session)
+
+    def _over_peer_link(self, result: Message, key: str) -> Message | None:
+        """Send a result over the session's peer link if it has one: an activation to
+        the next stage, or (last stage) the next step to stage 0 before its token goes
+        to the broker. What is left for the broker (None: nothing)."""
+        s = self.stage.sessions.get(key)
+        route = s.link if s is not None else None
+        if not isinstance(route, PeerRoute) or not route.next_peer:
+            return result
+        if isinstance(result, Activation):
+            return None if self.peers.send(route.next_peer, encode(result)) else result
+        if isinstance(result, Token) and result.finish is None:
+            step = Step(
+                session=result.session,
+                attempt=result.attempt,
+                request_id=result.request_id,
+                step=result.step + 1,
+                token=result.token,
+                group=result.group,
+            )
+            if self.peers.send(route.next_peer, encode(step)):
+                return dataclasses.replace(result, stepped=True)
+        return result
 
     def _result(self, o: Output, group: tuple[str, int] | None) -> Message:
         session, attempt = split_key(o.session)
@@ -380,9 +456,11 @@ class Worker(WorkerLoop):
         err = Error.of(ErrorCode.INTERNAL, why, session, attempt=attempt, request_id=s.request_id)
         self.send(err, key)
 
-    def send(self, msg: Message, key: str = "") -> None:
+    def send(self, msg: Message | None, key: str = "") -> None:
         """Send a message to the broker; one that cannot be sent fails its session here
         (the broker's inactivity deadline does the rest)."""
+        if msg is None:
+            return
         try:
             frames = encode(msg)
         except ProtocolError as exc:

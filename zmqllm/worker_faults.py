@@ -22,6 +22,7 @@ FAULT_REASONS = (
     "forward_failed",  # a batched forward raised: its sessions failed
     "unsent",  # a message to the broker could not be queued: its session failed
     "overloaded",  # the compute loop's inbox was full: the session failed
+    "peer_refused",  # a peer-link message not from its session's previous stage: dropped
 )
 
 

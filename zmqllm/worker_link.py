@@ -155,6 +155,8 @@ class BrokerLink:
         self._next_beat = 0.0
         self._reconnect_at = 0.0
         self._backoff = settings.interval
+        self._polled: tuple[Any, Any] = (None, None)
+        self._poll = zmq.Poller()
 
     # -- the compute loop's side ---------------------------------------------------
     def start(self) -> None:
@@ -185,16 +187,24 @@ class BrokerLink:
         with self.lock:
             self._close_socket(goodbye=self._registered and not self._refused, why=reason)
 
-    def pump(self, timeout: float) -> None:
+    def pump(self, timeout: float, also: zmq.Socket[Any] | None = None) -> None:
         """(Lock held.) Wait up to ``timeout`` seconds, never past the next heartbeat,
-        for the broker; read what came into ``inbox``; beat, notice a silent broker and
+        for the broker (or for ``also`` to have a message: the worker's peer socket);
+        read what came from the broker into ``inbox``; beat, notice a silent broker and
         reconnect when due."""
         now = time.monotonic()
         due = self._next_beat if self._sock is not None else self._reconnect_at
         wait = max(0.0, min(timeout, due - now))
-        if self._sock is not None:
-            if self._sock.poll(math.ceil(wait * 1000), zmq.POLLIN):
+        ms = math.ceil(wait * 1000)
+        if self._sock is not None and also is not None:
+            ready = dict(self._poller(also).poll(ms))
+            if ready.get(self._sock):
                 self._from_broker()
+        elif self._sock is not None:
+            if self._sock.poll(ms, zmq.POLLIN):
+                self._from_broker()
+        elif also is not None:
+            also.poll(ms, zmq.POLLIN)
         elif wait > 0:
             time.sleep(wait)
         now = time.monotonic()
@@ -217,6 +227,15 @@ class BrokerLink:
         if key:
             self.faults.report("unsent", "message to the broker not sent; session failed", why=why)
         return why
+
+    def _poller(self, also: zmq.Socket[Any]) -> zmq.Poller:
+        """A poller of the broker socket and ``also``, made again when either changes."""
+        if self._polled != (self._sock, also):
+            self._polled = (self._sock, also)
+            self._poll = zmq.Poller()
+            self._poll.register(self._sock, zmq.POLLIN)
+            self._poll.register(also, zmq.POLLIN)
+        return self._poll
 
     # -- the keeper ----------------------------------------------------------------
     def _keep(self) -> None:

@@ -84,6 +84,39 @@ def test_eight_concurrent_requests_are_each_exact(cluster: Cluster, reference) -
         assert b"".join(p for _, p in chunks).decode() == reference.body(prompt, 32), prompt
 
 
+def test_activations_and_steps_go_over_peer_links(cluster: Cluster, reference) -> None:
+    st = cluster.status()
+    peers = [w["peer"] for w in st["workers"]]
+    assert len(peers) == 2 and all(p.startswith("tcp://127.0.0.1:") for p in peers), peers
+    before = st["counters"]
+    status, chunks, _ = post_chat(cluster, "Why is the sky blue?", "max_tokens=24")
+    assert status == 200
+    assert b"".join(p for _, p in chunks).decode() == reference.body("Why is the sky blue?", 24)
+    after = cluster.status()["counters"]
+    # The broker passed on the tokens, but no activation and no step: those went from
+    # worker to worker.
+    assert after["tokens"] > before["tokens"]
+    assert after["relayed"] == before["relayed"] == 0
+
+
+def test_a_worker_without_peer_link_is_served_through_the_broker(
+    fresh_cluster: Cluster, reference
+) -> None:
+    c = fresh_cluster
+    c.start_broker()
+    c.start_worker("0:2", flags=("--peer", "off"))
+    c.start_worker("2:4")
+    c.start_gateway()
+    c.wait_ready()
+    assert sorted(bool(w["peer"]) for w in c.status()["workers"]) == [False, True]
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda p: post_chat(c, p, "max_tokens=24"), PROMPTS[:3]))
+    for prompt, (status, chunks, _) in zip(PROMPTS[:3], results, strict=True):
+        assert status == 200
+        assert b"".join(p for _, p in chunks).decode() == reference.body(prompt, 24), prompt
+    assert c.status()["counters"]["relayed"] > 0
+
+
 def test_openai_package_chat_and_completions(cluster: Cluster, reference) -> None:
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused")

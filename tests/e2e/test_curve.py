@@ -28,8 +28,9 @@ import zmq
 from testbed.cluster import Cluster, free_port
 from tests.e2e.expected import sent_text
 from zmqllm.keys import PeerKeys, add_key, as_client, init_keys, load_broker_keys, load_peer_keys
-from zmqllm.messages import Heartbeat, Status
+from zmqllm.messages import Activation, Heartbeat, Status
 from zmqllm.protocol import encode
+from zmqllm.wire_types import Payload
 
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 
@@ -249,3 +250,58 @@ def test_a_revoked_worker_leaves_while_the_other_serves(
     text, _ = complete(c)
     tok = reference.tokenizer
     assert text == sent_text(tok, greedy_ids(tok.encode(PROMPT), MAX_TOKENS, stop_at_eos=False))
+
+
+def test_peer_links_are_curve_and_admit_only_the_named_stage(
+    tmp_path: Path, e2e_model: Path, reference, greedy_ids
+) -> None:
+    """Two stages with keys of their own: activations and steps go over CURVE peer
+    links, and strangers (no CURVE, an unknown key, the client's key) get nothing
+    through to a worker's peer socket."""
+    keys = init_keys(tmp_path / "keys")
+    add_key(keys, "worker", "second")
+    c = Cluster(tmp_path / "cluster", e2e_model, keys=keys)
+    ctx = zmq.Context()
+    socks = []
+    try:
+        c.start_broker()
+        c.start_worker("0:2", name="first")
+        c.start_worker("2:4", name="second", keys=keys / "issued" / "second")
+        c.start_gateway()
+        c.wait_ready()
+        tok = reference.tokenizer
+        want = sent_text(tok, greedy_ids(tok.encode(PROMPT), MAX_TOKENS, stop_at_eos=False))
+        assert complete(c)[0] == want
+        st = c.status()
+        assert st["counters"]["relayed"] == 0 and st["counters"]["tokens"] >= MAX_TOKENS
+
+        (second,) = [w for w in st["workers"] if w["layers"] == [2, 4]]
+        server = load_peer_keys(keys / "issued" / "second", "worker").public
+        public, secret = zmq.curve_keypair()
+        client = load_peer_keys(keys, "client")
+        pairs = [
+            None,
+            PeerKeys(public, secret, server),
+            PeerKeys(client.public, client.secret, server),
+        ]
+        hidden = Payload(np.zeros((1, 64), np.float32), "float32")
+        for pair in pairs:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            if pair is not None:
+                as_client(sock, pair)
+            sock.connect(second["peer"])
+            for i in range(20):
+                sock.send_multipart(encode(Activation(session=f"s{i}", hidden=hidden)))
+            socks.append(sock)
+        time.sleep(1.5)
+        stats = next(w for w in c.status()["workers"] if w["id"] == second["id"])["stats"]
+        # Nothing reached the worker's handlers: the handshakes failed.
+        assert not {k: v for k, v in stats.items() if k.startswith("fault_") and v}, stats
+        assert complete(c)[0] == want
+        assert c.status()["counters"]["relayed"] == 0
+    finally:
+        for s in socks:
+            s.close(linger=0)
+        ctx.term()
+        c.stop()

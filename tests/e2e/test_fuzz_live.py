@@ -4,7 +4,8 @@ Broker, two tiny-model workers (layers 0:2 and 2:4) and the gateway run as real
 processes on 127.0.0.1. While /chat streams (gateway) and greedy client streams (whose
 session ids the fuzzer is told, so foreign CANCELs, CLOSEs, STEPs and TOKENs name them)
 run one after another, DEALER peers send at least 10**4 hostile messages from
-``zmqllm.fuzz`` to each broker socket. Afterwards the same processes are alive, every
+``zmqllm.fuzz`` to each broker socket and to each worker's peer link (often under the
+real workers' routing ids). Afterwards the same processes are alive, every
 stream's text equals HF greedy, and STATUS answered within its deadline throughout.
 """
 
@@ -80,7 +81,15 @@ def test_hostile_messages_on_both_sockets_while_streams_run(
         assert victims.wait_for(1, timeout=60), victims.crashed
         assert chats.wait_for(1, timeout=60)
         fuzz_start = time.monotonic()
-        stats = blast(ctx, c.frontend, c.backend, messages=MESSAGES, sessions=sessions, seed=SEED)
+        # Each worker's peer link too, from peers often taking the real workers' ids,
+        # naming the wire ids the broker gives sessions as well (its boot id, a count).
+        boot = c.status()["boot"]
+        sessions += [f"{boot}-{i:x}" for i in range(1, 200)]
+        ids = tuple(w.encode() for w in workers_before)
+        more = {f"peer:{w['id']}": (w["peer"], ids) for w in c.status()["workers"]}
+        stats = blast(
+            ctx, c.frontend, c.backend, messages=MESSAGES, sessions=sessions, seed=SEED, more=more
+        )
         fuzz_end = time.monotonic()
         # One more of each, begun after the fuzz ended: the cluster still serves.
         done = len(victims.results), len(chats.results)
@@ -101,8 +110,9 @@ def test_hostile_messages_on_both_sockets_while_streams_run(
     print("broker drops:", json.dumps(poller.last.get("dropped", {}), sort_keys=True))
     print("errors logged:", json.dumps(_errors_logged(c), indent=1))
 
-    # Both sockets got their share, without the fuzzer ever waiting.
-    for side in ("frontend", "backend"):
+    # Every socket got its share, without the fuzzer ever waiting.
+    assert len(stats) == 4
+    for side in stats:
         assert stats[side].sent + stats[side].dropped == MESSAGES
         assert stats[side].sent >= MESSAGES * 0.9, (side, stats[side])
 
@@ -110,7 +120,10 @@ def test_hostile_messages_on_both_sockets_while_streams_run(
     for p in c.procs:
         assert p.alive(), f"{p.name} exited:\n{p.text()[-3000:]}"
         assert p.popen.pid == pids[p.name]
-    assert sorted(w["id"] for w in c.status()["workers"]) == workers_before
+    after = c.status()
+    assert sorted(w["id"] for w in after["workers"]) == workers_before
+    # The streams still went from worker to worker.
+    assert after["counters"]["relayed"] == 0
 
     # STATUS answered throughout, each within its deadline.
     assert poller.failures == []

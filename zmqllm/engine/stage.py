@@ -18,6 +18,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -70,6 +71,8 @@ class SessionState:
     prompt_step: int = 0
     opened: float = field(default_factory=time.monotonic)
     next_hop: str = ""  # the worker its results go to next (the worker groups by it)
+    # The worker's own: this session's peer links (peer_link.PeerRoute), if any.
+    link: Any = None
     # The decode step this stage expects next; 0 while the prompt is still coming
     # (stage 0: until its last chunk runs; later stages: until the final chunk arrives).
     next_step: int = 0
