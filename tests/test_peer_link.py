@@ -117,9 +117,15 @@ def test_curve_peer_links_admit_only_keys_the_broker_named(
         for sender in (a, x):
             assert sender.send(endpoint, encode(Step(session="s", token=1)))
         got = receive_all(b, 2, timeout=1.5)
-        # Only a's message, stamped with a's key; x's handshake was refused.
+        # Only a's message, stamped with a's key; x's handshake is refused once it has
+        # waited ZAP_HOLD_S for an OPEN naming its key.
         assert [(s, u) for s, u, _ in got] == [("w-a", ka.public.decode())]
-        assert b.zap is not None and b.zap.denied.counts.get(peer_link.PEERS, 0) >= 1
+        assert b.zap is not None
+        deadline = time.monotonic() + peer_link.ZAP_HOLD_S + 2
+        while not b.zap.denied.counts.get(peer_link.PEERS) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert b.zap.denied.counts.get(peer_link.PEERS, 0) >= 1
+        assert receive_all(b, 1, timeout=0.2) == []
     finally:
         for one in (a, b, x):
             one.close()
@@ -154,3 +160,24 @@ def test_outgoing_links_are_bounded(
         assert list(a.links) == ["tcp://127.0.0.1:7002", "tcp://127.0.0.1:7003"]
     finally:
         a.close()
+
+
+def test_a_link_refused_before_its_key_was_named_gets_through_once_it_is(
+    ctxs: list[zmq.Context[Any]],
+) -> None:
+    """The previous stage may connect before this one has read the OPEN that names it
+    (they come on other connections): libzmq tries the handshake again, and what was
+    queued meanwhile arrives."""
+    ka, kb = pair(), pair()
+    a, b = link(ctxs, "w-a", ka), link(ctxs, "w-b", kb)
+    try:
+        endpoint = b.start("tcp://127.0.0.1:*")
+        a.connect(endpoint, kb.public.decode())
+        assert a.send(endpoint, encode(Step(session="s", token=1)))
+        assert receive_all(b, 1, timeout=0.5) == []  # refused: not named yet
+        b.expect(ka.public.decode())
+        got = receive_all(b, 1, timeout=5.0)
+        assert [(s, u) for s, u, _ in got] == [("w-a", ka.public.decode())]
+    finally:
+        a.close()
+        b.close()

@@ -110,8 +110,11 @@ class ZapHandler:
         if self._thread is not None:
             self._thread.join(timeout=2.0)
 
+    # A subclass that answers out of order binds a ROUTER and overrides _serve.
+    SOCKET_TYPE = zmq.REP
+
     def _run(self) -> None:
-        sock = self.ctx.socket(zmq.REP)
+        sock = self.ctx.socket(self.SOCKET_TYPE)
         sock.setsockopt(zmq.LINGER, 0)
         try:
             sock.bind(ZAP_ENDPOINT)
@@ -122,18 +125,22 @@ class ZapHandler:
             return
         self._ready.set()
         try:
-            while not self._stop.is_set():
-                if not sock.poll(POLL_MS):
-                    continue
-                frames = sock.recv_multipart()
-                try:
-                    reply = self._answer(frames)
-                except Exception as exc:  # the handler must answer, whatever it met
-                    self.denied.error("zap", exc)
-                    reply = [b"1.0", frames[1] if len(frames) > 1 else b"", b"500", b"", b"", b""]
-                sock.send_multipart(reply)
+            self._serve(sock)
         finally:
             sock.close(linger=0)
+
+    def _serve(self, sock: zmq.Socket[Any]) -> None:
+        """Answer requests until stopped, in order."""
+        while not self._stop.is_set():
+            if not sock.poll(POLL_MS):
+                continue
+            frames = sock.recv_multipart()
+            try:
+                reply = self._answer(frames)
+            except Exception as exc:  # the handler must answer, whatever it met
+                self.denied.error("zap", exc)
+                reply = [b"1.0", frames[1] if len(frames) > 1 else b"", b"500", b"", b"", b""]
+            sock.send_multipart(reply)
 
     def _answer(self, frames: list[bytes]) -> list[bytes]:
         if len(frames) < 6 or len(frames) > MAX_ZAP_FRAMES or frames[0] != b"1.0":

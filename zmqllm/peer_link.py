@@ -38,6 +38,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import zmq
+import zmq.utils.z85
 
 from zmqllm.auth import ZapHandler, peer_key
 from zmqllm.bus import recv_bounded
@@ -74,6 +75,11 @@ MAX_ADMITTED = 256
 EARLY_S = 5.0
 EARLY_MAX = 1024
 EARLY_BYTES = 64 << 20
+# A handshake whose key is not named yet waits this long for the OPEN naming it; this
+# many wait at once at most.
+ZAP_HOLD_S = 2.0
+ZAP_HOLD_MAX = 16
+ZAP_POLL_MS = 20
 # What a link we only send on accepts from the other end: nothing of use, so little.
 LINK_RCVHWM = 1
 LINK_MAXMSGSIZE = 1024
@@ -89,13 +95,57 @@ class PeerRoute:
     prev_key: str  # and its CURVE key ("" without CURVE)
 
 
+def _curve_request(request: list[bytes]) -> bool:
+    """A well-formed ZAP request for CURVE (its one credential: a 32-byte key)."""
+    return (
+        len(request) == 7
+        and request[0] == b"1.0"
+        and request[5] == b"CURVE"
+        and len(request[6]) == 32
+    )
+
+
 class PeerZap(ZapHandler):
-    """Admits, on the peer socket, the keys the broker named as previous stages."""
+    """Admits, on the peer socket, the keys the broker named as previous stages.
+
+    The previous stage may connect before this worker has read the OPEN that names its
+    key (the two come over different connections), and libzmq does not retry a refused
+    handshake: a key not named yet is answered once it is, or refused after
+    ``ZAP_HOLD_S``. The handler holds such requests on a ROUTER (RFC 27 lets replies
+    come in any order), at most ``ZAP_HOLD_MAX`` at once; past that, unknown keys are
+    refused at once, so strangers cannot delay the named ones."""
 
     def __init__(self, ctx: zmq.Context[Any]) -> None:
         super().__init__(ctx)
         self._keys: OrderedDict[bytes, None] = OrderedDict()
         self._lock = threading.Lock()
+
+    SOCKET_TYPE = zmq.ROUTER
+
+    def _serve(self, sock: zmq.Socket[Any]) -> None:
+        held: list[tuple[list[bytes], float]] = []  # (request, refuse after)
+        while not self._stop.is_set():
+            if sock.poll(ZAP_POLL_MS):
+                frames = sock.recv_multipart()
+                envelope, request = frames[:2], frames[2:]
+                if len(frames) < 2 or frames[1] != b"":
+                    continue  # not a ZAP request
+                if (
+                    _curve_request(request)
+                    and not self.allowed(PEERS, zmq.utils.z85.encode(request[6]))
+                    and len(held) < ZAP_HOLD_MAX
+                ):
+                    held.append((frames, time.monotonic() + ZAP_HOLD_S))
+                    continue
+                sock.send_multipart(envelope + self._answer(request))
+            now = time.monotonic()
+            still = []
+            for frames, until in held:
+                if self.allowed(PEERS, zmq.utils.z85.encode(frames[8])) or now >= until:
+                    sock.send_multipart(frames[:2] + self._answer(frames[2:]))
+                else:
+                    still.append((frames, until))
+            held = still
 
     def admit(self, key: str) -> None:
         raw = key.encode()
