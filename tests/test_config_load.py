@@ -202,6 +202,8 @@ def test_section_must_be_a_table(tmp_path: Path) -> None:
         ("[worker]\nthreads = -1\n", "threads"),
         ("[worker]\nprefill_chunk = 0\n", "prefill_chunk"),
         ('[worker]\nwire_dtype = "int8"\n', "wire_dtype"),
+        ('[worker]\npeer = "ipc:///tmp/p"\n', "peer"),
+        ('[worker]\npeer = "on"\n', "peer"),
         ('[worker]\nlayers = "3/2"\n', "layers"),
         ('[worker]\nlayers = "half"\n', "layers"),
         ('[log]\nlevel = "loud"\n', "level"),

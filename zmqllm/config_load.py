@@ -177,6 +177,8 @@ def _check_worker(s: WorkerSettings, where: str) -> WorkerSettings:
         s, ("threads", "batch_threads", "max_memory_mb", "packed_rows"), where, minimum=0
     )
     _check_positive(s, ("max_sessions", "max_kv_tokens", "prefill_chunk"), where)
+    if s.peer not in ("auto", "off") and not s.peer.startswith("tcp://"):
+        raise _fail("peer", where, "auto, off or tcp://HOST:PORT", s.peer)
     if s.wire_dtype not in WIRE_DTYPE_CHOICES:
         raise _fail("wire_dtype", where, f"one of {', '.join(WIRE_DTYPE_CHOICES)}", s.wire_dtype)
     if s.remote and not _URL_RE.fullmatch(s.remote):

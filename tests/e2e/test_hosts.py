@@ -93,6 +93,11 @@ def test_greedy_text_is_exact_across_hosts(hosts: HostCluster, reference: Any) -
     assert st["curve"] is True and st["complete_route"] is True
     # A worker's id starts with its --name.
     assert sorted(w["id"].split("-")[2] for w in st["workers"]) == ["2", "3"]
+    # Each worker's peer link is on its own host's address (the one that reaches the
+    # broker), and the activations and steps went from host to host over them.
+    peers = {w["id"].split("-")[2]: w["peer"] for w in st["workers"]}
+    assert all(peers[i].startswith(f"tcp://198.18.0.{i}:") for i in ("2", "3")), peers
+    assert st["counters"]["relayed"] == 0
 
 
 class SseStream:
