@@ -13,7 +13,10 @@ REGISTER. The broker names, in each stage's OPEN, where its results go (the next
 worker's endpoint and public key) and who alone may send it that session's work (the
 previous worker's id and key); a route uses peer links only when all its workers have
 one. The broker keeps seeing every token, so its progress deadlines, failover and
-cancels work as before, and the gateway's replay heals a route whose peer died.
+cancels work as before, and the gateway's replay heals a route whose peer died. A result
+a link cannot take (its handshake not done yet, refused, the peer gone or not reading:
+links queue only to completed connections) goes through the broker instead, and so
+does the rest of its session, so that the session's messages stay in order.
 
 Security: with CURVE keys the peer socket is a CURVE server with the worker's own pair,
 and a ZAP handler on the worker's context admits only keys the broker has named as a
@@ -86,13 +89,16 @@ LINK_MAXMSGSIZE = 1024
 LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1"}
 
 
-@dataclass(frozen=True)
+@dataclass
 class PeerRoute:
     """One session's peer links on this worker (from its OPEN)."""
 
     next_peer: str  # where this stage's results go ("": through the broker)
     prev: str  # the worker id that alone may send this session's work here
     prev_key: str  # and its CURVE key ("" without CURVE)
+    # Set once a result could not go over the link (not connected yet, refused, gone):
+    # the rest of the session goes through the broker, so its messages stay in order.
+    via_broker: bool = False
 
 
 def _curve_request(request: list[bytes]) -> bool:
@@ -292,6 +298,9 @@ class PeerLink:
         link.setsockopt(zmq.SNDHWM, SOCKET_HWM)
         link.setsockopt(zmq.RCVHWM, LINK_RCVHWM)
         link.setsockopt(zmq.MAXMSGSIZE, LINK_MAXMSGSIZE)
+        # Queue only to a connection whose handshake is done: until then (and once it is
+        # gone) a send fails at once and the message goes through the broker.
+        link.setsockopt(zmq.IMMEDIATE, 1)
         if self.keys is not None:
             link.curve_secretkey = self.keys.secret
             link.curve_publickey = self.keys.public
@@ -313,7 +322,7 @@ class PeerLink:
             return False
         try:
             link.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
-        except zmq.ZMQError:  # Again: the peer is not reading; or the link went
+        except zmq.ZMQError:  # Again: not connected (yet), or the peer is not reading
             return False
         return True
 

@@ -404,11 +404,12 @@ class Worker(WorkerLoop):
         to the broker. What is left for the broker (None: nothing)."""
         s = self.stage.sessions.get(key)
         route = s.link if s is not None else None
-        if not isinstance(route, PeerRoute) or not route.next_peer:
+        if not isinstance(route, PeerRoute) or not route.next_peer or route.via_broker:
             return result
         if isinstance(result, Activation):
-            return None if self.peers.send(route.next_peer, encode(result)) else result
-        if isinstance(result, Token) and result.finish is None:
+            if self.peers.send(route.next_peer, encode(result)):
+                return None
+        elif isinstance(result, Token) and result.finish is None:
             step = Step(
                 session=result.session,
                 attempt=result.attempt,
@@ -419,6 +420,11 @@ class Worker(WorkerLoop):
             )
             if self.peers.send(route.next_peer, encode(step)):
                 return dataclasses.replace(result, stepped=True)
+        else:
+            return result
+        # The link cannot take it: this and the rest of the session go through the broker.
+        route.via_broker = True
+        log.debug("peer link not ready; session goes through the broker", session=key)
         return result
 
     def _result(self, o: Output, group: tuple[str, int] | None) -> Message:

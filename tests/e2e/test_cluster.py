@@ -94,9 +94,10 @@ def test_activations_and_steps_go_over_peer_links(cluster: Cluster, reference) -
     assert b"".join(p for _, p in chunks).decode() == reference.body("Why is the sky blue?", 24)
     after = cluster.status()["counters"]
     # The broker passed on the tokens, but no activation and no step: those went from
-    # worker to worker.
+    # worker to worker. (A session whose first result is ready before its link's
+    # handshake is done goes through the broker: this module's first ones may have.)
     assert after["tokens"] > before["tokens"]
-    assert after["relayed"] == before["relayed"] == 0
+    assert after["relayed"] == before["relayed"]
 
 
 def test_a_worker_without_peer_link_is_served_through_the_broker(

@@ -83,7 +83,8 @@ def test_hostile_messages_on_both_sockets_while_streams_run(
         fuzz_start = time.monotonic()
         # Each worker's peer link too, from peers often taking the real workers' ids,
         # naming the wire ids the broker gives sessions as well (its boot id, a count).
-        boot = c.status()["boot"]
+        st = c.status()
+        boot, relayed = st["boot"], st["counters"]["relayed"]
         sessions += [f"{boot}-{i:x}" for i in range(1, 200)]
         ids = tuple(w.encode() for w in workers_before)
         more = {f"peer:{w['id']}": (w["peer"], ids) for w in c.status()["workers"]}
@@ -123,7 +124,7 @@ def test_hostile_messages_on_both_sockets_while_streams_run(
     after = c.status()
     assert sorted(w["id"] for w in after["workers"]) == workers_before
     # The streams still went from worker to worker.
-    assert after["counters"]["relayed"] == 0
+    assert after["counters"]["relayed"] == relayed
 
     # STATUS answered throughout, each within its deadline.
     assert poller.failures == []
