@@ -47,6 +47,7 @@ SAMPLE: dict[str, Any] = {
             "load": 0.0469,
             "last_heartbeat_s": 0.42,
             "draining": False,
+            "peer": "tcp://127.0.0.1:40001",
             "stats": {"mean_batch": 2.5, "prefix_query_tokens": 300, "prefix_hit_tokens": 256},
         },
         {
@@ -99,6 +100,8 @@ def test_format_status_prints_the_worker_table() -> None:
         "hit",
         "heartbeat",
         "state",
+        "peer",
+        "link",
     ]
     assert line_with(out, "w-host-0-15 ").split() == [
         "w-host-0-15",
@@ -110,6 +113,7 @@ def test_format_status_prints_the_worker_table() -> None:
         "256/300",  # prompt tokens found in the prefix cache / looked up
         "0.4s",
         "serving",
+        "tcp://127.0.0.1:40001",
     ]
     busy = line_with(out, "w-host-15-30 ")
     assert busy.split() == [
@@ -122,6 +126,7 @@ def test_format_status_prints_the_worker_table() -> None:
         "-",  # no prefix cache (or an older worker)
         "1.0s",
         "draining",
+        "-",  # no peer link (or an older worker)
     ]
     # Columns line up: each cell starts where its header does.
     assert busy.index("15:30") == header.index("layers")

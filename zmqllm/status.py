@@ -95,6 +95,7 @@ def _worker_row(w: Any) -> list[str]:
         _prefix_cell(stats),
         f"{w['last_heartbeat_s']:.1f}s",
         "draining" if w.get("draining") else "serving",
+        str(w.get("peer") or "-"),
     ]
 
 
@@ -171,7 +172,7 @@ def _model_section(st: dict[str, Any], m: dict[str, Any]) -> list[str]:
 
 def _workers_table(workers: Any) -> str:
     headers = ["id", "layers", "sessions", "kv tokens", "load", "mean batch", "prefix hit"]
-    headers += ["heartbeat", "state"]
+    headers += ["heartbeat", "state", "peer link"]
     rows = _rows(workers, _worker_row, len(headers))
     return _table(rows, headers) if rows else "  (none)"
 
