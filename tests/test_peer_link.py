@@ -73,10 +73,11 @@ def test_where_a_peer_link_binds() -> None:
     assert peer_bind("auto", "tcp://198.18.0.1:5556", secure=False) == ""
     bound = peer_bind("auto", "tcp://198.18.0.1:5556", secure=True)
     assert bound.startswith("tcp://") and bound.endswith(":*") and "127.0.0.1" not in bound
-    assert peer_bind("tcp://127.0.0.1:7000", "tcp://10.0.0.1:1", secure=False).endswith(":7000")
-    assert peer_bind("tcp://10.1.2.3:*", "tcp://10.0.0.1:1", secure=True) == "tcp://10.1.2.3:*"
+    remote = "tcp://198.18.0.1:5556"  # only parsed: nothing is sent to it
+    assert peer_bind("tcp://127.0.0.1:7000", remote, secure=False).endswith(":7000")
+    assert peer_bind("tcp://198.18.0.2:*", remote, secure=True) == "tcp://198.18.0.2:*"
     with pytest.raises(ConfigError, match="loopback only"):
-        peer_bind("tcp://10.1.2.3:7000", "tcp://127.0.0.1:1", secure=False)
+        peer_bind("tcp://198.18.0.2:7000", "tcp://127.0.0.1:1", secure=False)
     with pytest.raises(ConfigError, match="off, auto or"):
         peer_bind("ipc:///tmp/x", "tcp://127.0.0.1:1", secure=True)
 

@@ -304,14 +304,7 @@ class SessionTable:
         stage0 = self.registry.workers.get(s.route[0])
         if stage0 is None or msg.stepped:
             return [to_client]  # (stepped: the last stage sent stage 0 the step itself)
-        step = Step(
-            session=s.wire,
-            attempt=s.attempt,
-            request_id=s.request_id,
-            step=msg.step + 1,
-            token=msg.token,
-            group=msg.group,  # the next forward at stage 0 waits for its whole group
-        )
+        step = Step.following(msg, s.request_id)  # (msg names s: see _session_of)
         self.stats.relayed += 1
         # The next step first: stage 0 computes while the token goes on to the client.
         return [Out(True, stage0.identity, step), to_client]

@@ -183,8 +183,9 @@ def allowed_keys(folder: Path) -> frozenset[bytes] | None:
     return frozenset(keys)
 
 
-def as_server(sock: zmq.Socket[Any], keys: BrokerKeys, domain: str) -> None:
-    """Make a (not yet bound) socket a CURVE server whose peers ZAP checks in ``domain``."""
+def as_server(sock: zmq.Socket[Any], keys: BrokerKeys | PeerKeys, domain: str) -> None:
+    """Make a (not yet bound) socket a CURVE server with ``keys``' pair (the broker's, or
+    a worker's for its peer link) whose peers ZAP checks in ``domain``."""
     sock.curve_secretkey = keys.secret
     sock.curve_publickey = keys.public
     sock.curve_server = True
@@ -194,7 +195,8 @@ def as_server(sock: zmq.Socket[Any], keys: BrokerKeys, domain: str) -> None:
 
 
 def as_client(sock: zmq.Socket[Any], keys: PeerKeys) -> None:
-    """Make a (not yet connected) socket a CURVE client of the broker."""
+    """Make a (not yet connected) socket a CURVE client of ``keys.server`` (the broker,
+    or another worker's peer link)."""
     sock.curve_secretkey = keys.secret
     sock.curve_publickey = keys.public
     sock.curve_serverkey = keys.server

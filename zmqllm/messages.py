@@ -440,6 +440,19 @@ class Step(SessionMessage):
     token: int = wire(integer(0, MAX_TOKEN_ID))
     group: tuple[str, int] | None = wire(_GROUP, None)
 
+    @classmethod
+    def following(cls, token: Token, request_id: str) -> Step:
+        """Stage 0's next decode step after the last stage sampled ``token``: in its
+        group, so the next forward at stage 0 waits for the whole group."""
+        return cls(
+            session=token.session,
+            attempt=token.attempt,
+            request_id=request_id,
+            step=token.step + 1,
+            token=token.token,
+            group=token.group,
+        )
+
 
 @_register(MsgType.ACTIVATION)
 @dataclass(frozen=True, kw_only=True, slots=True)

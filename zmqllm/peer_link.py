@@ -31,6 +31,7 @@ held for sessions not yet open here by count and age, outgoing links by count.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import socket
 import threading
@@ -46,7 +47,7 @@ import zmq.utils.z85
 from zmqllm.auth import ZapHandler, peer_key
 from zmqllm.bus import recv_bounded
 from zmqllm.config import ConfigError
-from zmqllm.keys import PeerKeys
+from zmqllm.keys import PeerKeys, as_client, as_server
 from zmqllm.log import get_logger
 from zmqllm.protocol import MAX_FRAMES
 from zmqllm.worker_faults import Faults
@@ -121,21 +122,21 @@ class PeerZap(ZapHandler):
     come in any order), at most ``ZAP_HOLD_MAX`` at once; past that, unknown keys are
     refused at once, so strangers cannot delay the named ones."""
 
+    SOCKET_TYPE = zmq.ROUTER
+
     def __init__(self, ctx: zmq.Context[Any]) -> None:
         super().__init__(ctx)
         self._keys: OrderedDict[bytes, None] = OrderedDict()
         self._lock = threading.Lock()
-
-    SOCKET_TYPE = zmq.ROUTER
 
     def _serve(self, sock: zmq.Socket[Any]) -> None:
         held: list[tuple[list[bytes], float]] = []  # (request, refuse after)
         while not self._stop.is_set():
             if sock.poll(ZAP_POLL_MS):
                 frames = sock.recv_multipart()
-                envelope, request = frames[:2], frames[2:]
                 if len(frames) < 2 or frames[1] != b"":
                     continue  # not a ZAP request
+                envelope, request = frames[:2], frames[2:]
                 if (
                     _curve_request(request)
                     and not self.allowed(PEERS, zmq.utils.z85.encode(request[6]))
@@ -252,11 +253,7 @@ class PeerLink:
         if self.keys is not None:
             self.zap = PeerZap(self.ctx)
             self.zap.start()
-            sock.curve_secretkey = self.keys.secret
-            sock.curve_publickey = self.keys.public
-            sock.curve_server = True
-            sock.zap_domain = PEERS.encode()
-            sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+            as_server(sock, self.keys, PEERS)
         try:
             sock.bind(bind)
         except zmq.ZMQError as exc:
@@ -302,9 +299,7 @@ class PeerLink:
         # gone) a send fails at once and the message goes through the broker.
         link.setsockopt(zmq.IMMEDIATE, 1)
         if self.keys is not None:
-            link.curve_secretkey = self.keys.secret
-            link.curve_publickey = self.keys.public
-            link.curve_serverkey = server_key.encode()
+            as_client(link, dataclasses.replace(self.keys, server=server_key.encode()))
         try:
             link.connect(endpoint)
         except zmq.ZMQError as exc:

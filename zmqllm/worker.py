@@ -410,14 +410,7 @@ class Worker(WorkerLoop):
             if self.peers.send(route.next_peer, encode(result)):
                 return None
         elif isinstance(result, Token) and result.finish is None:
-            step = Step(
-                session=result.session,
-                attempt=result.attempt,
-                request_id=result.request_id,
-                step=result.step + 1,
-                token=result.token,
-                group=result.group,
-            )
+            step = Step.following(result, result.request_id)
             if self.peers.send(route.next_peer, encode(step)):
                 return dataclasses.replace(result, stepped=True)
         else:

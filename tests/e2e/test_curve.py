@@ -19,6 +19,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -172,19 +173,43 @@ def test_keys_commands(tmp_path: Path) -> None:
     assert "host-2" in listed.stdout and "workers allowed (2)" in listed.stdout
 
 
+def start_keyed(c: Cluster, first: str, second: str) -> None:
+    """Start ``c`` (its key folder made, plus a worker key named "second"): broker, a
+    worker for layers ``first`` with the folder's worker key, one for ``second`` with
+    its own, and a gateway, ready."""
+    assert c.keys is not None
+    add_key(c.keys, "worker", "second")
+    c.start_broker()
+    c.start_worker(first, name="first")
+    c.start_worker(second, name="second", keys=c.keys / "issued" / "second")
+    c.start_gateway()
+    c.wait_ready()
+
+
+def send_as_strangers(
+    ctx: zmq.Context, address: str, pairs: list[PeerKeys | None], msgs: list[Any]
+) -> list[zmq.Socket]:
+    """A DEALER per CURVE pair (None: no CURVE), each sending ``msgs`` to ``address``."""
+    socks = []
+    for pair in pairs:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if pair is not None:
+            as_client(sock, pair)
+        sock.connect(address)
+        for msg in msgs:
+            sock.send_multipart(encode(msg))
+        socks.append(sock)
+    return socks
+
+
 @pytest.fixture
 def keyed_cluster(tmp_path: Path, e2e_model: Path) -> Iterator[Cluster]:
     """Broker, two whole-model workers (the second with a key of its own) and a gateway,
     all with CURVE."""
-    keys = init_keys(tmp_path / "keys")
-    add_key(keys, "worker", "second")
-    c = Cluster(tmp_path / "cluster", e2e_model, keys=keys)
+    c = Cluster(tmp_path / "cluster", e2e_model, keys=init_keys(tmp_path / "keys"))
     try:
-        c.start_broker()
-        c.start_worker(":", name="first")
-        c.start_worker(":", name="second", keys=keys / "issued" / "second")
-        c.start_gateway()
-        c.wait_ready()
+        start_keyed(c, ":", ":")
         c.wait_for(lambda: len(c.status()["workers"]) == 2, what="both workers registered")
         yield c
     finally:
@@ -201,24 +226,12 @@ def test_strangers_reach_nothing_of_a_live_broker(keyed_cluster: Cluster) -> Non
     ctx = zmq.Context()
     socks = []
     try:
-        # (address, CURVE pair or None, what it sends): no CURVE, an unknown key, and
-        # each role's key on the other role's socket.
-        tries = [
-            (c.frontend, None, Status(request_id="x")),
-            (c.frontend, unknown, Status(request_id="x")),
-            (c.frontend, worker_keys, Status(request_id="x")),
-            (c.backend, None, Heartbeat()),
-            (c.backend, unknown, Heartbeat()),
-            (c.backend, load_peer_keys(c.keys, "client"), Heartbeat()),
-        ]
-        for address, pair, msg in tries:
-            sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            if pair is not None:
-                as_client(sock, pair)
-            sock.connect(address)
-            sock.send_multipart(encode(msg))
-            socks.append(sock)
+        # No CURVE, an unknown key, and each role's key on the other role's socket.
+        client_keys = load_peer_keys(c.keys, "client")
+        socks += send_as_strangers(
+            ctx, c.frontend, [None, unknown, worker_keys], [Status(request_id="x")]
+        )
+        socks += send_as_strangers(ctx, c.backend, [None, unknown, client_keys], [Heartbeat()])
         time.sleep(1.5)
         assert [s.poll(0) for s in socks] == [0] * len(socks)  # nothing came back
     finally:
@@ -259,16 +272,11 @@ def test_peer_links_are_curve_and_admit_only_the_named_stage(
     links, and strangers (no CURVE, an unknown key, the client's key) get nothing
     through to a worker's peer socket."""
     keys = init_keys(tmp_path / "keys")
-    add_key(keys, "worker", "second")
     c = Cluster(tmp_path / "cluster", e2e_model, keys=keys)
     ctx = zmq.Context()
     socks = []
     try:
-        c.start_broker()
-        c.start_worker("0:2", name="first")
-        c.start_worker("2:4", name="second", keys=keys / "issued" / "second")
-        c.start_gateway()
-        c.wait_ready()
+        start_keyed(c, "0:2", "2:4")
         tok = reference.tokenizer
         want = sent_text(tok, greedy_ids(tok.encode(PROMPT), MAX_TOKENS, stop_at_eos=False))
         assert complete(c)[0] == want  # the links are made by now
@@ -288,15 +296,8 @@ def test_peer_links_are_curve_and_admit_only_the_named_stage(
             PeerKeys(client.public, client.secret, server),
         ]
         hidden = Payload(np.zeros((1, 64), np.float32), "float32")
-        for pair in pairs:
-            sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            if pair is not None:
-                as_client(sock, pair)
-            sock.connect(second["peer"])
-            for i in range(20):
-                sock.send_multipart(encode(Activation(session=f"s{i}", hidden=hidden)))
-            socks.append(sock)
+        acts = [Activation(session=f"s{i}", hidden=hidden) for i in range(20)]
+        socks += send_as_strangers(ctx, second["peer"], pairs, acts)
         time.sleep(1.5)
         stats = next(w for w in c.status()["workers"] if w["id"] == second["id"])["stats"]
         # Nothing reached the worker's handlers: the handshakes failed.
