@@ -3,6 +3,8 @@ dtype (activations: float32/float16/bfloat16; prompts: int32), zero-copy on the 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
 from typing import Any
 
@@ -146,6 +148,27 @@ def test_read_only_payload_does_not_warn() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         payload_to_tensor(q)
+
+
+def test_no_payload_warns_in_a_fresh_process() -> None:
+    """torch warns once per process about a non-writable array: neither the first
+    read-only payload (after a writable one) nor any later one may show it."""
+    code = """
+import numpy as np
+from zmqllm.engine.frames import payload_to_tensor
+from zmqllm.protocol import Payload
+payload_to_tensor(Payload(np.ones(4, np.float32), "float32"))  # writable: nothing to say
+for _ in range(3):
+    ro = np.frombuffer(bytes(16), np.float32)
+    assert not ro.flags.writeable
+    assert payload_to_tensor(Payload(ro, "float32")).shape == (4,)
+print("ok")
+"""
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "ok"
 
 
 def test_unsupported_dtype() -> None:

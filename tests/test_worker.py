@@ -396,6 +396,55 @@ def test_two_workers_make_a_pipeline(setup: Setup, generator: Generator) -> None
     assert tokens == list(generator.generate(PROMPT, 4))
 
 
+def stage_0_stand_in(ctx: zmq.Context[Any]) -> tuple[zmq.Socket[Any], str, zmq.Socket[Any]]:
+    """A ROUTER where a last stage's peer link can send stage 0's steps: the socket, its
+    endpoint and a monitor of its handshakes."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    return sock, f"tcp://127.0.0.1:{port}", sock.get_monitor_socket()
+
+
+def test_the_last_stage_steps_stage_0_over_its_peer_link(setup: Setup) -> None:
+    """A token whose next step went over the peer link says so (stepped); where the link
+    cannot take it, the token goes unstepped and the broker steps the rest."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    b1, _ = setup.start("2:4")
+    b1.register()
+    stage0, up, monitor = stage_0_stand_in(setup.ctx)
+    down = "tcp://127.0.0.1:9"  # discard: nothing listens, the link never comes up
+    try:
+        b1.send(open_msg("up", stage=1, stages=2, tokens=None, next_peer=up, prev="w-a"))
+        b1.send(open_msg("down", stage=1, stages=2, tokens=None, next_peer=down, prev="w-a"))
+        deadline = time.monotonic() + TIMEOUT
+        while recv_monitor_message(monitor)["event"] != zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            assert time.monotonic() < deadline, "the peer link never connected"
+        time.sleep(0.2)  # the worker's end of the handshake
+        rows = np.random.default_rng(0).standard_normal((len(PROMPT), HIDDEN), np.float32)
+        first: dict[str, int] = {}
+        for session in ("up", "down"):
+            b1.send(activation(session, 0, rows))
+            tok, _ = b1.expect(Token)
+            assert (tok.session, tok.step, tok.finish) == (session, 0, None)
+            assert tok.stepped is (session == "up")
+            first[session] = tok.token
+        assert stage0.poll(int(TIMEOUT * 1000))
+        _, *frames = stage0.recv_multipart()
+        got = decode(frames)
+        assert isinstance(got, Step)
+        assert (got.session, got.step, got.token) == ("up", 1, first["up"])
+        assert got.request_id == "req-up"
+        # The session whose link failed goes on through the broker.
+        b1.send(activation("down", 1, rows[:1]))
+        tok, _ = b1.expect(Token)
+        assert (tok.session, tok.step, tok.stepped) == ("down", 1, False)
+        assert not stage0.poll(100)
+    finally:
+        monitor.close(linger=0)
+        stage0.close(linger=0)
+
+
 @pytest.mark.parametrize("wire", ["bfloat16", "float16"])
 def test_activations_leave_in_the_wire_dtype_and_the_next_stage_takes_them(
     setup: Setup, wire: str

@@ -391,28 +391,39 @@ class Worker(WorkerLoop):
         self.stage.failed.clear()
         for o, group in zip(outputs, self._tag_groups(outputs), strict=True):
             try:
-                result = self._over_peer_link(self._result(o, group), o.session)
+                route = self._peer_route(o.session)
+                # A token whose next step goes over the peer link says so from the start
+                # (one message built per token: the rare failure below rebuilds it).
+                stepped = route is not None and o.token is not None and o.finish is None
+                result = self._over_peer_link(self._result(o, group, stepped), route, o.session)
             except Exception as exc:
                 self.faults.report("internal", "result cannot be sent", exc, session=o.session)
                 self._fail_key(o.session, f"result cannot be sent: {type(exc).__name__}")
                 continue
             self.send(result, o.session)
 
-    def _over_peer_link(self, result: Message, key: str) -> Message | None:
-        """Send a result over the session's peer link if it has one: an activation to
-        the next stage, or (last stage) the next step to stage 0 before its token goes
-        to the broker. What is left for the broker (None: nothing)."""
+    def _peer_route(self, key: str) -> PeerRoute | None:
+        """The session's peer link, if its results go over one now."""
         s = self.stage.sessions.get(key)
         route = s.link if s is not None else None
         if not isinstance(route, PeerRoute) or not route.next_peer or route.via_broker:
+            return None
+        return route
+
+    def _over_peer_link(self, result: Message, route: PeerRoute | None, key: str) -> Message | None:
+        """Send a result over the session's peer link if it has one: an activation to
+        the next stage, or (last stage) the next step to stage 0 before its token goes
+        to the broker. What is left for the broker (None: nothing)."""
+        if route is None:
             return result
         if isinstance(result, Activation):
             if self.peers.send(route.next_peer, encode(result)):
                 return None
-        elif isinstance(result, Token) and result.finish is None:
+        elif isinstance(result, Token) and result.stepped:
             step = Step.following(result, result.request_id)
             if self.peers.send(route.next_peer, encode(step)):
-                return dataclasses.replace(result, stepped=True)
+                return result
+            result = dataclasses.replace(result, stepped=False)  # the broker steps it
         else:
             return result
         # The link cannot take it: this and the rest of the session go through the broker.
@@ -420,7 +431,7 @@ class Worker(WorkerLoop):
         log.debug("peer link not ready; session goes through the broker", session=key)
         return result
 
-    def _result(self, o: Output, group: tuple[str, int] | None) -> Message:
+    def _result(self, o: Output, group: tuple[str, int] | None, stepped: bool = False) -> Message:
         session, attempt = split_key(o.session)
         if o.token is not None:
             return Token(
@@ -433,6 +444,7 @@ class Worker(WorkerLoop):
                 group=group,
                 logprob_ids=o.logprobs[0] if o.logprobs else None,
                 logprobs=o.logprobs[1] if o.logprobs else None,
+                stepped=stepped,
             )
         assert o.hidden is not None
         return Activation(
