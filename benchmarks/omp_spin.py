@@ -20,10 +20,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import repo_root  # noqa: F401  (this checkout first on sys.path)
-from paired import spread
+from paired import against
 from report import write_json
 
 CHILD = """
@@ -73,17 +72,8 @@ def main() -> None:
         for spin in a.spins[shift:] + a.spins[:shift]:
             itl[spin].append(run_once(spin, a))
             print(f"  round {r + 1}: GOMP_SPINCOUNT={spin} {itl[spin][-1]:.2f} ms", flush=True)
-    base = a.spins[0]
-    rows: dict[str, Any] = {}
     print(f"\nITL p50 ms, {a.quant} engine, {a.threads} threads, {a.rounds} rounds")
-    for spin, xs in itl.items():
-        ratios = [x / b for x, b in zip(xs, itl[base], strict=True)]
-        rows[spin] = {"itl_ms": spread(xs), f"vs_{base}": spread(ratios), "runs": xs}
-        s, q = rows[spin]["itl_ms"], rows[spin][f"vs_{base}"]
-        print(
-            f"  {spin:>8}: {s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})"
-            f"   vs {base}: {q['median']:.3f} ({q['min']:.3f}-{q['max']:.3f})"
-        )
+    rows = against(itl, a.spins[0], "itl_ms")
     write_json(Path(a.out), {"args": vars(a), "rows": rows})
 
 

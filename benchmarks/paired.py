@@ -43,6 +43,21 @@ def spread(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
+def against(values: dict[str, list[float]], base: str, measure: str) -> dict[str, Any]:
+    """Each variant's runs (rounds in the same order for all), their median and range as
+    ``measure``, and their ratio to ``base`` round by round; a line printed for each."""
+    rows: dict[str, Any] = {}
+    for name, xs in values.items():
+        ratios = [x / b for x, b in zip(xs, values[base], strict=True)]
+        rows[name] = {measure: spread(xs), f"vs_{base}": spread(ratios), "runs": xs}
+        s, q = rows[name][measure], rows[name][f"vs_{base}"]
+        print(
+            f"  {name:>8}: {s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})"
+            f"   vs {base}: {q['median']:.3f} ({q['min']:.3f}-{q['max']:.3f})"
+        )
+    return rows
+
+
 def compare(values: dict[str, list[float]], base: str, other: str) -> dict[str, Any]:
     """Each variant's median and range, and ``other / base`` per round."""
     ratios = [b / a for a, b in zip(values[base], values[other], strict=True)]

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import repo_root  # noqa: F401  (this checkout first on sys.path)
-from paired import spread
+from paired import against
 from report import write_json
 
 VARIANTS = ("one", "pipe", "zmq-tcp", "zmq-ipc")
@@ -194,17 +194,8 @@ def main() -> None:
         rounds.append(json.loads(done.stdout.strip().splitlines()[-1]))
         got = rounds[-1]
         print(f"  round {r + 1}: " + ", ".join(f"{v} {got[v]:.2f} ms" for v in VARIANTS))
-    rows: dict[str, Any] = {}
     print(f"\ndecode step ms, {a.quant}, {a.threads} threads, {a.rounds} rounds")
-    for v in VARIANTS:
-        ms = [r[v] for r in rounds]
-        ratio = [r[v] / r["one"] for r in rounds]
-        rows[v] = {"step_ms": spread(ms), "vs_one": spread(ratio), "runs": ms}
-        s, q = rows[v]["step_ms"], rows[v]["vs_one"]
-        print(
-            f"  {v:>8}: {s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})"
-            f"   vs one: {q['median']:.3f} ({q['min']:.3f}-{q['max']:.3f})"
-        )
+    rows = against({v: [r[v] for r in rounds] for v in VARIANTS}, "one", "step_ms")
     write_json(Path(a.out), {"args": vars(a), "rows": rows})
 
 
