@@ -351,6 +351,25 @@ def test_open_and_steps_continue_the_greedy_sequence(setup: Setup, generator: Ge
     broker.wait_load("sessions", 0)
 
 
+def test_a_route_of_one_stage_steps_itself(setup: Setup, generator: Generator) -> None:
+    """Named as its own next hop (the broker does so on a route of one stage), a worker
+    queues each next step itself: every token says stepped, and no STEP is needed."""
+    broker, running = setup.start()
+    broker.register()
+    broker.send(open_msg("s1", max_tokens=5, next_hop=running.worker.identity))
+    tokens = []
+    for n in range(5):
+        tok, _ = broker.expect(Token)
+        assert (tok.session, tok.step) == ("s1", n)
+        assert tok.stepped is (n < 4)  # the last one (LENGTH) has no next step
+        tokens.append(tok.token)
+    assert tok.finish is Finish.LENGTH
+    assert tokens == list(generator.generate(PROMPT, 5))
+    # A STEP from elsewhere for a step it took itself is refused, and costs only s1.
+    broker.send(step("s1", 2, tokens[1]))
+    assert "expected" in expect_error(broker, "s1", ErrorCode.BAD_REQUEST).message
+
+
 def test_attempts_of_one_session_are_separate_sessions(setup: Setup, generator: Generator) -> None:
     broker, _ = setup.start()
     broker.register()

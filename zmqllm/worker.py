@@ -391,16 +391,37 @@ class Worker(WorkerLoop):
         self.stage.failed.clear()
         for o, group in zip(outputs, self._tag_groups(outputs), strict=True):
             try:
-                route = self._peer_route(o.session)
-                # A token whose next step goes over the peer link says so from the start
-                # (one message built per token: the rare failure below rebuilds it).
-                stepped = route is not None and o.token is not None and o.finish is None
-                result = self._over_peer_link(self._result(o, group, stepped), route, o.session)
+                if o.token is not None and o.finish is None and self._first_is_me(o.session):
+                    # A route of one stage: its next step needs no hop at all.
+                    result: Message | None = self._result(o, group, self._step_here(o))
+                else:
+                    route = self._peer_route(o.session)
+                    # A token whose next step goes over the peer link says so from the
+                    # start (one message per token: the rare failure below rebuilds it).
+                    stepped = route is not None and o.token is not None and o.finish is None
+                    result = self._over_peer_link(self._result(o, group, stepped), route, o.session)
             except Exception as exc:
                 self.faults.report("internal", "result cannot be sent", exc, session=o.session)
                 self._fail_key(o.session, f"result cannot be sent: {type(exc).__name__}")
                 continue
             self.send(result, o.session)
+
+    def _first_is_me(self, key: str) -> bool:
+        """Whether the session's next step goes to this worker: the broker names stage 0
+        as the last stage's ``next``, and on a route of one stage that is us."""
+        s = self.stage.sessions.get(key)
+        return s is not None and s.next_hop == self.identity
+
+    def _step_here(self, o: Output) -> bool:
+        """Queue the next step of a session whose stage 0 is this worker, as the STEP from
+        the broker would be (its token then says stepped, and the broker sends none);
+        False if it cannot be queued, and the broker's STEP meets the same refusal."""
+        assert o.token is not None
+        try:
+            self.stage.step(o.session, o.step + 1, o.token)
+        except BadWork:
+            return False
+        return True
 
     def _peer_route(self, key: str) -> PeerRoute | None:
         """The session's peer link, if its results go over one now."""
