@@ -142,7 +142,7 @@ def one_round(a: Any) -> dict[str, float]:
                 if variant == "one":
                     token = int(step(second, pool_second, variant, hidden).argmax())
                 elif variant == "pipe":
-                    data.send_bytes(hidden.numpy().tobytes())
+                    data.send_bytes(hidden.numpy())  # no copy, as zmq sends it
                     token = int.from_bytes(data.recv_bytes(), "little")
                 else:
                     socks[variant].send(hidden.numpy())

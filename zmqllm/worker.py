@@ -34,7 +34,7 @@ from zmqllm.engine.frames import (
     payload_to_tensor,
     tensor_to_payload,
 )
-from zmqllm.engine.stage import BadWork, BatchFailed, Output
+from zmqllm.engine.stage import BadWork, BatchFailed, Output, SessionState
 from zmqllm.keys import PeerKeys, keys_dir, load_peer_keys
 from zmqllm.log import bind_request, get_logger
 from zmqllm.peer_link import PeerLink, PeerRoute, peer_bind
@@ -391,26 +391,27 @@ class Worker(WorkerLoop):
         self.stage.failed.clear()
         for o, group in zip(outputs, self._tag_groups(outputs), strict=True):
             try:
-                if o.token is not None and o.finish is None and self._first_is_me(o.session):
-                    # A route of one stage: its next step needs no hop at all.
-                    result: Message | None = self._result(o, group, self._step_here(o))
-                else:
-                    route = self._peer_route(o.session)
-                    # A token whose next step goes over the peer link says so from the
-                    # start (one message per token: the rare failure below rebuilds it).
-                    stepped = route is not None and o.token is not None and o.finish is None
-                    result = self._over_peer_link(self._result(o, group, stepped), route, o.session)
+                result = self._routed_result(o, group)
             except Exception as exc:
                 self.faults.report("internal", "result cannot be sent", exc, session=o.session)
                 self._fail_key(o.session, f"result cannot be sent: {type(exc).__name__}")
                 continue
             self.send(result, o.session)
 
-    def _first_is_me(self, key: str) -> bool:
-        """Whether the session's next step goes to this worker: the broker names stage 0
-        as the last stage's ``next``, and on a route of one stage that is us."""
-        s = self.stage.sessions.get(key)
-        return s is not None and s.next_hop == self.identity
+    def _routed_result(self, o: Output, group: tuple[str, int] | None) -> Message | None:
+        """``o``'s message, its next step already on its way where no broker is needed:
+        queued here on a route of one stage (the broker names stage 0 as the last stage's
+        ``next``: that is us), or sent over the peer link. What is left for the broker
+        (None: nothing)."""
+        s = self.stage.sessions.get(o.session)
+        steps = o.token is not None and o.finish is None
+        if steps and s is not None and s.next_hop == self.identity:
+            return self._result(o, group, self._step_here(o))
+        route = self._peer_route(s)
+        # A token whose next step goes over the peer link says so from the start (one
+        # message per token: the rare failure in _over_peer_link rebuilds it).
+        stepped = steps and route is not None
+        return self._over_peer_link(self._result(o, group, stepped), route, o.session)
 
     def _step_here(self, o: Output) -> bool:
         """Queue the next step of a session whose stage 0 is this worker, as the STEP from
@@ -423,9 +424,9 @@ class Worker(WorkerLoop):
             return False
         return True
 
-    def _peer_route(self, key: str) -> PeerRoute | None:
+    @staticmethod
+    def _peer_route(s: SessionState | None) -> PeerRoute | None:
         """The session's peer link, if its results go over one now."""
-        s = self.stage.sessions.get(key)
         route = s.link if s is not None else None
         if not isinstance(route, PeerRoute) or not route.next_peer or route.via_broker:
             return None
