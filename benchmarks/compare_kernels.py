@@ -58,10 +58,10 @@ def time_build(so: str, what: str, threads: int, context: int) -> float:
     kernel = native.import_built(Path(so))
     g = torch.Generator().manual_seed(0)
     if what == "int4":
-        from zmqllm.config import default_model_dir
+        from zmqllm.config.settings import default_model_dir
         from zmqllm.engine import quant
         from zmqllm.engine.generator import load_shard
-        from zmqllm.model_args import ModelArgs
+        from zmqllm.models.model_args import ModelArgs
 
         directory = default_model_dir()
         shard = load_shard(directory, 0, ModelArgs.from_dir(directory).num_layers)

@@ -41,7 +41,7 @@ def measure(
     import numpy as np
     from per_token_latency import stream_once
 
-    from zmqllm.config import default_model_dir
+    from zmqllm.config.settings import default_model_dir
 
     if (root / "testbed").is_dir():
         from testbed.cluster import Cluster
@@ -49,9 +49,9 @@ def measure(
         from zmqllm.local_cluster import Cluster  # type: ignore[import-not-found,no-redef]
 
     try:
-        from zmqllm.layers import split_layers
+        from zmqllm.config.layers import split_layers
     except ImportError:  # a revision from before zmqllm/layers.py
-        from zmqllm.config import split_layers  # type: ignore[attr-defined,no-redef]
+        from zmqllm.config.settings import split_layers  # type: ignore[attr-defined,no-redef]
 
     text = (default_model_dir() / "config.json").read_text()
     layers = split_layers(json.loads(text)["num_hidden_layers"], stages)
@@ -106,8 +106,8 @@ def main() -> None:
         return
     if not a.before:
         ap.error("--before REV is required")
-    from zmqllm.config import default_model_dir
-    from zmqllm.models import prepare_default_model
+    from zmqllm.config.settings import default_model_dir
+    from zmqllm.models.prepare import prepare_default_model
 
     prepare_default_model(default_model_dir())
     sha = subprocess.run(

@@ -24,8 +24,8 @@ from typing import Any
 
 import zmq
 
-from zmqllm.auth import Authenticator
-from zmqllm.keys import (
+from zmqllm.bus.auth import Authenticator
+from zmqllm.bus.keys import (
     ALLOWED_FOLDERS,
     as_client,
     as_server,

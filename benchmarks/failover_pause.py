@@ -34,9 +34,9 @@ import repo_root  # noqa: F401  (testbed is imported from the checkout)
 from report import write_json, write_plot
 
 from testbed.cluster import Cluster
-from zmqllm.config import default_model_dir
-from zmqllm.model_args import ModelArgs
-from zmqllm.models import prepare_default_model, prepare_tiny_model
+from zmqllm.config.settings import default_model_dir
+from zmqllm.models.model_args import ModelArgs
+from zmqllm.models.prepare import prepare_default_model, prepare_tiny_model
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 

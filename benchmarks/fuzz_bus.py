@@ -4,7 +4,7 @@ A local cluster of the tiny test model (real broker, two workers for layers 0:2 
 a remote worker serving a second model from a fake upstream in this process, and the
 gateway, as processes on 127.0.0.1). While greedy client streams (whose session
 ids the fuzzer names: foreign CANCELs, CLOSEs, STEPs, TOKENs) and /chat streams run one
-after another, hostile DEALER peers send ``--messages`` messages from ``zmqllm.fuzz`` to
+after another, hostile DEALER peers send ``--messages`` messages from ``testbed.fuzz`` to
 each broker socket (non-blocking, dropped at the high-water mark). Reports messages/s
 per socket, the broker's (and every process's) RSS before and after, whether the same
 processes survived, whether every stream equalled HF greedy, and how STATUS answered.
@@ -31,10 +31,10 @@ from transformers import MistralForCausalLM
 
 from testbed.cluster import Cluster
 from testbed.fake_upstream import FakeUpstream
-from zmqllm.fuzz_messages import REMOTE_MODEL
-from zmqllm.fuzz_peers import ChatStreams, StatusPoller, VictimStreams, blast
-from zmqllm.models import prepare_tiny_model
-from zmqllm.tokenizer import Tokenizer
+from testbed.fuzz_messages import REMOTE_MODEL
+from testbed.fuzz_peers import ChatStreams, StatusPoller, VictimStreams, blast
+from zmqllm.models.prepare import prepare_tiny_model
+from zmqllm.models.tokenizer import Tokenizer
 
 PROMPTS = [
     "Hello there!",

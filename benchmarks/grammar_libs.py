@@ -26,8 +26,8 @@ import repo_root  # noqa: F401
 import torch
 from report import write_json
 
-from zmqllm.config import default_model_dir
-from zmqllm.models import prepare_default_model
+from zmqllm.config.settings import default_model_dir
+from zmqllm.models.prepare import prepare_default_model
 
 SCHEMAS: dict[str, tuple[dict[str, Any] | None, Any]] = {
     "json_object": (None, {"name": "Ada", "tags": ["math", "engines"], "age": 36}),

@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 from report import write_json
 
-from zmqllm.config import default_model_dir
+from zmqllm.config.settings import default_model_dir
 from zmqllm.engine import native, quant
 from zmqllm.engine.generator import load_shard
-from zmqllm.models import prepare_default_model
+from zmqllm.models.prepare import prepare_default_model
 
 FLOOR_BYTES = 512 << 20
 

@@ -36,10 +36,10 @@ from links import CROSSINGS, across_hosts, stream_stamps
 from process_cpu import Usage, measured
 from report import write_json, write_plot
 
-from zmqllm.config import default_model_dir
+from zmqllm.config.settings import default_model_dir
 from zmqllm.engine.generator import Generator
-from zmqllm.models import prepare_default_model
-from zmqllm.tokenizer import Tokenizer
+from zmqllm.models.prepare import prepare_default_model
+from zmqllm.models.tokenizer import Tokenizer
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -141,8 +141,8 @@ def running_cluster(
     import repo_root  # noqa: F401
 
     from testbed.cluster import Cluster
-    from zmqllm.layers import split_layers
-    from zmqllm.model_args import ModelArgs
+    from zmqllm.config.layers import split_layers
+    from zmqllm.models.model_args import ModelArgs
 
     layers = split_layers(ModelArgs.from_dir(model_dir).num_layers, stages)
     with tempfile.TemporaryDirectory() as tmp:
@@ -182,7 +182,7 @@ def curve_cost(model_dir: Path, a: argparse.Namespace) -> None:
     import curve_hop
     from paired import alternate, compare, describe
 
-    from zmqllm.keys import init_keys
+    from zmqllm.bus.keys import init_keys
 
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -214,8 +214,8 @@ def link_sweep(model_dir: Path, a: argparse.Namespace) -> None:
     alternating rounds, beside compute + CROSSINGS x delay."""
     from paired import spread
 
-    from zmqllm.layers import split_layers
-    from zmqllm.model_args import ModelArgs
+    from zmqllm.config.layers import split_layers
+    from zmqllm.models.model_args import ModelArgs
 
     (a0, b0), (a1, b1) = split_layers(ModelArgs.from_dir(model_dir).num_layers, 2)
     delays = sorted(a.link_delay_ms)

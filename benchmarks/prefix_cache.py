@@ -30,11 +30,11 @@ import repo_root  # noqa: F401
 from report import write_json, write_plot
 
 from testbed.cluster import Cluster
-from zmqllm.config import default_model_dir
-from zmqllm.layers import split_layers
-from zmqllm.model_args import ModelArgs
-from zmqllm.models import prepare_default_model
-from zmqllm.tokenizer import Tokenizer
+from zmqllm.config.layers import split_layers
+from zmqllm.config.settings import default_model_dir
+from zmqllm.models.model_args import ModelArgs
+from zmqllm.models.prepare import prepare_default_model
+from zmqllm.models.tokenizer import Tokenizer
 
 QUESTIONS = [
     "Which rule matters most when a customer is angry?",

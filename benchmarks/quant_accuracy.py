@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from report import write_json
 
-from zmqllm.config import default_model_dir
+from zmqllm.config.settings import default_model_dir
 from zmqllm.engine.generator import Generator
-from zmqllm.models import prepare_default_model
-from zmqllm.tokenizer import Tokenizer
+from zmqllm.models.prepare import prepare_default_model
+from zmqllm.models.tokenizer import Tokenizer
 
 QUANTS = ("none", "int8", "int4")
 

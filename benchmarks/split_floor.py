@@ -50,11 +50,11 @@ def load_half(first: bool, quant: str, threads: int) -> tuple[Any, Any]:
     """One half of the default model (compiled kernels on) and a cache for one session."""
     import torch
 
-    from zmqllm.config import default_model_dir
+    from zmqllm.config.settings import default_model_dir
     from zmqllm.engine import native
     from zmqllm.engine.cache import CachePool
     from zmqllm.engine.generator import load_shard
-    from zmqllm.model_args import ModelArgs
+    from zmqllm.models.model_args import ModelArgs
 
     torch.set_num_threads(threads)
     d = default_model_dir()
@@ -182,8 +182,8 @@ def main() -> None:
         print(json.dumps(one_round(a)))
         return
     from zmqllm.cli import WORKER_THREAD_ENV
-    from zmqllm.config import default_model_dir
-    from zmqllm.models import prepare_default_model
+    from zmqllm.config.settings import default_model_dir
+    from zmqllm.models.prepare import prepare_default_model
 
     prepare_default_model(default_model_dir())
     rounds: list[dict[str, float]] = []

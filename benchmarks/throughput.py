@@ -32,11 +32,11 @@ import torch
 from report import write_json, write_plot
 
 from testbed.cluster import Cluster
-from zmqllm.config import default_model_dir
-from zmqllm.layers import split_layers
-from zmqllm.model_args import ModelArgs
-from zmqllm.models import prepare_default_model
-from zmqllm.tokenizer import Tokenizer
+from zmqllm.config.layers import split_layers
+from zmqllm.config.settings import default_model_dir
+from zmqllm.models.model_args import ModelArgs
+from zmqllm.models.prepare import prepare_default_model
+from zmqllm.models.tokenizer import Tokenizer
 
 TOPICS = [
     "the ocean",
@@ -248,7 +248,7 @@ def curve_cost(model_dir: Path, layers: list[tuple[int, int]], a: argparse.Names
     """Aggregate tokens/s at each level with and without CURVE, in alternating rounds."""
     from paired import alternate, compare, describe
 
-    from zmqllm.keys import init_keys
+    from zmqllm.bus.keys import init_keys
 
     runs: dict[str, list[dict[int, dict[str, Any]]]] = {"insecure": [], "curve": []}
     with tempfile.TemporaryDirectory() as tmp:

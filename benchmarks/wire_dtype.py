@@ -32,14 +32,14 @@ from report import write_json
 
 from testbed.cluster import Cluster
 from tests.e2e.test_cluster import PROMPTS
-from zmqllm.child_process import ChildProcess
-from zmqllm.client import BrokerClient
-from zmqllm.config import default_model_dir
-from zmqllm.layers import split_layers
-from zmqllm.model_args import ModelArgs
-from zmqllm.models import prepare_default_model, prepare_tiny_model
-from zmqllm.sampling_params import SamplingParams
-from zmqllm.tokenizer import Tokenizer
+from zmqllm.bus.sampling_params import SamplingParams
+from zmqllm.client.broker_client import BrokerClient
+from zmqllm.config.layers import split_layers
+from zmqllm.config.settings import default_model_dir
+from zmqllm.launch.child_process import ChildProcess
+from zmqllm.models.model_args import ModelArgs
+from zmqllm.models.prepare import prepare_default_model, prepare_tiny_model
+from zmqllm.models.tokenizer import Tokenizer
 
 WIRES = ("float32", "bfloat16", "float16")
 LONG_PROMPT = " ".join(

@@ -1,7 +1,7 @@
 """A local cluster of real processes on 127.0.0.1 with free ports (tests, benchmarks).
 
 Each process is started the way `zmqllm up` starts its children
-(``zmqllm.child_process.spawn``: a process group of its own, a log file, dying with the
+(``zmqllm.launch.child_process.spawn``: a process group of its own, a log file, dying with the
 test run), but one by one, with any flags a test needs, and stopped with SIGKILL.
 """
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from zmqllm.child_process import ChildProcess, spawn
+from zmqllm.launch.child_process import ChildProcess, spawn
 
 __all__ = ["Cluster", "free_port"]
 
@@ -186,8 +186,8 @@ class Cluster:
         raise TimeoutError(f"cluster not ready in {timeout}s\n{logs}")
 
     def status(self) -> dict[str, Any]:
-        from zmqllm.keys import load_peer_keys
-        from zmqllm.status import fetch_status
+        from zmqllm.bus.keys import load_peer_keys
+        from zmqllm.client.status import fetch_status
 
         keys = load_peer_keys(self.keys, "client") if self.keys is not None else None
         return fetch_status(self.frontend, timeout=5, keys=keys)

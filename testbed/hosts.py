@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from testbed.netns import Host, Testbed
-from zmqllm.child_process import ChildProcess, spawn
+from zmqllm.launch.child_process import ChildProcess, spawn
 
 __all__ = ["FRONTEND_PORT", "HostCluster", "NetnsHTTPConnection", "zmqllm_command"]
 

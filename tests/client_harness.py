@@ -15,9 +15,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from zmqllm.client import BrokerClient, TokenEvent, TokenStream
-from zmqllm.messages import Finish, MsgType
-from zmqllm.protocol import (
+from zmqllm.bus.messages import Finish, MsgType
+from zmqllm.bus.protocol import (
     Heartbeat,
     Message,
     StatusReply,
@@ -25,7 +24,8 @@ from zmqllm.protocol import (
     decode,
     encode,
 )
-from zmqllm.sampling_params import SamplingParams
+from zmqllm.bus.sampling_params import SamplingParams
+from zmqllm.client.broker_client import BrokerClient, TokenEvent, TokenStream
 
 TIMEOUT = 10.0  # bound on any single wait; a correct client is far quicker
 INTERVAL = 0.1  # client heartbeat interval

@@ -53,7 +53,7 @@ def _build_kernel() -> None:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random MistralForCausalLM (4 layers, GQA, sliding window 8) + tokenizer."""
     pytest.importorskip("torch")
-    from zmqllm.models import prepare_tiny_model
+    from zmqllm.models.prepare import prepare_tiny_model
 
     _build_kernel()
     return prepare_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)
@@ -63,7 +63,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_sharded_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same tiny model saved as several safetensors files with an index."""
     pytest.importorskip("torch")
-    from zmqllm.models import prepare_tiny_model
+    from zmqllm.models.prepare import prepare_tiny_model
 
     return prepare_tiny_model(tmp_path_factory.mktemp("models") / "tiny-sharded", sharded=True)
 
@@ -73,8 +73,8 @@ def default_model_dir() -> Path:
     """The converted SmolLM2-135M-Instruct (prepared once under $ZMQLLM_HOME)."""
     pytest.importorskip("torch")
     pytest.importorskip("gguf")
-    from zmqllm.config import default_model_dir as target
-    from zmqllm.models import prepare_default_model
+    from zmqllm.config.settings import default_model_dir as target
+    from zmqllm.models.prepare import prepare_default_model
 
     path = target()
     _build_kernel()

@@ -1,4 +1,4 @@
-"""An in-process stand-in for zmqllm.client.BrokerClient, for gateway tests.
+"""An in-process stand-in for zmqllm.client.broker_client.BrokerClient, for gateway tests.
 
 It plays broker and workers at once: each session "generates" a scripted list of token
 ids, one per ``delay`` seconds, stopping at a stop id or at max_tokens exactly as the last
@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from zmqllm.messages import ErrorCode, SessionError
-from zmqllm.sampling_params import NO_LOGPROBS, SamplingParams
+from zmqllm.bus.messages import ErrorCode, SessionError
+from zmqllm.bus.sampling_params import NO_LOGPROBS, SamplingParams
 
 
 @dataclass

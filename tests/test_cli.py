@@ -32,7 +32,7 @@ def test_prepare_tiny_prints_its_directory_last(tmp_path: Path) -> None:
 
 
 def test_generate_streams_hf_greedy_text_and_nothing_else(tiny_model_dir: Path) -> None:
-    from zmqllm.tokenizer import Tokenizer
+    from zmqllm.models.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(tiny_model_dir)
     prompt = "Tell me about the sea"

@@ -12,8 +12,10 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from zmqllm import __version__
-from zmqllm.config import (
+from zmqllm.bus.keys_cli import add_keys_command
+from zmqllm.config.flags import add_setting_flags, apply_flags
+from zmqllm.config.loading import load_config
+from zmqllm.config.settings import (
     QUANTS,
     Config,
     ConfigError,
@@ -21,17 +23,15 @@ from zmqllm.config import (
     resolve_model_path,
     worker_served_name,
 )
-from zmqllm.config_load import load_config
-from zmqllm.keys_cli import add_keys_command
 from zmqllm.log import configure_logging
-from zmqllm.settings_flags import add_setting_flags, apply_flags
+from zmqllm.version import __version__
 
 
 def _model_dir(spec: str, prepare: bool = True) -> Path:
     """Resolve "default"/"tiny"/a directory; prepare the default model on first use."""
     path = Path(resolve_model_path(spec))
     if prepare and path == default_model_dir():
-        from zmqllm.models import is_prepared, prepare_default_model
+        from zmqllm.models.prepare import is_prepared, prepare_default_model
 
         if not is_prepared(path):
             prepare_default_model(path)
@@ -39,7 +39,7 @@ def _model_dir(spec: str, prepare: bool = True) -> Path:
 
 
 def cmd_prepare_model(ns: argparse.Namespace) -> int:
-    from zmqllm.models import prepare_default_model, prepare_tiny_model
+    from zmqllm.models.prepare import prepare_default_model, prepare_tiny_model
 
     if ns.tiny:
         path = prepare_tiny_model(Path(ns.tiny), seed=ns.seed, sharded=ns.sharded)
@@ -53,10 +53,10 @@ def cmd_prepare_model(ns: argparse.Namespace) -> int:
 def cmd_generate(ns: argparse.Namespace) -> int:
     import torch
 
+    from zmqllm.bus.sampling_params import SamplingParams
+    from zmqllm.config.layers import split_layers
     from zmqllm.engine.generator import GenerationStats, Generator
-    from zmqllm.layers import split_layers
-    from zmqllm.sampling_params import SamplingParams
-    from zmqllm.tokenizer import Tokenizer
+    from zmqllm.models.tokenizer import Tokenizer
 
     if ns.threads:
         torch.set_num_threads(ns.threads)
@@ -80,7 +80,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         return 2
     bounds = None
     if ns.stages > 1:
-        from zmqllm.model_args import ModelArgs
+        from zmqllm.models.model_args import ModelArgs
 
         bounds = split_layers(ModelArgs.from_dir(model_dir).num_layers, ns.stages)
     if ns.quant != "none" and (ns.dtype != "float32" or ns.device != "cpu"):
@@ -169,7 +169,7 @@ def _load(ns: argparse.Namespace) -> Config:
 
 
 def cmd_broker(ns: argparse.Namespace) -> int:
-    from zmqllm.broker_main import serve
+    from zmqllm.broker.main import serve
 
     cfg = _load(ns)
     configure_logging("broker", cfg.log.level, cfg.log.format)
@@ -191,13 +191,13 @@ def cmd_worker(ns: argparse.Namespace) -> int:
     configure_logging("worker", cfg.log.level, cfg.log.format)
     if cfg.worker.remote:
         # A whole model behind an HTTP API: no torch, no model files.
-        from zmqllm.remote_worker import serve as serve_remote
+        from zmqllm.remote.worker import serve as serve_remote
 
         return serve_remote(cfg)
     worker_served_name(cfg)  # a name the bus cannot carry is told before the model loads
     for key, value in WORKER_THREAD_ENV.items():
         os.environ.setdefault(key, value)  # before torch (and its OpenMP) loads
-    from zmqllm.worker import serve
+    from zmqllm.worker.pipeline import serve
 
     if resolve_model_path(cfg.model.path) == str(default_model_dir()):
         _model_dir(cfg.model.path)  # convert the default model on first use
@@ -212,9 +212,9 @@ def cmd_gateway(ns: argparse.Namespace) -> int:
 
 
 def cmd_status(ns: argparse.Namespace) -> int:
-    from zmqllm.keys import keys_dir, load_peer_keys
-    from zmqllm.messages import SessionError
-    from zmqllm.status import fetch_status, format_status
+    from zmqllm.bus.keys import keys_dir, load_peer_keys
+    from zmqllm.bus.messages import SessionError
+    from zmqllm.client.status import fetch_status, format_status
 
     cfg = _load(ns)
     folder = keys_dir(cfg.security)
@@ -232,7 +232,7 @@ def cmd_status(ns: argparse.Namespace) -> int:
 
 
 def cmd_up(ns: argparse.Namespace) -> int:
-    from zmqllm.launcher import run_up
+    from zmqllm.launch.launcher import run_up
 
     return run_up(ns)
 

@@ -16,14 +16,14 @@ from tests.e2e.expected import sent_text
 pytest.importorskip("fastapi")
 
 from testbed.cluster import Cluster
-from zmqllm.child_process import ChildProcess
+from zmqllm.launch.child_process import ChildProcess
 
 
 @pytest.fixture(scope="session")
 def e2e_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("torch")
     from zmqllm.engine import native
-    from zmqllm.models import prepare_tiny_model
+    from zmqllm.models.prepare import prepare_tiny_model
 
     # Built once here, not by the first workers while a test waits for them to be ready.
     native.load()
@@ -37,7 +37,7 @@ def reference(e2e_model: Path):
     torch = pytest.importorskip("torch")
     from transformers import MistralForCausalLM
 
-    from zmqllm.tokenizer import Tokenizer
+    from zmqllm.models.tokenizer import Tokenizer
 
     model = MistralForCausalLM.from_pretrained(e2e_model).eval()
     tok = Tokenizer.from_dir(e2e_model)
@@ -120,7 +120,7 @@ def greedy_ids(e2e_model: Path) -> Callable[..., list[int]]:
     import torch
     from transformers import MistralForCausalLM
 
-    from zmqllm.tokenizer import Tokenizer
+    from zmqllm.models.tokenizer import Tokenizer
 
     model = MistralForCausalLM.from_pretrained(e2e_model).eval()
     eos = sorted(Tokenizer.from_dir(e2e_model).eos_token_ids)

@@ -28,10 +28,17 @@ import zmq
 
 from testbed.cluster import Cluster, free_port
 from tests.e2e.expected import sent_text
-from zmqllm.keys import PeerKeys, add_key, as_client, init_keys, load_broker_keys, load_peer_keys
-from zmqllm.messages import Activation, Heartbeat, Status
-from zmqllm.protocol import encode
-from zmqllm.wire_types import Payload
+from zmqllm.bus.keys import (
+    PeerKeys,
+    add_key,
+    as_client,
+    init_keys,
+    load_broker_keys,
+    load_peer_keys,
+)
+from zmqllm.bus.messages import Activation, Heartbeat, Status
+from zmqllm.bus.protocol import encode
+from zmqllm.bus.wire_types import Payload
 
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 

@@ -227,7 +227,7 @@ def held_tokens(c: Cluster) -> float:
 
 
 def c_tokenizer(c: Cluster) -> Any:
-    from zmqllm.tokenizer import Tokenizer
+    from zmqllm.models.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(c.model_dir)
 

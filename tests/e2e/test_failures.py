@@ -88,7 +88,7 @@ def test_worker_of_another_model_is_refused(
 ) -> None:
     """Under the cluster's model name, another model is refused, naming the difference;
     under a name of its own it is a second model (test_remote_models.py serves two)."""
-    from zmqllm.models import prepare_tiny_model
+    from zmqllm.models.prepare import prepare_tiny_model
 
     other = prepare_tiny_model(tmp_path / "other", sliding_window=4)
     c = fresh_cluster

@@ -4,7 +4,7 @@ Broker, two tiny-model workers (layers 0:2 and 2:4) and the gateway run as real
 processes on 127.0.0.1. While /chat streams (gateway) and greedy client streams (whose
 session ids the fuzzer is told, so foreign CANCELs, CLOSEs, STEPs and TOKENs name them)
 run one after another, DEALER peers send at least 10**4 hostile messages from
-``zmqllm.fuzz`` to each broker socket and to each worker's peer link (often under the
+``testbed.fuzz`` to each broker socket and to each worker's peer link (often under the
 real workers' routing ids). Afterwards the same processes are alive, every
 stream's text equals HF greedy, and STATUS answered within its deadline throughout.
 """
@@ -19,9 +19,9 @@ import pytest
 import zmq
 
 from testbed.cluster import Cluster
+from testbed.fuzz_peers import ChatStreams, StatusPoller, VictimStreams, blast
 from tests.e2e.expected import sent_text
 from tests.e2e.test_cluster import PROMPTS
-from zmqllm.fuzz_peers import ChatStreams, StatusPoller, VictimStreams, blast
 
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 

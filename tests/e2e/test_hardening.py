@@ -27,8 +27,8 @@ from testbed.cluster import Cluster
 from tests.e2e.conftest import ConfiguredCluster
 from tests.e2e.expected import sent_text
 from tests.e2e.test_cluster import post_chat
-from zmqllm.messages import Open, Status
-from zmqllm.protocol import PROTOCOL_VERSION, Payload, encode
+from zmqllm.bus.messages import Open, Status
+from zmqllm.bus.protocol import PROTOCOL_VERSION, Payload, encode
 
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 
@@ -417,7 +417,7 @@ class SlowReader(threading.Thread):
         self.opened += 1
 
     def _flood_until_detected(self, sock: zmq.Socket) -> None:
-        from zmqllm.status import fetch_status
+        from zmqllm.client.status import fetch_status
 
         # Watched through a socket of its own: the slow one is never read.
         seen = slow_consumers(fetch_status(self.address, timeout=5))

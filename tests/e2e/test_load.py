@@ -75,8 +75,8 @@ class UpCluster(Cluster):
     def start_up(self) -> None:
         """Start every process; `wait_ready` waits for them (the default model's workers
         take a while to load: the caller may do something else meanwhile)."""
-        from zmqllm.config_load import load_config
-        from zmqllm.launch_plan import plan
+        from zmqllm.config.loading import load_config
+        from zmqllm.launch.plan import plan
 
         text = (REPO / "configs" / "local.toml").read_text()
         for old, new in (
@@ -101,7 +101,7 @@ def default_reference(default_model_dir: Path, max_tokens: int) -> dict[str, str
     import torch
     from transformers import MistralForCausalLM
 
-    from zmqllm.tokenizer import Tokenizer
+    from zmqllm.models.tokenizer import Tokenizer
 
     model = MistralForCausalLM.from_pretrained(default_model_dir).eval()
     tok = Tokenizer.from_dir(default_model_dir)

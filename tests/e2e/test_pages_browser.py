@@ -205,8 +205,8 @@ def test_with_api_keys_the_page_asks_for_the_key_and_then_chats(
 ) -> None:
     """A gateway with API keys (on a fake broker: the key is what is tested here)."""
     from tests.fake_broker_client import FakeBrokerClient
-    from tests.test_gateway_support import ANSWER, answer_script, running_server, tiny_tokenizer
-    from zmqllm.config import GatewaySettings
+    from tests.gateway.support import ANSWER, answer_script, running_server, tiny_tokenizer
+    from zmqllm.config.settings import GatewaySettings
     from zmqllm.gateway.api_keys import ApiKeys
     from zmqllm.gateway.app import create_app
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from testbed.cluster import Cluster
-from zmqllm.prefix import PREFIX_BLOCK, prefix_blocks
+from zmqllm.bus.prefix import PREFIX_BLOCK, prefix_blocks
 
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 

@@ -100,7 +100,7 @@ def recovered_failovers(up: UpRun) -> float:
 def test_a_stream_survives_a_broker_killed_mid_way(up: UpRun, greedy_ids) -> None:
     """The broker dies under a running stream; `up` starts it again, the gateway replays
     the session on a route through the new broker, and the text is HF's all the same."""
-    from zmqllm.tokenizer import Tokenizer
+    from zmqllm.models.tokenizer import Tokenizer
 
     up.wait_for(up.ready, "/ready 200")
     tok = Tokenizer.from_dir(up.model)

@@ -21,7 +21,7 @@ import pytest
 from testbed.cluster import Cluster
 from tests.e2e.expected import sent_text
 from tests.e2e.test_cluster import PROMPTS, post_chat
-from zmqllm.child_process import ChildProcess
+from zmqllm.launch.child_process import ChildProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 
@@ -61,7 +61,7 @@ def rounded_reference(e2e_model: Path) -> Callable[[str, int, str], str]:
     import torch
     from transformers import MistralForCausalLM
 
-    from zmqllm.tokenizer import Tokenizer
+    from zmqllm.models.tokenizer import Tokenizer
 
     model = MistralForCausalLM.from_pretrained(e2e_model).eval()
     tok = Tokenizer.from_dir(e2e_model)

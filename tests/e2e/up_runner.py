@@ -154,8 +154,8 @@ class UpRun:
     def status(self) -> dict[str, Any] | None:
         """The broker's status through the frontend (with the keys `up` made), or None
         while nothing answers there."""
-        from zmqllm.keys import load_peer_keys
-        from zmqllm.status import fetch_status
+        from zmqllm.bus.keys import load_peer_keys
+        from zmqllm.client.status import fetch_status
 
         keys = load_peer_keys(self.home / "keys", "client")
         try:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zmqllm.model_args import ModelArgs
+from zmqllm.models.model_args import ModelArgs
 
 
 class CacheFullError(RuntimeError):

@@ -22,7 +22,7 @@ from torch import nn
 
 from zmqllm.engine.cache import KVCache
 from zmqllm.engine.linear import Linear
-from zmqllm.model_args import ModelArgs
+from zmqllm.models.model_args import ModelArgs
 
 
 class RMSNorm(nn.Module):

@@ -1,7 +1,7 @@
 """torch.Tensor <-> protocol.Payload without copying on the CPU path.
 
 Only workers import this module (it needs torch); the wire format itself lives in
-zmqllm.protocol, which stays torch-free.
+zmqllm.bus.protocol, which stays torch-free.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import warnings
 import numpy as np
 import torch
 
-from zmqllm.protocol import WIRE_DTYPES, Payload, ProtocolError
+from zmqllm.bus.protocol import WIRE_DTYPES, Payload, ProtocolError
 
 # bfloat16 is absent: numpy has no bf16, so it takes the int16-view path below.
 _WIRE_NAMES: dict[torch.dtype, str] = {

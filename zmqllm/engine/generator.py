@@ -21,7 +21,7 @@ from zmqllm.engine.model import MistralShard, Segment
 from zmqllm.engine.sampling import SamplingParams, sample
 from zmqllm.engine.weights import load_shard_tensors, shard_tensor_groups, weight_map
 from zmqllm.log import get_logger
-from zmqllm.model_args import ModelArgs
+from zmqllm.models.model_args import ModelArgs
 
 log = get_logger("zmqllm.engine")
 

@@ -19,7 +19,7 @@ import torch
 
 from zmqllm.engine.quant import GROUP, QuantTensor
 from zmqllm.engine.weights import CheckpointError, shard_tensor_groups
-from zmqllm.model_args import ModelArgs
+from zmqllm.models.model_args import ModelArgs
 
 SOURCE_FILE = "zmqllm-source.json"  # written by `zmqllm prepare-model`
 # What each GGUF tensor type becomes.
@@ -59,7 +59,7 @@ def gguf_source(directory: Path) -> Path | None:
     if not record.exists():
         return None
     info = json.loads(record.read_text())
-    from zmqllm.models import DEFAULT_GGUF, DEFAULT_MODEL_PACKAGE, find_default_gguf
+    from zmqllm.models.prepare import DEFAULT_GGUF, DEFAULT_MODEL_PACKAGE, find_default_gguf
 
     if info.get("package") == DEFAULT_MODEL_PACKAGE and info.get("gguf") == DEFAULT_GGUF:
         try:

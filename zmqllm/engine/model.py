@@ -27,7 +27,7 @@ from zmqllm.engine import linear, quant
 from zmqllm.engine.decoder_layer import LINEAR_NAMES, DecoderLayer, ForwardPlan, RMSNorm, Segment
 from zmqllm.engine.linear import CPU_MM_MAX_ROWS_HEAD, Linear, QuantLinear
 from zmqllm.engine.quant import QuantTensor
-from zmqllm.model_args import ModelArgs
+from zmqllm.models.model_args import ModelArgs
 
 __all__ = ["MistralShard", "Segment"]
 

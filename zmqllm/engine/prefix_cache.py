@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from zmqllm.bus.prefix import PREFIX_BLOCK
 from zmqllm.engine.cache import KVCache
-from zmqllm.prefix import PREFIX_BLOCK
 
 __all__ = ["PrefixStats", "PrefixStore"]
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zmqllm.config import QUANTS
+from zmqllm.config.settings import QUANTS
 
 __all__ = ["GROUP", "KIND", "QUANTS", "QuantTensor", "cat", "dequantize", "quantize"]
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from zmqllm.bus.sampling_params import SamplingParams
 from zmqllm.log import get_logger
-from zmqllm.sampling_params import SamplingParams
 
 __all__ = ["GrammarTokenizer", "SessionRules"]
 
@@ -59,7 +59,7 @@ class GrammarTokenizer:
             from transformers import PreTrainedTokenizerFast
         except ImportError as exc:  # pragma: no cover - a dependency of the package
             raise ValueError(f"constrained decoding needs llguidance: {exc}") from None
-        from zmqllm.tokenizer import Tokenizer
+        from zmqllm.models.tokenizer import Tokenizer
 
         log.info("building the grammar tokenizer (once per worker)")
         hf = PreTrainedTokenizerFast(tokenizer_file=str(self.model_dir / "tokenizer.json"))

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from zmqllm.sampling_params import LOGPROB_FLOOR, SamplingParams, is_int
+from zmqllm.bus.sampling_params import LOGPROB_FLOOR, SamplingParams, is_int
 
 __all__ = ["SamplingParams", "logprobs_of", "sample", "sample_batch"]
 

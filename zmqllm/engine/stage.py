@@ -23,6 +23,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from zmqllm.bus.messages import Finish
+from zmqllm.bus.prefix import PREFIX_BLOCK, prefix_blocks
+from zmqllm.bus.sampling_params import NO_LOGPROBS
 from zmqllm.engine.cache import (
     CacheFullError,
     CachePool,
@@ -36,9 +39,6 @@ from zmqllm.engine.model import MistralShard, Segment
 from zmqllm.engine.prefix_cache import PrefixStore
 from zmqllm.engine.rules import GrammarTokenizer, SessionRules
 from zmqllm.engine.sampling import SamplingParams, logprobs_of, sample
-from zmqllm.messages import Finish
-from zmqllm.prefix import PREFIX_BLOCK, prefix_blocks
-from zmqllm.sampling_params import NO_LOGPROBS
 
 # How long ready work may wait for more sessions while the cores are free (see
 # Stage.coalesce_wait; time another stage spends computing does not count, up to

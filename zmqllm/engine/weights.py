@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from zmqllm.model_args import ModelArgs
-from zmqllm.tokenizer import MODEL_FILES
+from zmqllm.models.model_args import ModelArgs
+from zmqllm.models.tokenizer import MODEL_FILES
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -27,7 +27,7 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from zmqllm.config import ConfigError
+from zmqllm.config.settings import ConfigError
 from zmqllm.gateway.errors import APIError
 from zmqllm.gateway.pages import PAGE_PATHS
 from zmqllm.gateway.request_context import record_of

@@ -13,8 +13,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from zmqllm import __version__
-from zmqllm.config import GatewaySettings
+from zmqllm.config.settings import GatewaySettings
 from zmqllm.gateway import openai_routes, pages, plain_routes
 from zmqllm.gateway.api_keys import ApiKeyMiddleware, ApiKeys
 from zmqllm.gateway.backend import BrokerClientLike
@@ -24,7 +23,8 @@ from zmqllm.gateway.metrics import GatewayMetrics, StatusCache
 from zmqllm.gateway.readiness import Readiness
 from zmqllm.gateway.request_context import RequestContextMiddleware
 from zmqllm.gateway.service import GatewayService
-from zmqllm.tokenizer import Tokenizer
+from zmqllm.models.tokenizer import Tokenizer
+from zmqllm.version import __version__
 
 # Seconds a scrape waits for the broker's figures before reporting it down.
 METRICS_STATUS_TIMEOUT = 1.0

@@ -1,8 +1,8 @@
 """What the gateway needs from the broker client, as Protocols.
 
-The gateway codes against these shapes rather than importing ``zmqllm.client``, so its
+The gateway codes against these shapes rather than importing ``zmqllm.client.broker_client``, so its
 tests drive it with an in-process fake and the HTTP layer never depends on ZeroMQ
-sockets. ``zmqllm.client.BrokerClient`` satisfies them; failures are
+sockets. ``zmqllm.client.broker_client.BrokerClient`` satisfies them; failures are
 ``messages.SessionError`` (a socket-free module), with an ``ErrorCode``.
 """
 
@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Protocol
 
-from zmqllm.messages import AskKind, SessionError
-from zmqllm.sampling_params import SamplingParams
+from zmqllm.bus.messages import AskKind, SessionError
+from zmqllm.bus.sampling_params import SamplingParams
 
 __all__ = [
     "BrokerClientLike",

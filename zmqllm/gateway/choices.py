@@ -15,11 +15,11 @@ from collections.abc import AsyncIterator
 import anyio
 from starlette.requests import Request
 
+from zmqllm.bus.sampling_params import MAX_SEED
 from zmqllm.gateway.errors import APIError
 from zmqllm.gateway.request_context import RequestRecord
 from zmqllm.gateway.service import GatewayService, GenerationPlan
 from zmqllm.gateway.streaming import TextStream
-from zmqllm.sampling_params import MAX_SEED
 
 __all__ = ["MAX_CHOICES", "Choices", "check_choices", "choice_plans", "open_choices"]
 

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from zmqllm.messages import ErrorCode
+from zmqllm.bus.messages import ErrorCode
 
 __all__ = [
     "CLIENT_CLOSED",

@@ -25,7 +25,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from zmqllm.config import ConfigError, GatewaySettings
+from zmqllm.config.settings import ConfigError, GatewaySettings
 from zmqllm.gateway.responses import INCOMPLETE_RESPONSE_LOG
 from zmqllm.log import get_logger
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from zmqllm.tokenizer import Tokenizer
+from zmqllm.models.tokenizer import Tokenizer
 
 __all__ = ["Entry", "chat_logprobs", "completion_logprobs"]
 

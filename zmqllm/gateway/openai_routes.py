@@ -19,6 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
+from zmqllm.bus.messages import AskKind
 from zmqllm.gateway.body import read_json_object
 from zmqllm.gateway.choices import Choices, check_choices, choice_plans, open_choices
 from zmqllm.gateway.errors import (
@@ -59,8 +60,7 @@ from zmqllm.gateway.service import (
 )
 from zmqllm.gateway.streaming import GenerationError, TextStream
 from zmqllm.log import get_logger
-from zmqllm.messages import AskKind
-from zmqllm.tokenizer import Tokenizer
+from zmqllm.models.tokenizer import Tokenizer
 
 __all__ = ["router"]
 

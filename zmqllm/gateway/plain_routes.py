@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from zmqllm.bus.messages import AskKind
 from zmqllm.gateway.body import read_text
 from zmqllm.gateway.errors import APIError
 from zmqllm.gateway.request_context import RequestRecord, record_of
@@ -22,7 +23,6 @@ from zmqllm.gateway.responses import GenerationResponse
 from zmqllm.gateway.service import DEFAULT_TEMPERATURE, service_of
 from zmqllm.gateway.streaming import GenerationError, TextStream
 from zmqllm.log import get_logger
-from zmqllm.messages import AskKind
 
 __all__ = ["router"]
 

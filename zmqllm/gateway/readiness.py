@@ -19,10 +19,10 @@ from typing import Any
 
 import anyio
 
+from zmqllm.bus.sampling_params import SamplingParams
 from zmqllm.gateway.backend import BrokerClientLike, broker_error_fields
 from zmqllm.gateway.served_models import ModelDirectory, complete_route
 from zmqllm.log import bind_request, get_logger, new_request_id
-from zmqllm.sampling_params import SamplingParams
 
 __all__ = ["Readiness"]
 

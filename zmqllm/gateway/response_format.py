@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from zmqllm.bus.sampling_params import MAX_GRAMMAR_BYTES
 from zmqllm.gateway.errors import APIError
 from zmqllm.gateway.schemas import ResponseFormat
-from zmqllm.sampling_params import MAX_GRAMMAR_BYTES
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions

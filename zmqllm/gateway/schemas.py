@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from zmqllm.sampling_params import MAX_LOGPROBS
+from zmqllm.bus.sampling_params import MAX_LOGPROBS
 
 __all__ = [
     "MAX_STOP_STRINGS",

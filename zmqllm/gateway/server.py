@@ -15,7 +15,7 @@ from pathlib import Path
 
 import uvicorn
 
-from zmqllm.config import (
+from zmqllm.config.settings import (
     Config,
     ConfigError,
     ModelSettings,
@@ -27,8 +27,8 @@ from zmqllm.gateway.api_keys import load_api_keys
 from zmqllm.gateway.app import create_app
 from zmqllm.gateway.http_server import base_url, tls_files, uvicorn_config
 from zmqllm.log import configure_logging, get_logger
-from zmqllm.model_args import ModelArgs
-from zmqllm.tokenizer import MODEL_FILES, Tokenizer
+from zmqllm.models.model_args import ModelArgs
+from zmqllm.models.tokenizer import MODEL_FILES, Tokenizer
 
 __all__ = ["META_FILES", "model_files_dir", "serve"]
 
@@ -65,8 +65,8 @@ def serve(cfg: Config) -> None:
     api_keys = load_api_keys(cfg.gateway.api_keys_file)
     tls_files(cfg.gateway)
     # Imported here: the client pulls in ZeroMQ, which nothing else in this package needs.
-    from zmqllm.client import BrokerClient
-    from zmqllm.keys import keys_dir, load_peer_keys
+    from zmqllm.bus.keys import keys_dir, load_peer_keys
+    from zmqllm.client.broker_client import BrokerClient
 
     folder = keys_dir(cfg.security)
     keys = load_peer_keys(folder, "client") if folder is not None else None

@@ -16,17 +16,17 @@ from typing import Any
 import anyio
 from starlette.requests import Request
 
-from zmqllm.config import GatewaySettings
-from zmqllm.failover import FailoverEvent, FailoverPolicy, ReplayStream
+from zmqllm.bus.messages import AskKind
+from zmqllm.bus.sampling_params import NO_LOGPROBS, SamplingParams
+from zmqllm.client.failover import FailoverEvent, FailoverPolicy, ReplayStream
+from zmqllm.config.settings import GatewaySettings
 from zmqllm.gateway.admission import Admission, ClientGone, QueueFull, QueueTimeout
 from zmqllm.gateway.backend import BrokerClientLike, TokenStreamLike, broker_error_fields
 from zmqllm.gateway.errors import CLIENT_CLOSED, RETRY_AFTER_S, APIError, broker_failure
 from zmqllm.gateway.request_context import RequestRecord
 from zmqllm.gateway.served_models import ModelDirectory, ServedModel
 from zmqllm.gateway.streaming import GenerationError, TextStream
-from zmqllm.messages import AskKind
-from zmqllm.sampling_params import NO_LOGPROBS, SamplingParams
-from zmqllm.tokenizer import ChatTemplateError, IncrementalDecoder, Tokenizer
+from zmqllm.models.tokenizer import ChatTemplateError, IncrementalDecoder, Tokenizer
 
 __all__ = [
     "GatewayService",

@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 
 from zmqllm.gateway.backend import TokenEventLike, TokenStreamLike, broker_error_fields
-from zmqllm.tokenizer import IncrementalDecoder
+from zmqllm.models.tokenizer import IncrementalDecoder
 
 __all__ = ["GenerationError", "StopMatcher", "TextStream"]
 

@@ -1,0 +1,187 @@
+"""The broker with CURVE keys, over real sockets (the harness of test_broker.py).
+
+Peers without CURVE, with keys nobody allowed, or with the other socket's keys reach
+none of the broker's handlers and get nothing back; a removed key file ends its peer's
+say within seconds; a second key cannot speak as a registered worker.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from tests.broker.test_loop import Harness, Peer, open_msg, register_msg
+from zmqllm.bus.keys import PeerKeys, add_key, init_keys, load_broker_keys, load_peer_keys
+from zmqllm.bus.messages import Error, Heartbeat, Open, Refused, Status, StatusReply
+
+QUIET_S = 1.0  # how long a refused peer is watched for any answer
+
+
+@pytest.fixture
+def keyed(tmp_path: Path) -> Iterator[tuple[Harness, Path]]:
+    folder = init_keys(tmp_path / "keys")
+    h = Harness(
+        keys=load_broker_keys(folder),
+        client_keys=load_peer_keys(folder, "client"),
+        worker_keys=load_peer_keys(folder, "worker"),
+    )
+    try:
+        yield h, folder
+    finally:
+        h.close()
+
+
+def stranger() -> PeerKeys:
+    """A CURVE pair nobody allowed (it knows the broker's public key: the worst case)."""
+    public, secret = zmq.curve_keypair()
+    return PeerKeys(public=public, secret=secret, server=b"")
+
+
+def silent(peer: Peer, seconds: float = QUIET_S) -> bool:
+    return not peer.sock.poll(int(seconds * 1000))
+
+
+def untouched(st: dict) -> None:
+    """Nothing a refused peer sent reached a handler."""
+    assert st["dropped"] == {}
+    assert st["workers"] == []
+    assert st["counters"]["sessions_opened"] == 0
+
+
+def test_status_needs_the_client_key(keyed: tuple[Harness, Path]) -> None:
+    h, _ = keyed
+    st = h.status()
+    assert st["curve"] is True
+    untouched(st)
+
+
+def test_peers_without_an_allowed_key_reach_nothing(keyed: tuple[Harness, Path]) -> None:
+    h, folder = keyed
+    server = load_broker_keys(folder).public
+    unknown = stranger()
+    unknown = PeerKeys(public=unknown.public, secret=unknown.secret, server=server)
+    peers = [
+        h._dealer("plain-client", h.frontend, {}),  # no CURVE at all
+        h._dealer("stranger-client", h.frontend, {}, unknown),
+    ]
+    for p in peers:
+        p.send(Status(request_id="x"))
+        p.send(open_msg("s1"))
+    workers = [
+        h._dealer("plain-worker", h.backend, {}),
+        h._dealer("stranger-worker", h.backend, {}, unknown),
+    ]
+    for w in workers:
+        w.send(register_msg(0, 4))
+        w.send(Heartbeat())
+    assert all(silent(p) for p in [*peers, *workers])
+    st = h.status()
+    untouched(st)
+    failures = st["auth"]["handshake_failures"]
+    # A peer without CURVE fails the protocol; an unknown key is denied by ZAP.
+    for name in ("frontend:protocol", "backend:protocol", "frontend:denied", "backend:denied"):
+        assert failures.get(name, 0) >= 1, failures
+    assert st["auth"]["refused"].get("clients", 0) >= 1
+    assert st["auth"]["refused"].get("workers", 0) >= 1
+
+
+def test_a_worker_key_is_not_a_client_key(keyed: tuple[Harness, Path]) -> None:
+    h, _ = keyed
+    as_client = h.client("worker-as-client", curve=h.worker_keys)
+    as_client.send(Status(request_id="x"))
+    as_worker = h.worker("client-as-worker", curve=h.client_keys)
+    as_worker.send(register_msg(0, 4))
+    assert silent(as_client) and silent(as_worker)
+    untouched(h.status())
+
+
+def test_a_revoked_worker_is_refused_while_others_serve(
+    keyed: tuple[Harness, Path],
+) -> None:
+    h, folder = keyed
+    add_key(folder, "worker", "second")
+    second_keys = load_peer_keys(folder / "issued" / "second", "worker")
+    w1 = h.register("w1", 0, 4)
+    w2 = h.register("w2", 0, 4, curve=second_keys)
+    (folder / "workers" / "second.key").unlink()
+    revoked_at = time.monotonic()
+    # A handshake right after (its rescan sees the change first) must not hide it.
+    h.client("probe").send(Status(request_id="probe"))
+    refused = h.expect(w2, Refused, timeout=5.0)
+    assert "revoked" in refused.reason
+    assert time.monotonic() - revoked_at < 5.0
+    w2.keepalive = False
+    st = h.wait_status(lambda s: len(s["workers"]) == 1, "the revoked worker stayed")
+    assert st["workers"][0]["id"] == "w1"
+    # A new connection with the revoked key is turned away at the handshake.
+    again = h.worker("w2-again", curve=second_keys)
+    again.send(register_msg(0, 4))
+    assert silent(again)
+    # The other worker keeps serving.
+    client = h.client("c")
+    client.send(open_msg("after-revoke"))
+    assert h.expect(w1, Open).request_id.startswith("req-after-revoke")
+
+
+def test_another_key_cannot_take_over_a_worker_id(keyed: tuple[Harness, Path]) -> None:
+    h, folder = keyed
+    add_key(folder, "worker", "intruder")
+    intruder_keys = load_peer_keys(folder / "issued" / "intruder", "worker")
+    w1 = h.register("w1", 0, 4)
+    # Same routing id, another allowed worker key.
+    intruder = h.worker("w1", curve=intruder_keys)
+    intruder.send(register_msg(0, 4))
+    intruder.send(Heartbeat())
+    assert silent(intruder)
+    client = h.client("c")
+    client.send(open_msg("mine"))
+    assert h.expect(w1, Open).request_id.startswith("req-mine")
+    assert silent(intruder, 0.5)
+    st = h.status()
+    assert [w["id"] for w in st["workers"]] == ["w1"]
+
+
+def test_a_revoked_client_loses_its_sessions(keyed: tuple[Harness, Path]) -> None:
+    h, folder = keyed
+    add_key(folder, "client", "app")
+    app = h.client("app", curve=load_peer_keys(folder / "issued" / "app", "client"))
+    w1 = h.register("w1", 0, 4)
+    app.send(open_msg("s1"))
+    h.expect(w1, Open)
+    (folder / "clients" / "app.key").unlink()
+    h.wait_status(lambda s: s["sessions"] == 0, "the revoked client's session stayed")
+    before = h.pending(app)  # its session's end, if it came
+    assert all(isinstance(m, Error) for m in before), before
+    app.send(Status(request_id="x"))
+    time.sleep(QUIET_S)
+    assert not any(isinstance(m, StatusReply) for m in h.pending(app))
+    assert h.status()["dropped"].get("frontend:revoked", 0) >= 1
+
+
+def test_garbage_handshakes_leave_the_broker_serving(keyed: tuple[Harness, Path]) -> None:
+    """Raw TCP junk, and ZMTP greetings that ask for CURVE then send junk, on both
+    sockets: the handshakes fail and the broker goes on serving keyed peers."""
+    import random
+    import socket
+
+    h, _ = keyed
+    rng = random.Random(7)
+    # A ZMTP 3.0 greeting (signature, version 3.0, mechanism "CURVE", as-server 0, filler).
+    greeting = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"CURVE".ljust(20, b"\x00")
+    greeting += b"\x00" + b"\x00" * 31
+    for address in (h.frontend, h.backend):
+        host, port = address.removeprefix("tcp://").rsplit(":", 1)
+        for i in range(40):
+            with socket.create_connection((host, int(port)), timeout=5) as s:
+                junk = rng.randbytes(rng.randrange(1, 600))
+                s.sendall(greeting + junk if i % 2 else junk)
+    w = h.register("w1", 0, 4)
+    client = h.client("c")
+    client.send(open_msg("after-junk"))
+    assert h.expect(w, Open).request_id.startswith("req-after-junk")
+    st = h.status()
+    assert st["dropped"] == {}  # nothing of it reached a handler

@@ -1,0 +1,106 @@
+"""Key folders: what `keys init` and `keys add` write, how roles find and load keys."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import pytest
+import zmq.auth
+
+from zmqllm.bus.keys import (
+    KeysError,
+    add_key,
+    allowed_keys,
+    init_keys,
+    keys_dir,
+    load_broker_keys,
+    load_peer_keys,
+)
+from zmqllm.config.settings import SecuritySettings
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_init_writes_pyzmq_certificates_and_allowed_folders(tmp_path: Path) -> None:
+    folder = init_keys(tmp_path / "keys")
+    for name in ("broker", "client", "worker"):
+        public, secret = zmq.auth.load_certificate(folder / f"{name}.key_secret")
+        assert len(public) == 40 and secret is not None and len(secret) == 40
+        assert zmq.auth.load_certificate(folder / f"{name}.key")[0] == public
+        assert mode(folder / f"{name}.key_secret") == 0o600
+    assert mode(folder) == 0o700
+    client_public = zmq.auth.load_certificate(folder / "client.key")[0]
+    worker_public = zmq.auth.load_certificate(folder / "worker.key")[0]
+    assert allowed_keys(folder / "clients") == {client_public}
+    assert allowed_keys(folder / "workers") == {worker_public}
+
+
+def test_init_never_replaces_keys(tmp_path: Path) -> None:
+    folder = init_keys(tmp_path / "keys")
+    before = (folder / "broker.key_secret").read_bytes()
+    with pytest.raises(KeysError, match="already has keys"):
+        init_keys(folder)
+    assert (folder / "broker.key_secret").read_bytes() == before
+
+
+def test_add_issues_a_folder_for_another_host(tmp_path: Path) -> None:
+    folder = init_keys(tmp_path / "keys")
+    issued = add_key(folder, "worker", "gpu-host-2")
+    assert issued == folder / "issued" / "gpu-host-2"
+    keys = load_peer_keys(issued, "worker")  # the folder works as that host's --keys
+    assert keys.server == load_broker_keys(folder).public
+    assert keys.public in allowed_keys(folder / "workers")
+    assert keys.public not in allowed_keys(folder / "clients")
+    client = load_peer_keys(add_key(folder, "client", "app"), "client")
+    assert client.public in allowed_keys(folder / "clients")
+
+
+@pytest.mark.parametrize("name", ["", "a/b", "..", "x" * 65, "sp ace"])
+def test_add_refuses_bad_names(tmp_path: Path, name: str) -> None:
+    folder = init_keys(tmp_path / "keys")
+    with pytest.raises(KeysError, match="key name"):
+        add_key(folder, "worker", name)
+
+
+def test_add_refuses_a_taken_name_and_a_folder_without_keys(tmp_path: Path) -> None:
+    folder = init_keys(tmp_path / "keys")
+    add_key(folder, "worker", "w2")
+    with pytest.raises(KeysError, match="already exists"):
+        add_key(folder, "worker", "w2")
+    with pytest.raises(KeysError, match="keys init"):
+        add_key(tmp_path / "empty", "worker", "w3")
+
+
+def test_allowed_keys_skips_files_without_a_key(tmp_path: Path) -> None:
+    folder = init_keys(tmp_path / "keys")
+    (folder / "workers" / "junk.key").write_text("not a certificate\n")
+    (folder / "workers" / "notes.txt").write_text("ignored\n")
+    (folder / "workers" / "broken.key").write_text("curve\n    public-key\n")  # no "="
+    assert len(allowed_keys(folder / "workers") or ()) == 1
+    assert allowed_keys(tmp_path / "missing") is None  # unreadable: the caller decides
+
+
+def test_loading_names_the_missing_file(tmp_path: Path) -> None:
+    folder = init_keys(tmp_path / "keys")
+    (folder / "worker.key_secret").unlink()
+    with pytest.raises(KeysError, match=r"worker\.key_secret"):
+        load_peer_keys(folder, "worker")
+    with pytest.raises(KeysError, match="no secret key"):
+        # A public key file where a pair is needed.
+        (folder / "broker.key").replace(folder / "broker.key_secret")
+        load_broker_keys(folder)
+
+
+def test_keys_dir_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ZMQLLM_HOME", str(tmp_path / "home"))
+    assert keys_dir(SecuritySettings()) is None  # nothing anywhere: plaintext
+    default = init_keys(tmp_path / "home" / "keys")
+    assert keys_dir(SecuritySettings()) == default
+    assert keys_dir(SecuritySettings(insecure=True)) is None
+    other = init_keys(tmp_path / "other")
+    assert keys_dir(SecuritySettings(keys=str(other))) == other
+    with pytest.raises(KeysError, match="keys init"):
+        keys_dir(SecuritySettings(keys=str(tmp_path / "nope")))

@@ -1,0 +1,249 @@
+"""The compiled decode-attention kernel against the PyTorch path it replaces."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tests.float_tolerance import reduction_length, reorder_tolerance  # noqa: E402
+from zmqllm.engine import native  # noqa: E402
+from zmqllm.engine.cache import KVCache  # noqa: E402
+from zmqllm.engine.generator import load_shard  # noqa: E402
+from zmqllm.engine.model import MistralShard, Segment  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+
+@pytest.fixture(scope="module")
+def kernel() -> ModuleType:
+    module = native.load()
+    if module is None:
+        if os.environ.get("CI"):
+            pytest.fail("the decode-attention kernel must build in CI (compiler and ninja)")
+        pytest.skip("no C++ toolchain here: the kernel cannot be built")
+    return module
+
+
+def _caches(shard: MistralShard, lengths: list[int]) -> list[KVCache]:
+    a = shard.args
+    return [
+        KVCache(shard.num_local_layers, a.num_kv_heads, n, a.head_dim, shard.dtype, "cpu")
+        for n in lengths
+    ]
+
+
+def test_batched_decode_matches_the_pytorch_path(kernel: ModuleType, tiny_model_dir: Path) -> None:
+    """Sessions of different lengths (some beyond the sliding window of 8), decoding
+    together, with a prefill chunk joining midway: same logits, same greedy tokens."""
+    plain = load_shard(tiny_model_dir, 0, 4)
+    fast = load_shard(tiny_model_dir, 0, 4)
+    assert fast.use_kernel(kernel) and not plain.use_kernel(None)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 200, size=n) for n in (1, 3, 7, 9, 12)]
+    late = rng.integers(3, 200, size=6)
+    caches = {name: _caches(s, [40] * 6) for name, s in (("plain", plain), ("fast", fast))}
+    tokens: dict[str, list[int]] = {}
+    reference: list[torch.Tensor] = []  # the PyTorch path's logits, step by step
+    for name, shard in (("plain", plain), ("fast", fast)):
+        cs = caches[name]
+        # Prefill each prompt on its own (the PyTorch path either way).
+        nxt = [
+            int(shard(torch.from_numpy(p), [Segment(c, p.size)])[0].argmax())
+            for p, c in zip(prompts, cs[:5], strict=True)
+        ]
+        out: list[int] = []
+        for step in range(14):
+            ids = list(nxt)
+            segs = [Segment(c, 1) for c in cs[:5]]
+            if step == 5:  # a new session's prompt joins the decode batch
+                ids += [int(x) for x in late]
+                segs.append(Segment(cs[5], late.size))
+            logits = shard(torch.tensor(ids), segs)
+            if name == "plain":
+                reference.append(logits)
+            else:
+                # Another order of the same float32 sums (tests/float_tolerance.py).
+                tolerance = reorder_tolerance(reference[step], reduction_length(shard.args))
+                torch.testing.assert_close(logits, reference[step], **tolerance)
+            nxt = [int(t) for t in logits[:5].argmax(-1)]
+            out += nxt
+        tokens[name] = out
+    assert tokens["fast"] == tokens["plain"]
+    # The window was crossed: the longest session ended past 8 + 14 tokens.
+    assert caches["fast"][4].length == 12 + 14
+
+
+def test_only_float32_cpu_shards_take_the_kernel(kernel: ModuleType, tiny_model_dir: Path) -> None:
+    assert not load_shard(tiny_model_dir, 0, 2, dtype="bfloat16").use_kernel(kernel)
+    shard = load_shard(tiny_model_dir, 0, 2)
+    assert shard.use_kernel(kernel) and shard.kernel is kernel
+    assert not shard.use_kernel(None) and shard.kernel is None
+
+
+def test_bad_positions_are_refused(kernel: ModuleType, tiny_model_dir: Path) -> None:
+    shard = load_shard(tiny_model_dir, 0, 2)
+    (c,) = _caches(shard, [4])
+    with pytest.raises(RuntimeError, match="position outside the cache"):
+        kernel.DecodeBatch([c.k], [c.v], [0], [4], [0])  # position 4 of a 4-token cache
+    with pytest.raises(RuntimeError, match="one cache pair"):
+        kernel.DecodeBatch([c.k], [c.v], [0, 1], [0], [0])
+
+
+def test_disabled_or_unbuildable_means_the_pytorch_path(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("ZMQLLM_NATIVE", "0")
+    assert native.load() is None
+
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("ZMQLLM_NATIVE", "1")
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("ZMQLLM_HOME", str(tmp_path))  # nothing built there yet
+    assert native.load() is None  # logged as a warning; the worker goes on
+
+
+def test_fused_layer_steps_match_pytorch(kernel: ModuleType) -> None:
+    """RMSNorm, rotary embedding and silu(gate) * up of a batched decode forward."""
+    import torch.nn.functional as F
+
+    from zmqllm.engine.decoder_layer import RMSNorm, _rope
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 64, generator=g) * 3
+    norm = RMSNorm(64, 1e-5)
+    norm.weight.copy_(torch.randn(64, generator=g))
+    torch.testing.assert_close(kernel.rms_norm(x, norm.weight, 1e-5), norm(x))
+
+    # q and k heads (4 + 2) roped in place; the v heads (2) after them untouched.
+    qkv = torch.randn(5, 8 * 16, generator=g)
+    angles = torch.rand(5, 8, generator=g) * 100
+    cos, sin = angles.cos(), angles.sin()
+    want = _rope(qkv[:, : 6 * 16].view(5, 6, 16), cos[:, None], sin[:, None])
+    got = qkv.clone()
+    kernel.rope_(got, cos, sin, 6, 16)
+    torch.testing.assert_close(got[:, : 6 * 16].view(5, 6, 16), want)
+    assert torch.equal(got[:, 6 * 16 :], qkv[:, 6 * 16 :])
+
+    gate_up = torch.randn(7, 48, generator=g) * 4
+    torch.testing.assert_close(kernel.silu_mul(gate_up), F.silu(gate_up[:, :24]) * gate_up[:, 24:])
+
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        kernel.rms_norm(x.t(), norm.weight, 1e-5)
+    with pytest.raises(RuntimeError, match="rope_"):
+        kernel.rope_(got, cos[:4], sin[:4], 6, 16)  # a table for 4 rows, not 5
+    with pytest.raises(RuntimeError, match="silu_mul"):
+        kernel.silu_mul(gate_up.double())
+
+
+def test_a_built_module_loads_without_the_build_step(kernel: ModuleType) -> None:
+    """Another process (another checkout or venv, same torch) imports the built
+    module straight from the cache: torch's loader, whose ninja check would see
+    another venv's include paths and rebuild, is never called."""
+    built = native.build_root() / native.cache_key() / "zmqllm_native.so"
+    assert built.is_file() and Path(kernel.__file__ or "") == built
+    code = (
+        "from torch.utils import cpp_extension\n"
+        "def refuse(**_): raise AssertionError('rebuilt')\n"
+        "cpp_extension.load = refuse\n"
+        "from zmqllm.engine import native\n"
+        "assert native.load() is not None"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run([sys.executable, "-c", code], env=env, timeout=300, check=False)
+    assert done.returncode == 0
+
+
+def test_the_cache_key_is_what_determines_the_binary(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    key = native.cache_key()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "venv" / "bin" / "python"))
+    assert native.cache_key() == key  # not the checkout's or the venv's path
+    monkeypatch.setattr(native, "CFLAGS", (*native.CFLAGS, "-DNDEBUG"))
+    flags = native.cache_key()
+    monkeypatch.setattr(torch, "__version__", "0.0.0")
+    assert len({key, flags, native.cache_key()}) == 3
+
+
+@pytest.mark.parametrize(("out", "inp"), [(4, 16), (13, 37), (960, 576), (576, 1536), (1, 8)])
+def test_gemv_matches_f_linear(kernel: ModuleType, out: int, inp: int) -> None:
+    """Row counts off the 4-row blocks and lengths off the 16-wide loop take the tails."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(out * inp)
+    x, w = torch.randn(1, inp, generator=g), torch.randn(out, inp, generator=g)
+    want = F.linear(x, w)
+    torch.testing.assert_close(kernel.gemv(x, w), want, **reorder_tolerance(want, inp))
+    with pytest.raises(RuntimeError, match="gemv"):
+        kernel.gemv(torch.randn(2, inp), w)  # one row only
+    with pytest.raises(RuntimeError, match="gemv"):
+        kernel.gemv(x.double(), w.double())
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize(("past", "lo"), [(0, 0), (37, 0), (300, 290)])
+def test_decode_attention_matches_softmax_attention(
+    kernel: ModuleType, head_dim: int, past: int, lo: int
+) -> None:
+    """Two sessions, grouped-query heads, keys from ``lo`` (a sliding window) to the new
+    one: the kernel writes the new rows into the caches and equals softmax(q K^T / sqrt(D)) V.
+    Heads of 64 take the AVX-512 path where the CPU has it, others the generic loop."""
+    g = torch.Generator().manual_seed(head_dim + past)
+    layers, kv_heads, heads, max_len = 2, 3, 9, 320
+    caches = [torch.randn(layers, kv_heads, max_len, head_dim, generator=g) for _ in range(4)]
+    q = torch.randn(2, heads, head_dim, generator=g)
+    k_new = torch.randn(2, kv_heads, head_dim, generator=g)
+    v_new = torch.randn(2, kv_heads, head_dim, generator=g)
+    batch = kernel.DecodeBatch(caches[:2], caches[2:], [1, 0], [past, past + 5], [lo, lo])
+    out = torch.zeros(2, heads * head_dim)
+    layer = 1
+    kernel.decode_attention(out, q, k_new, v_new, batch, layer, head_dim**-0.5)
+    for session, row, pos in ((0, 1, past), (1, 0, past + 5)):
+        kc, vc = caches[session][layer], caches[2 + session][layer]
+        torch.testing.assert_close(kc[:, pos], k_new[row])
+        torch.testing.assert_close(vc[:, pos], v_new[row])
+        keys = kc[:, lo : pos + 1].repeat_interleave(heads // kv_heads, dim=0)
+        values = vc[:, lo : pos + 1].repeat_interleave(heads // kv_heads, dim=0)
+        weights = torch.softmax(q[row, :, None, :] @ keys.transpose(1, 2) * head_dim**-0.5, -1)
+        want = (weights @ values).reshape(-1)
+        torch.testing.assert_close(
+            out[row], want, **reorder_tolerance(want, max(head_dim, pos + 1 - lo))
+        )
+
+
+def test_single_stream_fast_path_tracks_the_pytorch_path(
+    kernel: ModuleType, tiny_model_dir: Path
+) -> None:
+    """One session, decoding past the window: one-row products in the compiled gemv,
+    attention and the small steps in the kernel; logits equal the PyTorch path's to
+    float32 rounding at every step, and so do the greedy tokens."""
+    from zmqllm.engine.linear import GemvLinear
+
+    plain = load_shard(tiny_model_dir, 0, 4)
+    fast = load_shard(tiny_model_dir, 0, 4)
+    assert fast.use_kernel(kernel) and isinstance(fast.layers[0].wqkv, GemvLinear)
+    assert isinstance(fast.head, GemvLinear)
+    tokens: dict[str, list[int]] = {"plain": [], "fast": []}
+    (cp,), (cf,) = _caches(plain, [40]), _caches(fast, [40])
+    prompt = torch.tensor([5, 17, 99, 3, 250])
+    want, got = plain(prompt, [Segment(cp, 5)]), fast(prompt, [Segment(cf, 5)])
+    for _ in range(20):
+        torch.testing.assert_close(
+            got, want, **reorder_tolerance(want, reduction_length(plain.args))
+        )
+        tokens["plain"].append(int(want[0].argmax()))
+        tokens["fast"].append(int(got[0].argmax()))
+        want = plain(torch.tensor(tokens["plain"][-1:]), [Segment(cp, 1)])
+        got = fast(torch.tensor(tokens["fast"][-1:]), [Segment(cf, 1)])
+    assert tokens["fast"] == tokens["plain"]
+    assert cf.length == 5 + 20 > 8  # past the sliding window

@@ -1,0 +1,170 @@
+"""cpu_lock turns without sockets: a real tiny-model stage, the lock file taken by hand as
+another stage would. The wait constants are scaled far above scheduling noise, so no
+assertion depends on two statements running within a few milliseconds."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import zmqllm.engine.stage as stage_module  # noqa: E402
+import zmqllm.worker.cpu_turns as turns_module  # noqa: E402
+from zmqllm.bus.sampling_params import SamplingParams  # noqa: E402
+from zmqllm.engine.generator import load_shard  # noqa: E402
+from zmqllm.engine.stage import Stage  # noqa: E402
+from zmqllm.worker.cpu_turns import LOCK_POLL_S, MAX_GROUPS, CpuTurns  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+
+@pytest.fixture
+def slow_waits(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+    t = SimpleNamespace(hop=1.0, group=5.0, bound=30.0, lock_max=300.0)
+    monkeypatch.setattr(turns_module, "HOP_GRACE_S", t.hop)
+    monkeypatch.setattr(turns_module, "GROUP_WAIT_S", t.group)
+    monkeypatch.setattr(turns_module, "LOCK_WAIT_MAX_S", t.lock_max)
+    monkeypatch.setattr(stage_module, "COALESCE_MAX_S", t.bound)
+    return t
+
+
+def stage_with(tiny_model_dir: Path, sessions: Sequence[str]) -> Stage:
+    """A stage-0 stage whose sessions' prompts have run: all of them are "on the next
+    stage" until a STEP comes back."""
+    stage = Stage(load_shard(tiny_model_dir, 0, 2))
+    for sid in sessions:
+        stage.open(sid, "", 20, 8, SamplingParams(), frozenset(), np.asarray([5, 6], np.int32))
+    stage.run()
+    return stage
+
+
+@pytest.fixture
+def lock_path(tmp_path: Path) -> str:
+    return str(tmp_path / "locks" / "cpu.lock")
+
+
+@pytest.fixture
+def other(lock_path: str) -> Iterator[int]:
+    """Another stage's handle on the lock file."""
+    Path(lock_path).parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT)
+    yield fd
+    os.close(fd)
+
+
+def lock_is_free(path: str) -> bool:
+    """Whether another process could take the lock now (and leave it as it was)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)  # closing the descriptor drops a lock taken through it
+    return True
+
+
+def test_waits_for_sessions_while_another_stage_computes(
+    tiny_model_dir: Path, lock_path: str, other: int, slow_waits: SimpleNamespace
+) -> None:
+    """Ready work waits while another stage holds the lock and, once it lets go, until
+    the other sessions' messages stop coming; then it runs."""
+    t = slow_waits
+    stage = stage_with(tiny_model_dir, ("a", "b"))
+    turns = CpuTurns(lock_path, stage)
+    stage.step("a", 1, 9)
+    fcntl.flock(other, fcntl.LOCK_EX)
+    assert turns.wait() == LOCK_POLL_S  # it computes: b is coming
+    fcntl.flock(other, fcntl.LOCK_UN)
+    assert 0.0 < turns.wait() <= t.hop  # just let go: b is on its way
+    assert lock_is_free(lock_path)  # within our bound: others may go first
+    turns.lock_busy_at -= 2 * t.hop
+    assert turns.wait() == 0.0  # quiet for longer than the grace: run
+    turns.note_arrival(None)  # an untagged message just came: more may follow
+    assert 0.0 < turns.wait() <= t.hop
+    turns.last_work_at -= 2 * t.hop
+
+    # Time spent while another stage computes does not count against the bound...
+    for w in stage._ready:
+        w.ready_at -= 2 * t.bound
+    fcntl.flock(other, fcntl.LOCK_EX)
+    assert turns.wait() == LOCK_POLL_S
+    fcntl.flock(other, fcntl.LOCK_UN)
+    # ... and past the bound, the stage keeps the turn it sees while b comes in (a third
+    # worker sharing the cores could otherwise take every turn).
+    assert 0.0 < turns.wait() <= t.hop
+    assert turns.holding and not lock_is_free(lock_path)
+    turns.lock_busy_at -= 2 * t.hop
+    assert turns.wait() == 0.0
+    turns.take()  # the forward's turn: ours already
+    assert [o.session for o in stage.run()] == ["a"]
+    turns.release()
+    assert not turns.holding and lock_is_free(lock_path)
+    stage.step("a", 2, 9)
+
+    # A stage that never lets go for long is queued on, not polled, forever.
+    fcntl.flock(other, fcntl.LOCK_EX)
+    for w in stage._ready:
+        w.ready_at -= t.lock_max
+    assert turns.wait() == 0.0
+    fcntl.flock(other, fcntl.LOCK_UN)
+    stage.step("b", 1, 9)
+    assert turns.wait() == 0.0  # everyone is ready
+    turns.close()
+
+
+def test_no_wait_when_every_session_is_ready(tiny_model_dir: Path, lock_path: str) -> None:
+    stage = stage_with(tiny_model_dir, ("a", "b"))
+    turns = CpuTurns(lock_path, stage)
+    stage.step("a", 1, 9)
+    stage.step("b", 1, 9)
+    assert turns.wait() == 0.0
+    turns.close()
+
+
+def test_waits_for_the_rest_of_a_group_it_has_seen_part_of(
+    tiny_model_dir: Path, lock_path: str, slow_waits: SimpleNamespace
+) -> None:
+    """Tagged results say how many of their forward come here: the stage waits for the
+    rest (a few ms late is no reason to split the batch) and runs once they are all in."""
+    t = slow_waits
+    stage = stage_with(tiny_model_dir, ("a", "b", "c", "d"))
+    turns = CpuTurns(lock_path, stage)
+    stage.step("a", 1, 9)  # b, c, d are elsewhere
+    assert turns.wait() == 0.0  # nothing says they are coming
+    turns.note_arrival(("g7", 3))
+    assert t.hop < turns.wait() <= t.group  # 2 more of group 7
+    turns.note_arrival(("g7", 3))
+    assert turns.wait() > t.hop
+    turns.note_arrival(("g7", 3))
+    assert turns.groups == {}
+    assert turns.wait() == 0.0  # the group is complete: run now
+    turns.note_arrival(("g8", 2))
+    turns.groups["g8"].last -= t.group  # the rest never came (cancelled)
+    assert turns.wait() == 0.0
+    # Groups that never complete do not pile up, however many a peer makes up.
+    for i in range(3 * MAX_GROUPS):
+        turns.note_arrival((f"x{i}", 2))
+        if i % 2:
+            turns.groups[f"x{i}"].last -= t.group
+    assert len(turns.groups) <= MAX_GROUPS
+    turns.close()
+
+
+def test_the_lock_file_is_made_where_it_is_asked_for(tmp_path: Path, tiny_model_dir: Path) -> None:
+    path = tmp_path / "a" / "b" / "cpu.lock"
+    turns = CpuTurns(str(path), Stage(load_shard(tiny_model_dir, 2, 4)))
+    assert path.exists()
+    turns.take()
+    assert not lock_is_free(str(path))
+    turns.release()
+    assert lock_is_free(str(path))
+    assert turns.wait() == 0.0  # no work: no wait
+    turns.close()

@@ -1,0 +1,69 @@
+"""Running a broker process: its keys, the refusal to serve a plaintext bus beyond
+loopback, and the signals that stop it.
+
+``serve`` is what ``zmqllm broker`` runs. Without CURVE keys the broker binds only
+loopback, ipc and inproc endpoints (``exposed_endpoints`` names the others) unless told
+``--insecure``: a plaintext bus lets anyone who reaches it read every prompt. The broker
+itself, its sockets and loop, is ``broker.py``. It never imports torch.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import signal
+
+from zmqllm.broker.loop import Broker
+from zmqllm.bus.keys import keys_dir, load_broker_keys
+from zmqllm.config.settings import BrokerSettings, ConfigError, SecuritySettings
+from zmqllm.log import get_logger
+
+__all__ = ["exposed_endpoints", "serve"]
+
+log = get_logger("zmqllm.broker")
+
+
+def exposed_endpoints(settings: BrokerSettings) -> list[str]:
+    """The broker's endpoints that other machines could reach (not loopback, ipc or
+    inproc; a host name other than localhost counts as reachable)."""
+    out = []
+    for endpoint in (settings.frontend, settings.backend):
+        if not endpoint.startswith("tcp://"):
+            continue
+        host = endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+        if host == "localhost":
+            continue
+        try:
+            if ipaddress.ip_address(host).is_loopback:
+                continue
+        except ValueError:
+            pass
+        out.append(endpoint)
+    return out
+
+
+def serve(settings: BrokerSettings, security: SecuritySettings | None = None) -> None:
+    """Run a broker until SIGTERM/SIGINT. Without keys it binds loopback only (unless
+    told --insecure): a plaintext bus lets anyone who reaches it read every prompt."""
+    security = security or SecuritySettings()
+    folder = keys_dir(security)
+    keys = load_broker_keys(folder) if folder is not None else None
+    if keys is None:
+        exposed = exposed_endpoints(settings)
+        if exposed and not security.insecure:
+            raise ConfigError(
+                f"refusing to bind {', '.join(exposed)} without CURVE keys: anyone who "
+                "reaches it could join the bus and read every prompt. Make keys with "
+                "`zmqllm keys init DIR` and give --keys DIR (or keep them in "
+                "$ZMQLLM_HOME/keys), or give --insecure to bind it plaintext anyway"
+            )
+        log.warning(
+            "no CURVE keys: the bus is plaintext and any local process may join it",
+            hint="zmqllm keys init DIR, then --keys DIR",
+            insecure=security.insecure,
+        )
+    else:
+        log.info("CURVE on", keys=str(folder))
+    broker = Broker(settings, keys=keys)
+    signal.signal(signal.SIGTERM, broker.stop)
+    signal.signal(signal.SIGINT, broker.stop)
+    broker.run()

@@ -1,0 +1,202 @@
+"""CURVE keys for the bus: the key folder, making keys, loading them, applying them.
+
+A key folder (``zmqllm keys init DIR``) holds pyzmq certificate files (``NAME.key``: the
+public key; ``NAME.key_secret``: both keys):
+
+    broker.key  broker.key_secret     the broker's pair; every peer needs broker.key
+    client.key  client.key_secret     gateways and tools such as `zmqllm status`
+    worker.key  worker.key_secret     workers
+    clients/    public keys allowed on the frontend (client.key to begin with)
+    workers/    public keys allowed on the backend (worker.key to begin with)
+    issued/NAME/  what `zmqllm keys add` made for another host: copy the folder there
+
+The broker reads its pair and the two allowed folders (again while running: removing a
+file from ``clients/`` or ``workers/`` revokes that key); a worker reads ``worker.*`` and
+``broker.key``; a client ``client.*`` and ``broker.key``. An issued folder has the same
+layout as far as its role needs, so ``--keys`` points at either. Torch-free.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import zmq
+import zmq.auth
+
+from zmqllm.config.settings import ConfigError, SecuritySettings, zmqllm_home
+
+__all__ = [
+    "ALLOWED_FOLDERS",
+    "BrokerKeys",
+    "KeysError",
+    "PeerKeys",
+    "add_key",
+    "allowed_keys",
+    "as_client",
+    "as_server",
+    "init_keys",
+    "keys_dir",
+    "load_broker_keys",
+    "load_peer_keys",
+]
+
+Role = Literal["client", "worker"]
+# Where the broker looks up the keys allowed on each socket; also their ZAP domains.
+ALLOWED_FOLDERS: dict[Role, str] = {"client": "clients", "worker": "workers"}
+_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+DIR_MODE = 0o700
+SECRET_MODE = 0o600
+
+
+class KeysError(ConfigError):
+    """A key folder or key file that cannot be used; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class PeerKeys:
+    """What a client or worker needs: its own pair and the broker's public key (z85)."""
+
+    public: bytes
+    secret: bytes
+    server: bytes
+
+
+@dataclass(frozen=True)
+class BrokerKeys:
+    public: bytes
+    secret: bytes
+    folder: Path  # holds clients/ and workers/, read again while the broker runs
+
+
+def keys_dir(security: SecuritySettings) -> Path | None:
+    """The key folder a process uses, or None for a plaintext bus: ``--insecure`` turns
+    keys off; ``keys`` must exist when given; else ``$ZMQLLM_HOME/keys`` if it exists."""
+    if security.insecure:
+        return None
+    if security.keys:
+        path = Path(security.keys).expanduser()
+        if not path.is_dir():
+            raise KeysError(
+                f"key folder {path} does not exist: make it with `zmqllm keys init {path}`"
+            )
+        return path
+    default = zmqllm_home() / "keys"
+    return default if default.is_dir() else None
+
+
+def _new_pair(folder: Path, name: str) -> tuple[Path, Path]:
+    public, secret = zmq.auth.create_certificates(folder, name)
+    os.chmod(secret, SECRET_MODE)
+    return Path(public), Path(secret)
+
+
+def _private_dir(path: Path) -> None:
+    path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    os.chmod(path, DIR_MODE)
+
+
+def init_keys(folder: Path) -> Path:
+    """Make a new key folder (broker, client and worker pairs; each of the last two
+    allowed on its socket). Refuses a folder that already has a broker key."""
+    if (folder / "broker.key_secret").exists():
+        raise KeysError(f"{folder} already has keys (broker.key_secret); not replacing them")
+    _private_dir(folder)
+    _new_pair(folder, "broker")
+    for role, allowed in ALLOWED_FOLDERS.items():
+        public, _ = _new_pair(folder, role)
+        _private_dir(folder / allowed)
+        shutil.copyfile(public, folder / allowed / public.name)
+    return folder
+
+
+def add_key(folder: Path, role: Role, name: str) -> Path:
+    """Make a pair for another client or worker, allow its public key, and return the
+    folder to copy to that host (``issued/NAME``: its pair under the role's file names,
+    and ``broker.key``)."""
+    if role not in ALLOWED_FOLDERS:
+        raise KeysError(f"a key is for a client or a worker, not {role!r}")
+    if not _NAME_RE.fullmatch(name):
+        raise KeysError(f"key name {name!r}: use 1-64 of letters, digits, '_' and '-'")
+    broker_public = folder / "broker.key"
+    if not broker_public.is_file():
+        raise KeysError(f"{folder} has no broker.key: make the folder with `zmqllm keys init`")
+    allowed = folder / ALLOWED_FOLDERS[role] / f"{name}.key"
+    issued = folder / "issued" / name
+    if allowed.exists() or issued.exists():
+        raise KeysError(f"a key named {name!r} already exists in {folder}")
+    _private_dir(issued)
+    public, _ = _new_pair(issued, role)
+    shutil.copyfile(broker_public, issued / "broker.key")
+    _private_dir(allowed.parent)
+    shutil.copyfile(public, allowed)
+    return issued
+
+
+def _load(path: Path, secret: bool) -> tuple[bytes, bytes | None]:
+    if not path.is_file():
+        hint = "" if path.parent.name == "issued" else " (see `zmqllm keys init`)"
+        raise KeysError(f"key file {path} is missing{hint}")
+    try:
+        public, private = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise KeysError(f"cannot read key file {path}: {exc}") from None
+    if secret and not private:
+        raise KeysError(f"{path} holds no secret key")
+    return public, private
+
+
+def load_peer_keys(folder: Path, role: Role) -> PeerKeys:
+    public, secret = _load(folder / f"{role}.key_secret", secret=True)
+    server, _ = _load(folder / "broker.key", secret=False)
+    assert secret is not None
+    return PeerKeys(public=public, secret=secret, server=server)
+
+
+def load_broker_keys(folder: Path) -> BrokerKeys:
+    public, secret = _load(folder / "broker.key_secret", secret=True)
+    assert secret is not None
+    return BrokerKeys(public=public, secret=secret, folder=folder)
+
+
+def allowed_keys(folder: Path) -> frozenset[bytes] | None:
+    """The public keys (z85) of the ``*.key`` files in ``folder``; a file that does not
+    hold one (junk, half written) is left out. None when the folder cannot be listed."""
+    keys = set()
+    if not folder.is_dir():
+        return None
+    try:
+        entries = sorted(folder.glob("*.key"))
+    except OSError:
+        return None
+    for path in entries:
+        try:
+            public, _ = zmq.auth.load_certificate(path)
+        except Exception:  # pyzmq raises IndexError, ValueError, OSError on bad files
+            continue
+        if len(public) == 40:
+            keys.add(public)
+    return frozenset(keys)
+
+
+def as_server(sock: zmq.Socket[Any], keys: BrokerKeys | PeerKeys, domain: str) -> None:
+    """Make a (not yet bound) socket a CURVE server with ``keys``' pair (the broker's, or
+    a worker's for its peer link) whose peers ZAP checks in ``domain``."""
+    sock.curve_secretkey = keys.secret
+    sock.curve_publickey = keys.public
+    sock.curve_server = True
+    sock.zap_domain = domain.encode()
+    # Without a ZAP handler answering, refuse every handshake (libzmq would admit all).
+    sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+
+
+def as_client(sock: zmq.Socket[Any], keys: PeerKeys) -> None:
+    """Make a (not yet connected) socket a CURVE client of ``keys.server`` (the broker,
+    or another worker's peer link)."""
+    sock.curve_secretkey = keys.secret
+    sock.curve_publickey = keys.public
+    sock.curve_serverkey = keys.server

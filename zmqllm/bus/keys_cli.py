@@ -1,0 +1,72 @@
+"""``zmqllm keys init|add|list``: make and allow CURVE keys for the bus (see keys.py)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from zmqllm.bus.keys import ALLOWED_FOLDERS, KeysError, add_key, allowed_keys, init_keys
+from zmqllm.config.settings import zmqllm_home
+
+__all__ = ["add_keys_command"]
+
+
+def _default_dir() -> Path:
+    return zmqllm_home() / "keys"
+
+
+def cmd_init(ns: argparse.Namespace) -> int:
+    folder = Path(ns.dir).expanduser() if ns.dir else _default_dir()
+    init_keys(folder)
+    print(
+        f"keys written to {folder}\n"
+        f"  broker: broker.key_secret (keep it on the broker's host)\n"
+        f"  gateways and tools: client.key_secret + broker.key (allowed: clients/)\n"
+        f"  workers: worker.key_secret + broker.key (allowed: workers/)\n"
+        f"every role takes --keys {folder}; `zmqllm keys add worker NAME` makes more"
+    )
+    return 0
+
+
+def cmd_add(ns: argparse.Namespace) -> int:
+    folder = Path(ns.keys).expanduser() if ns.keys else _default_dir()
+    issued = add_key(folder, ns.role, ns.name)
+    allowed = folder / ALLOWED_FOLDERS[ns.role] / f"{ns.name}.key"
+    print(
+        f"made a {ns.role} key {ns.name!r}, allowed as {allowed}\n"
+        f"copy the folder {issued} to that host and give it as --keys there;\n"
+        f"delete {allowed} to revoke it (the broker refuses it within seconds)"
+    )
+    return 0
+
+
+def cmd_list(ns: argparse.Namespace) -> int:
+    folder = Path(ns.keys).expanduser() if ns.keys else _default_dir()
+    if not (folder / "broker.key").is_file():
+        raise KeysError(f"{folder} is not a key folder (make one with `zmqllm keys init`)")
+    for role, sub in ALLOWED_FOLDERS.items():
+        names = sorted(p.stem for p in (folder / sub).glob("*.key"))
+        count = len(allowed_keys(folder / sub) or ())
+        print(f"{role}s allowed ({count}): {', '.join(names) or '-'}")
+    return 0
+
+
+def add_keys_command(sub: Any) -> None:
+    """Add ``keys`` and its sub-commands to the ``zmqllm`` parser's sub-parsers."""
+    p = sub.add_parser("keys", help="make and allow CURVE keys for the bus")
+    keys_sub = p.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+
+    q = keys_sub.add_parser("init", help="write a new key folder (broker, client, worker)")
+    q.add_argument("dir", nargs="?", help="the folder (default: $ZMQLLM_HOME/keys)")
+    q.set_defaults(func=cmd_init)
+
+    q = keys_sub.add_parser("add", help="make another client or worker key and allow it")
+    q.add_argument("role", choices=sorted(ALLOWED_FOLDERS))
+    q.add_argument("name", help="1-64 of letters, digits, '_' and '-'")
+    q.add_argument("--keys", metavar="DIR", help="the key folder (default: $ZMQLLM_HOME/keys)")
+    q.set_defaults(func=cmd_add)
+
+    q = keys_sub.add_parser("list", help="the keys allowed on each socket")
+    q.add_argument("--keys", metavar="DIR", help="the key folder (default: $ZMQLLM_HOME/keys)")
+    q.set_defaults(func=cmd_list)

@@ -1,0 +1,329 @@
+"""Mid-stream failover by replay: one generation that outlives the route it started on.
+
+A ``ReplayStream`` keeps its request's prompt ids and every token it has handed on. When
+the route fails (a worker lost, the broker restarted or unreachable, the broker's
+inactivity deadline), it opens a new session whose prompt is prompt + tokens so far and
+whose sampling starts at the step reached (``SamplingParams.first_step``): the new route
+prefills the history and goes on with the very tokens the lost one would have made,
+greedy or seeded. The caller sees one stream with steps 0, 1, 2 ... and no seam.
+
+Recovery is bounded: each failure has ``FailoverPolicy.timeout`` seconds to produce the
+next token, and a stream reopens at most ``retries`` times in its life; then the last
+error is raised, saying so. Nothing here knows sockets: the client it is given only has
+to ``generate`` token streams (``zmqllm.client.broker_client.BrokerClient`` does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from zmqllm.bus.messages import ErrorCode, SessionError
+from zmqllm.bus.sampling_params import SamplingParams
+from zmqllm.client.streams import TokenEvent
+from zmqllm.log import get_logger
+
+__all__ = ["FailoverEvent", "FailoverPolicy", "ReplayStream", "StreamSource"]
+
+log = get_logger("zmqllm.client.failover")
+
+# A route that failed: worth a replay on another one.
+ROUTE_FAILURES = frozenset({ErrorCode.WORKER_LOST, ErrorCode.BROKER_UNREACHABLE, ErrorCode.TIMEOUT})
+# While a replay is being opened, no route may be ready yet (a worker restarting, a broker
+# whose workers have not re-registered): those refusals are retried too, within the bound.
+WHILE_RECOVERING = ROUTE_FAILURES | {ErrorCode.NO_CAPACITY, ErrorCode.BUSY}
+
+
+@dataclass(frozen=True)
+class FailoverPolicy:
+    """How hard a stream tries to continue after its route failed."""
+
+    timeout: float = 30.0  # seconds from a failure to the next token, at most
+    retries: int = 5  # reopens in a stream's whole life; 0 turns failover off
+    backoff: float = 0.25  # the wait before the second reopen of one failure, doubling
+    max_backoff: float = 2.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.retries > 0 and self.timeout > 0
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait before reopen number ``attempt`` (1-based) of one failure: the
+        first goes at once, a failed one waits backoff, doubling up to max_backoff."""
+        if attempt <= 1:
+            return 0.0
+        return min(self.max_backoff, self.backoff * 2 ** (attempt - 2))
+
+
+@dataclass(frozen=True)
+class FailoverEvent:
+    """One failure of a stream's route, once it was healed or given up on."""
+
+    cause: str  # the ErrorCode value that ended the route
+    recovered: bool
+    pause: float  # seconds from the last token before the failure to the first after it
+    attempts: int  # sessions opened for this failure
+    replayed: int  # generated tokens sent again as part of the new prompt
+
+
+class TokenSource(Protocol):
+    """One session's token stream, as ``zmqllm.client.broker_client.TokenStream`` is."""
+
+    @property
+    def session(self) -> str: ...
+
+    @property
+    def route(self) -> list[str]: ...
+
+    async def __aenter__(self) -> Any: ...
+
+    async def __aexit__(self, *exc: object) -> Any: ...
+
+    def __aiter__(self) -> AsyncIterator[Any]: ...
+
+    async def cancel(self) -> None: ...
+
+
+class StreamSource(Protocol):
+    """What a replay needs of the broker client."""
+
+    def generate(
+        self,
+        *,
+        request_id: str,
+        prompt: Sequence[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        stop_ids: Sequence[int],
+        session: str | None = None,
+        model: str = "",
+    ) -> Any: ...
+
+
+@dataclass
+class _Failure:
+    cause: str  # the code that ended the route
+    error: SessionError  # the latest: a replay refused says why it was
+    started: float  # when the stream's last token (or its open) was seen
+    deadline: float
+    attempts: int = 0
+
+
+class ReplayStream:
+    """The tokens of one generation, on as many routes as it takes.
+
+    Use like ``TokenStream``: ``async with`` it (the first session is opened), iterate
+    it, ``cancel`` it. ``tokens`` holds what was generated so far; the history lives as
+    long as this object and never outgrows prompt + max_tokens.
+    """
+
+    def __init__(
+        self,
+        client: StreamSource,
+        *,
+        request_id: str,
+        prompt: Sequence[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        stop_ids: Sequence[int] = (),
+        policy: FailoverPolicy | None = None,
+        on_failover: Callable[[FailoverEvent], None] | None = None,
+        model: str = "",
+    ) -> None:
+        self.client = client
+        self.model = model
+        self.request_id = request_id
+        self.prompt = [int(t) for t in prompt]
+        self.max_tokens = int(max_tokens)
+        self.sampling = sampling
+        self.stop_ids = list(stop_ids)
+        self.policy = policy or FailoverPolicy()
+        self.on_failover = on_failover
+        self.tokens: list[int] = []
+        self.reopens = 0
+        self._base = uuid.uuid4().hex  # attempt n runs as session "<base>-n"
+        self._inner: TokenSource = self._new_session()  # raises bad_request at once
+        self._done = False
+        self._last_seen = 0.0
+
+    # -- what a token stream offers ----------------------------------------------
+    @property
+    def session(self) -> str:
+        return self._inner.session
+
+    @property
+    def route(self) -> list[str]:
+        return list(self._inner.route)
+
+    @property
+    def history_tokens(self) -> int:
+        """Token ids held for a replay (prompt + generated); 0 once the stream ended."""
+        return 0 if self._done else len(self.prompt) + len(self.tokens)
+
+    async def __aenter__(self) -> ReplayStream:
+        self._last_seen = time.monotonic()
+        try:
+            await self._inner.__aenter__()
+        except BaseException:
+            self._end()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        inner = self._inner
+        self._end()
+        await inner.__aexit__(None, None, None)  # cancels the session unless it finished
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        return self._events()
+
+    async def cancel(self) -> None:
+        self._end()
+        await self._inner.cancel()
+
+    # -- the replay ---------------------------------------------------------------
+    async def _events(self) -> AsyncIterator[TokenEvent]:
+        failure: _Failure | None = None
+        while not self._done:
+            offset = len(self.tokens)
+            events = aiter(self._inner)
+            try:
+                while True:
+                    if failure is None:
+                        event = await anext(events)
+                    else:
+                        event = await self._first_after(failure, events)
+                        self._report(failure, recovered=True)
+                        failure = None
+                    self._last_seen = time.monotonic()
+                    token_event = TokenEvent(
+                        int(event.token),
+                        offset + event.step,
+                        event.finish,
+                        event.logprobs,
+                    )
+                    self.tokens.append(token_event.token)
+                    if token_event.finish is not None:
+                        self._end()
+                    yield token_event
+                    if self._done:
+                        return
+            except StopAsyncIteration:
+                return  # cancelled
+            except SessionError as exc:
+                failure = self._failed(exc, failure)
+            await self._reopen(failure)
+
+    def _failed(self, exc: SessionError, failure: _Failure | None) -> _Failure:
+        """The route ended with ``exc``: the failure to heal, or ``exc`` raised as final."""
+        if self._done:  # given up already (and reported)
+            raise exc
+        codes = WHILE_RECOVERING if failure is not None else ROUTE_FAILURES
+        if not self.policy.enabled or exc.code not in codes:
+            if failure is not None:
+                self._report(failure, recovered=False)
+            self._end()
+            raise exc
+        if failure is not None:
+            failure.error = exc  # still the same failure: its deadline stands
+            return failure
+        now = time.monotonic()
+        log.warning(
+            "route failed; replaying the session on a fresh route",
+            cause=exc.code.value,
+            session=self.session,
+            generated=len(self.tokens),
+            error=exc.message,
+        )
+        return _Failure(exc.code.value, exc, self._last_seen, now + self.policy.timeout)
+
+    async def _reopen(self, failure: _Failure) -> None:
+        """Open the next session of the replay, waiting between tries; raises the failure
+        once the retries or the time are used up."""
+        while True:
+            wait = self.policy.delay(failure.attempts + 1)
+            if self.reopens >= self.policy.retries or failure.deadline - time.monotonic() <= wait:
+                self._give_up(failure)
+            await asyncio.sleep(wait)
+            failure.attempts += 1
+            self.reopens += 1
+            # The new session is ours before its OPEN goes: a cancel from here on (the
+            # client hanging up) reaches it through __aexit__, whatever is in flight.
+            old, self._inner = self._inner, self._new_session()
+            await old.__aexit__(None, None, None)  # it failed: only forgotten
+            try:
+                await self._inner.__aenter__()
+            except SessionError as exc:
+                self._failed(exc, failure)  # raises unless worth another try
+                continue
+            return
+
+    async def _first_after(self, failure: _Failure, events: AsyncIterator[Any]) -> Any:
+        """The first token of a replayed session, within the failure's deadline."""
+        left = failure.deadline - time.monotonic()
+        try:
+            return await asyncio.wait_for(anext(events), timeout=max(left, 0.0))
+        except asyncio.TimeoutError:
+            await self._inner.cancel()
+            self._give_up(failure)
+            raise  # unreachable: _give_up raises
+
+    def _give_up(self, failure: _Failure) -> None:
+        self._report(failure, recovered=False)
+        self._end()
+        spent = time.monotonic() - failure.started
+        raise SessionError(
+            failure.error.code,
+            f"{failure.error.message} (no other route continued the stream: "
+            f"{failure.attempts} replay(s) in {spent:.1f} s; failover gives up after "
+            f"{self.policy.timeout:g} s or {self.policy.retries} replays)",
+        )
+
+    def _report(self, failure: _Failure, *, recovered: bool) -> None:
+        event = FailoverEvent(
+            cause=failure.cause,
+            recovered=recovered,
+            pause=time.monotonic() - failure.started,
+            attempts=failure.attempts,
+            replayed=len(self.tokens),
+        )
+        if recovered:
+            log.info(
+                "stream continued on a fresh route",
+                cause=event.cause,
+                pause_s=round(event.pause, 3),
+                attempts=event.attempts,
+                replayed=event.replayed,
+                session=self.session,
+            )
+        else:
+            log.warning(
+                "failover gave up", cause=event.cause, attempts=event.attempts, session=self.session
+            )
+        if self.on_failover is not None:
+            self.on_failover(event)
+
+    def _new_session(self) -> TokenSource:
+        """The session for the next attempt: the history so far is its prompt."""
+        done = len(self.tokens)
+        stream: TokenSource = self.client.generate(
+            request_id=self.request_id,
+            prompt=[*self.prompt, *self.tokens],
+            max_tokens=self.max_tokens - done,
+            sampling=dataclasses.replace(self.sampling, first_step=self.sampling.first_step + done),
+            stop_ids=self.stop_ids,
+            session=self._base if self.reopens == 0 else f"{self._base}-{self.reopens}",
+            model=self.model,
+        )
+        return stream
+
+    def _end(self) -> None:
+        """No more replays: the history is dropped (the gauge of held tokens reads 0)."""
+        self._done = True
+        self.tokens = []
+        self.prompt = []

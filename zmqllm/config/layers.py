@@ -1,0 +1,98 @@
+"""Layer specs: which half-open range of a model's decoder layers a worker serves.
+
+A spec is a range ``"start:end"`` (either side may be left out), a stage ``"k/n"`` (the
+k-th of n contiguous, even shares, 1-based) or ``""`` (all layers). ``check_layer_spec``
+checks what can be checked without the model (for flags and config files);
+``parse_layers`` turns a spec into the range for a model's layer count, and
+``split_layers`` is the even split behind ``"k/n"``. Mistakes raise ``ConfigError``.
+
+Torch-free: every process checks the layer specs in its config (config_load.py).
+"""
+
+from __future__ import annotations
+
+import re
+
+from zmqllm.config.settings import ConfigError
+
+__all__ = ["check_layer_spec", "parse_layers", "split_layers"]
+
+_RANGE_RE = re.compile(r"([0-9]*)\s*:\s*([0-9]*)")
+_STAGE_RE = re.compile(r"([0-9]+)\s*/\s*([0-9]+)")
+
+
+def split_layers(num_layers: int, stages: int) -> list[tuple[int, int]]:
+    """Contiguous half-open ranges covering ``[0, num_layers)``; earlier stages take the
+    remainder (30 layers in 4 stages -> 8, 8, 7, 7)."""
+    if num_layers < 1:
+        raise ConfigError(f"a model needs at least one layer, got {num_layers}")
+    if not 1 <= stages <= num_layers:
+        raise ConfigError(f"cannot split {num_layers} layers into {stages} stages")
+    base, extra = divmod(num_layers, stages)
+    ranges = []
+    start = 0
+    for index in range(stages):
+        end = start + base + (1 if index < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+def _parse_layer_form(spec: str) -> tuple[str, int | None, int | None]:
+    """Check a layer spec's syntax and whatever can be checked without the model.
+
+    Returns ("all", None, None), ("range", start | None, end | None) or ("stage", k, n).
+    """
+    text = spec.strip()
+    if not text:
+        return ("all", None, None)
+    stage = _STAGE_RE.fullmatch(text)
+    if stage:
+        k, n = int(stage[1]), int(stage[2])
+        if n < 1 or not 1 <= k <= n:
+            raise ConfigError(f"layer spec {spec!r}: stage k/n needs 1 <= k <= n (1-based)")
+        return ("stage", k, n)
+    span = _RANGE_RE.fullmatch(text)
+    if span:
+        start = int(span[1]) if span[1] else None
+        end = int(span[2]) if span[2] else None
+        if start is not None and end is not None and start >= end:
+            raise ConfigError(f"layer spec {spec!r}: start must be below end (half-open)")
+        return ("range", start, end)
+    raise ConfigError(
+        f"bad layer spec {spec!r}: expected 'start:end' (half-open, either side may be "
+        "omitted), 'k/n' (stage k of n, 1-based) or '' (all layers)"
+    )
+
+
+def check_layer_spec(spec: str) -> None:
+    """Reject a layer spec that is wrong for any model ("3/2", "5:1", "half").
+
+    For checking flags before the model's layer count is known; parse_layers still checks
+    the spec against the model.
+    """
+    _parse_layer_form(spec)
+
+
+def parse_layers(spec: str, num_layers: int) -> tuple[int, int]:
+    """The half-open layer range ``(start, end)`` a layer spec selects in a model."""
+    if num_layers < 1:
+        raise ConfigError(f"layer spec {spec!r}: a model needs at least one layer")
+    kind, a, b = _parse_layer_form(spec)
+    if kind == "all":
+        return (0, num_layers)
+    if kind == "stage":
+        assert a is not None and b is not None
+        if b > num_layers:
+            raise ConfigError(
+                f"layer spec {spec!r}: {b} stages but the model has only {num_layers} layers"
+            )
+        return split_layers(num_layers, b)[a - 1]
+    start = 0 if a is None else a
+    end = num_layers if b is None else b
+    if not 0 <= start < end <= num_layers:
+        raise ConfigError(
+            f"layer spec {spec!r}: range [{start}, {end}) is outside the model's "
+            f"{num_layers} layers"
+        )
+    return (start, end)

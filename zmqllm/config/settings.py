@@ -1,0 +1,456 @@
+"""Settings for every zmqllm process, read from one TOML file.
+
+A file has one table per section (``[model]``, ``[broker]``, ``[worker]``, ``[gateway]``,
+``[log]``, ``[security]``) plus an array of ``[[stages]]`` tables for the launcher. Every
+key has a default, so a file only names what it changes, and every key has a command-line
+flag (settings_flags.py) that overrides the file through ``with_overrides``. Mistakes
+are reported as ``ConfigError`` naming the key, the section and the file, because a typo
+that silently falls back to a default is the hardest kind of misconfiguration to spot in
+a cluster of processes.
+
+This module holds the sections (each setting once, with its help) and where models and
+logs live; ``config_load.py`` reads a file and flags into them, checking every value, and
+``layers.py`` parses layer specs.
+
+This module runs in the broker and the gateway, so it must not import torch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+from zmqllm.log import LOG_FORMATS, LOG_LEVELS
+
+__all__ = [
+    "BrokerSettings",
+    "Config",
+    "ConfigError",
+    "GatewaySettings",
+    "LogSettings",
+    "ModelSettings",
+    "RemoteSpec",
+    "SecuritySettings",
+    "StageSpec",
+    "WorkerSettings",
+    "checked_model_name",
+    "default_model_dir",
+    "log_dir",
+    "resolve_model_path",
+    "served_model_name",
+    "setting",
+    "tiny_model_dir",
+    "worker_served_name",
+    "zmqllm_home",
+]
+
+DTYPES = ("float32", "bfloat16", "float16")
+QUANTS = ("none", "int8", "int4")  # engine/quant.py
+WIRE_DTYPE_CHOICES = ("auto", *DTYPES)  # "auto": activations travel in the model's dtype
+DEFAULT_MODEL = "default"
+TINY_MODEL = "tiny"
+
+
+class ConfigError(ValueError):
+    """A config file, a flag or a layer spec that cannot be used as given."""
+
+
+# --- sections ---------------------------------------------------------------------------
+#
+# Every setting is declared once, here: its default and the help text of its flag.
+# zmqllm/settings_flags.py makes the command-line flags from these fields, so a new field
+# gets its flag (``--field-name``) without touching the command line.
+
+_T = TypeVar("_T")
+
+
+def setting(
+    default: _T,
+    help: str,
+    *,
+    flag: str | None = None,
+    metavar: str | None = None,
+    choices: Sequence[str] | None = None,
+) -> _T:
+    """A settings field: its default and its flag's help text.
+
+    ``flag`` replaces the generated ``--field-name`` (``--model`` for ``[model] path``);
+    ``metavar`` names the value in ``--help``; ``choices`` lists the values the section's
+    check accepts, so argparse refuses others before anything starts.
+    """
+    metadata = {
+        "help": help,
+        "flag": flag,
+        "metavar": metavar,
+        "choices": tuple(choices) if choices is not None else None,
+    }
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class ModelSettings:
+    # "default" and "tiny" are resolved by resolve_model_path.
+    path: str = setting(
+        DEFAULT_MODEL,
+        '"default", "tiny", a checkpoint directory or a Hugging Face repo id',
+        flag="--model",
+        metavar="MODEL",
+    )
+    revision: str | None = setting(None, "Hub revision (branch, tag or commit)", metavar="REV")
+    dtype: str = setting("float32", "dtype of weights and activations", choices=DTYPES)
+    device: str = setting("cpu", '"cpu", "cuda" or "cuda:N"')
+    quant: str = setting(
+        "none",
+        "weights of the matmuls: int8 or int4 in blocks of 32 with a scale and a minimum each "
+        "(a model prepared from a Q4_1 GGUF loads its blocks as they are); float32 on the cpu",
+        choices=QUANTS,
+    )
+    name: str = setting(
+        "",
+        "model name served by the OpenAI API; empty = derived from the path",
+        flag="--model-name",
+        metavar="NAME",
+    )
+
+
+@dataclass
+class BrokerSettings:
+    frontend: str = setting(
+        "tcp://127.0.0.1:5555", "bind address for gateways and clients", metavar="ADDR"
+    )
+    backend: str = setting("tcp://127.0.0.1:5556", "bind address for workers", metavar="ADDR")
+    heartbeat_interval: float = setting(1.0, "seconds between heartbeats")
+    heartbeat_liveness: int = setting(3, "missed heartbeats before a peer counts as dead")
+    queue_size: int = setting(256, "sessions waiting for a route")
+    queue_timeout: float = setting(30.0, "seconds a session may wait for a route")
+    # A lost message must not hold a slot or a KV reservation. Longer than the longest
+    # forward: a 2048-token prefill of a 7B model on a CPU.
+    session_timeout: float = setting(
+        120.0,
+        "seconds a session may go without any message from its route before it is "
+        "failed and freed everywhere",
+    )
+    # The activations of a prefill chunk: prefill_chunk x hidden x 4 bytes for fp32.
+    max_message_bytes: int = setting(
+        256 << 20, "largest message on the backend; ZeroMQ disconnects a peer sending more"
+    )
+    # An OPEN carries 4 bytes per prompt token.
+    frontend_max_message_bytes: int = setting(16 << 20, "largest message on the frontend")
+    # Its sessions fail (slow_consumer) instead of the broker waiting for it.
+    peer_queue: int = setting(
+        10000, "messages queued to one client before it counts as not reading"
+    )
+    # Larger: a worker takes a burst of one message per session it serves at every step.
+    worker_queue: int = setting(100000, "messages queued to one worker before it counts as lost")
+    max_workers: int = setting(1024, "most workers registered at once; past it REGISTER fails")
+    max_ranges: int = setting(
+        512, "most distinct layer ranges (pools) at once; past it REGISTER fails"
+    )
+    # SGLang's router balances the same way: cache affinity while loads are close.
+    affinity_slack: int = setting(
+        4,
+        "a session follows its cached prompt prefix to a replica with at most this many "
+        "more sessions than the least busy one of its layer range; past that, load decides",
+    )
+    model_fingerprint: str = setting(
+        "",
+        "admit only workers of the model with this digest (sent in REGISTER), even into an "
+        "empty cluster; empty = the first worker defines the model until the last leaves",
+        metavar="DIGEST",
+    )
+
+
+@dataclass
+class WorkerSettings:
+    broker: str = setting("tcp://127.0.0.1:5556", "the broker's backend address", metavar="ADDR")
+    # Activations and next steps then go from worker to worker: the broker forwards only
+    # the tokens.
+    peer: str = setting(
+        "auto",
+        "direct links to the workers beside this one on its routes: auto (loopback when the "
+        "broker is local, else the address towards it, with CURVE keys only), off, or the "
+        "tcp://HOST:PORT to bind (PORT * = any)",
+        metavar="ENDPOINT",
+    )
+    layers: str = setting(
+        "",
+        'half-open layer range "0:15", stage "1/2" (split evenly) or "" for all layers',
+        metavar="SPEC",
+    )
+    threads: int = setting(0, "torch CPU threads; 0 = torch's default")
+    # Stages sharing the cores all compute at once then, and oversubscribed OpenMP is far
+    # slower.
+    batch_threads: int = setting(
+        0, "torch CPU threads while several sessions are in flight; 0 = threads"
+    )
+    # Stages sharing the cores take turns with all their threads instead of
+    # oversubscribing them.
+    cpu_lock: str = setting(
+        "",
+        "lock file shared by the workers of one machine, held by each forward; empty = off",
+        metavar="FILE",
+    )
+    native_attention: bool = setting(
+        True,
+        "attend batched decode steps with the compiled kernel (zmqllm/engine/csrc, built on "
+        "first use; float32 on the CPU only); off, or no compiler: the PyTorch path",
+    )
+    # ~25% faster batched decode at the cost of about a second copy of the weights.
+    packed_rows: int = setting(
+        16,
+        "keep an MKL-packed copy of the weights for batches of 7 to N rows (float32 on the "
+        "CPU only); 0 = off",
+    )
+    max_sessions: int = setting(64, "sessions served at once")
+    max_kv_tokens: int = setting(
+        65536, "KV cache tokens reserved by all sessions together; past it new ones are refused"
+    )
+    max_memory_mb: int = setting(
+        0,
+        "refuse a new session when this process's memory (RSS on cpu, allocated GPU memory "
+        "on cuda) plus its KV cache would pass this many MiB; 0 = no limit",
+    )
+    # llama.cpp's server batches 2048 too. A long prompt stalls the other sessions'
+    # decode steps one chunk at a time (~1 ms per token for the default model on 2 cores);
+    # a burst of short prompts that fits is prefilled in one forward (32 chat prompts of
+    # ~40 tokens do). Split over two, the streams of the first start decoding and their
+    # next token waits on the second.
+    prefill_chunk: int = setting(2048, "prompt tokens per forward", metavar="TOKENS")
+    # Multi-turn chat resends the conversation each turn: kept, its KV is not recomputed.
+    prefix_cache: bool = setting(
+        True,
+        "keep the KV of recent prompts' prefixes (16-token blocks, least recently used "
+        "dropped first) in the room max_kv_tokens leaves free, and start a prompt after "
+        "the part every stage of its route holds",
+    )
+    # bfloat16 or float16 halves the bytes of a float32 model's activations on a slow
+    # link, at the cost of rounding them once per stage boundary.
+    wire_dtype: str = setting(
+        "auto",
+        'dtype of the activations this worker sends; "auto" = the model\'s dtype. A worker '
+        "takes activations of any of float32, bfloat16 and float16 and casts them to its own",
+        choices=WIRE_DTYPE_CHOICES,
+    )
+    name: str = setting("", "a name for logs and status; empty = HOST-PID")
+    served_name: str = setting(
+        "",
+        "the model name clients ask for; empty = [model] name (or one derived from the "
+        "path), or for a remote worker the upstream's model id",
+        metavar="NAME",
+    )
+    # A remote worker runs no layers: no torch, no model files, only an HTTP client.
+    remote: str = setting(
+        "",
+        "serve a whole model by forwarding to this OpenAI-compatible API (its base URL, "
+        "e.g. http://host:8000/v1) instead of running layers; empty = run layers",
+        metavar="URL",
+    )
+    remote_model: str = setting(
+        "", "the upstream's model id; empty = the first id URL/models lists", metavar="NAME"
+    )
+    api_key_file: str = setting(
+        "",
+        "file holding the upstream's API key (sent as a bearer token, never logged nor sent "
+        "to the broker); empty = no key",
+        metavar="FILE",
+    )
+    remote_stall_timeout: float = setting(
+        60.0, "seconds an upstream stream may send nothing before its session fails"
+    )
+    remote_retries: int = setting(
+        3, "tries after the first when the upstream cannot be reached before the first piece"
+    )
+
+
+@dataclass
+class GatewaySettings:
+    host: str = setting("127.0.0.1", "address the HTTP server listens on")
+    port: int = setting(8080, "HTTP port; 0 = pick a free port")
+    broker: str = setting("tcp://127.0.0.1:5555", "the broker's frontend address", metavar="ADDR")
+    max_body_bytes: int = setting(1_000_000, "largest request body; past it 413")
+    default_max_tokens: int = setting(256, "max_tokens of a request that gives none")
+    local_model: bool = setting(
+        True,
+        "serve the [model] model (the gateway reads its tokenizer and config files); off: "
+        "serve only the remote (text) models the broker has, with no model files",
+    )
+    default_model: str = setting(
+        "",
+        "the model of a request that names none; empty = this gateway's own model, or the "
+        "only one served",
+        metavar="NAME",
+    )
+    # As many as one route's worker takes by default (max_sessions).
+    max_concurrent: int = setting(
+        64, "generations running at once; more wait in the queue, oldest first"
+    )
+    max_queued: int = setting(1024, "requests waiting for a slot; past it 429 with Retry-After")
+    queue_timeout: float = setting(300.0, "seconds a request may wait in the queue; then 503")
+    first_token_timeout: float = setting(
+        120.0,
+        "seconds from leaving the queue to the first token (the broker's queue, the "
+        "prefill); then the session is cancelled and the client gets 504",
+    )
+    inter_token_timeout: float = setting(
+        60.0,
+        "seconds without a token once streaming; then the session is cancelled and the "
+        "stream ends with an error",
+    )
+    request_timeout: float = setting(600.0, "seconds for a whole generation once out of the queue")
+    failover_timeout: float = setting(
+        30.0,
+        "seconds a stream whose route failed (a worker lost, the broker restarted) has to go "
+        "on from another route, which replays its prompt and tokens so far; then it ends "
+        "with the error",
+    )
+    failover_retries: int = setting(
+        5, "replays one stream may make in its life; 0 = no failover (a lost route ends it)"
+    )
+    # Above max_concurrent + max_queued so the queue, not this, is what a burst meets.
+    limit_concurrency: int = setting(
+        2048, "HTTP connections plus requests in progress past which uvicorn answers 503"
+    )
+    keep_alive_timeout: int = setting(
+        5, "seconds an idle keep-alive connection stays open", metavar="S"
+    )
+    # Against slowloris.
+    header_timeout: float = setting(
+        10.0, "seconds for a request's line and headers to arrive; then the connection closes"
+    )
+    body_timeout: float = setting(30.0, "seconds to read a request's whole body; then 408")
+    api_keys_file: str = setting(
+        "",
+        "file of API keys, one a line ('#' starts a comment): /chat, /v1/* and /metrics then "
+        "need 'Authorization: Bearer KEY'; re-read when it changes. Empty = the "
+        "ZMQLLM_API_KEY environment variable if set, else no keys (open)",
+        flag="--api-key-file",
+        metavar="FILE",
+    )
+    ssl_certfile: str = setting(
+        "", "serve https with this PEM certificate (chain); empty = http", metavar="FILE"
+    )
+    ssl_keyfile: str = setting("", "the certificate's private key (PEM)", metavar="FILE")
+
+
+@dataclass
+class SecuritySettings:
+    keys: str = setting(
+        "",
+        "CURVE key folder (made by `zmqllm keys init DIR`); empty = $ZMQLLM_HOME/keys if it "
+        "exists, else no keys: the bus is plaintext and the broker binds loopback only",
+        metavar="DIR",
+    )
+    insecure: bool = setting(False, "run without CURVE even where keys exist")
+
+
+@dataclass
+class StageSpec:
+    layers: str  # same forms as WorkerSettings.layers
+    count: int = 1  # replicas of this stage the launcher starts
+
+
+@dataclass
+class RemoteSpec:
+    """A model behind an OpenAI-compatible API that `zmqllm up` serves beside its own
+    (remote workers: ``zmqllm worker --remote``)."""
+
+    url: str  # the API's base URL, e.g. "https://api.example.com/v1"
+    model: str = ""  # the upstream's model id; "" = the first URL/models lists
+    served_name: str = ""  # the name clients ask for; "" = the upstream's id
+    api_key_file: str = ""  # the upstream's key; "" = none
+    count: int = 1  # remote workers the launcher starts for it
+
+
+@dataclass
+class LogSettings:
+    level: str = setting("info", "log level", flag="--log-level", choices=tuple(LOG_LEVELS))
+    format: str = setting(
+        "auto",
+        '"auto" = console on a TTY, else JSON',
+        flag="--log-format",
+        choices=LOG_FORMATS,
+    )
+    dir: str = setting(
+        "", "the launcher's log folder; empty = $ZMQLLM_HOME/logs", flag="--log-dir", metavar="DIR"
+    )
+
+
+@dataclass
+class Config:
+    model: ModelSettings = field(default_factory=ModelSettings)
+    broker: BrokerSettings = field(default_factory=BrokerSettings)
+    worker: WorkerSettings = field(default_factory=WorkerSettings)
+    gateway: GatewaySettings = field(default_factory=GatewaySettings)
+    log: LogSettings = field(default_factory=LogSettings)
+    security: SecuritySettings = field(default_factory=SecuritySettings)
+    stages: list[StageSpec] = field(default_factory=list)
+    remotes: list[RemoteSpec] = field(default_factory=list)
+
+
+# --- locations --------------------------------------------------------------------------
+
+
+def zmqllm_home() -> Path:
+    """Where models and logs live: ``$ZMQLLM_HOME`` or ``~/.cache/zmqllm``."""
+    env = os.environ.get("ZMQLLM_HOME", "")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "zmqllm"
+
+
+def default_model_dir() -> Path:
+    """The converted SmolLM2-135M-Instruct checkpoint (``path = "default"``)."""
+    return zmqllm_home() / "models" / "smollm2-135m-instruct"
+
+
+def tiny_model_dir() -> Path:
+    """The tiny random test checkpoint (``path = "tiny"``)."""
+    return zmqllm_home() / "models" / "tiny"
+
+
+def resolve_model_path(path: str) -> str:
+    """Turn the aliases "default" and "tiny" into directories; keep anything else as is."""
+    if path == DEFAULT_MODEL:
+        return str(default_model_dir())
+    if path == TINY_MODEL:
+        return str(tiny_model_dir())
+    return path
+
+
+def worker_served_name(cfg: Config) -> str:
+    """The model name a worker registers under ("" for a remote worker that takes the
+    upstream's id once it knows it)."""
+    if cfg.worker.served_name:
+        return cfg.worker.served_name
+    if cfg.worker.remote:
+        return cfg.worker.remote_model
+    return checked_model_name(served_model_name(cfg.model))
+
+
+def checked_model_name(name: str) -> str:
+    """A model name as the bus carries it (1 to 255 printable ASCII characters, no
+    spaces); ConfigError otherwise, pointing at the setting that names it."""
+    if not 1 <= len(name) <= 255 or not all(0x21 <= ord(c) <= 0x7E for c in name):
+        raise ConfigError(
+            f"model name {name[:80]!r} must be 1 to 255 printable ASCII characters without "
+            "spaces: set one with --model-name (or --served-name on a worker)"
+        )
+    return name
+
+
+def served_model_name(model: ModelSettings) -> str:
+    """The model id the OpenAI API reports: ``name`` if set, else derived from ``path``."""
+    if model.name:
+        return model.name
+    if model.path in (DEFAULT_MODEL, TINY_MODEL):
+        return Path(resolve_model_path(model.path)).name
+    local = Path(model.path).expanduser()
+    # A repo id keeps its owner ("mistralai/...") as vLLM does; a directory is named by its
+    # last component so absolute paths don't leak into API responses.
+    return local.resolve().name if local.is_dir() else model.path
+
+
+def log_dir(settings: LogSettings) -> Path:
+    """The launcher's log folder."""
+    return Path(settings.dir).expanduser() if settings.dir else zmqllm_home() / "logs"

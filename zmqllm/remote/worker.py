@@ -1,0 +1,434 @@
+"""A remote worker: a whole model served by forwarding to an OpenAI-compatible API.
+
+``zmqllm worker --remote URL`` registers a *text* model (no layers, no torch, no model
+files). Its sessions arrive as ASK (the request's messages or prompt and sampling fields,
+JSON) and their answers leave as DELTAs, one per upstream chunk. The process keeps the
+same two halves as a pipeline worker: the broker link (``worker_link.BrokerLink``:
+registration, heartbeats, reconnection) driven by this loop, and here, instead of the
+engine, an asyncio loop in a thread of its own that runs one upstream stream per session
+(``upstream.Upstream``).
+
+Messages cross between the two through ``outbox`` (the stream tasks append, the loop
+sends); CLOSE, CANCEL and a broker reset cancel the session's task, which closes its
+upstream connection. The upstream key is read from a file, sent only to the upstream,
+and never logged nor put in REGISTER.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
+import os
+import re
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from zmqllm.bus.ask_body import AskBodyError, upstream_body
+from zmqllm.bus.keys import PeerKeys, keys_dir, load_peer_keys
+from zmqllm.bus.messages import MAX_CONTEXT, MAX_DELTA, AskKind
+from zmqllm.bus.protocol import (
+    Ask,
+    Cancel,
+    Close,
+    Delta,
+    Error,
+    ErrorCode,
+    Message,
+    ProtocolError,
+    Register,
+    SessionMessage,
+    decode,
+    encode,
+)
+from zmqllm.config.settings import Config, ConfigError, worker_served_name
+from zmqllm.log import bind_request, get_logger
+from zmqllm.remote.upstream import Upstream, UpstreamError, UpstreamSettings, shown_url
+from zmqllm.version import __version__
+from zmqllm.worker.broker_link import (
+    DELIVER,
+    REFUSED,
+    RESET,
+    BrokerLink,
+    LinkLost,
+    LinkSettings,
+    WorkerRefused,
+    session_key,
+)
+from zmqllm.worker.faults import Faults
+from zmqllm.worker.loop import WorkerLoop
+
+__all__ = ["RemoteWorker", "serve"]
+
+log = get_logger("zmqllm.worker")
+
+# While streams run the loop looks at the outbox this often: a delta waits at most this
+# long for the socket (the loop cannot be woken by the other thread's append).
+BUSY_POLL_S = 0.002
+IDLE_POLL_S = 0.1
+MAX_MESSAGES_PER_TURN = 1024
+MAX_KV_TOKENS = 1 << 40  # nothing to hold here: capacity is counted in sessions
+MAX_KEY_BYTES = 4096
+# What a broker takes as a model name (wire_types.name): an upstream's id may be anything.
+_SERVED_NAME = re.compile(r"[\x21-\x7e]{1,255}")
+# ErrorCode for each UpstreamError code; anything else is an upstream error.
+UPSTREAM_CODES = {
+    "bad_request": ErrorCode.BAD_REQUEST,
+    "busy": ErrorCode.BUSY,
+    "timeout": ErrorCode.TIMEOUT,
+    "upstream_error": ErrorCode.UPSTREAM_ERROR,
+}
+
+
+def read_api_key(path: str) -> str:
+    """The upstream's key from its file ("" when none is configured); ConfigError naming
+    the file, never the content, when it cannot be used."""
+    if not path:
+        return ""
+    file = Path(path).expanduser()
+    try:
+        # Read no more than a key can be: the path may name something huge or endless.
+        with file.open("rb") as f:
+            raw = f.read(MAX_KEY_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"api_key_file {file}: cannot read it ({exc.strerror})") from None
+    key = raw.decode("utf-8", errors="replace").strip()
+    if not key or len(raw) > MAX_KEY_BYTES or any(c.isspace() for c in key):
+        raise ConfigError(f"api_key_file {file}: must hold one key on one line")
+    if not key.isascii() or not key.isprintable():
+        # An HTTP header carries ASCII only: httpx would fail on it at the first request.
+        raise ConfigError(f"api_key_file {file}: the key must be printable ASCII")
+    return key
+
+
+class RemoteWorker(WorkerLoop):
+    def __init__(
+        self,
+        cfg: Config,
+        upstream: UpstreamSettings,
+        served: str,
+        context: zmq.Context[Any] | None = None,
+        keys: PeerKeys | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.served = served
+        self.capacity = cfg.worker.max_sessions
+        self.ctx = context or zmq.Context.instance()
+        name = cfg.worker.name or f"{socket.gethostname()}-{os.getpid()}"
+        self.identity = f"w-{name}-remote-{uuid.uuid4().hex[:6]}"
+        self.draining = False
+        self._stop = False
+        self.faults = Faults(log)
+        self.outbox: deque[tuple[str, Message | _Forget]] = deque()
+        self.tasks: dict[str, concurrent.futures.Future[None]] = {}
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="upstream", daemon=True)
+        self.upstream = Upstream(upstream)
+        settings = LinkSettings(
+            address=cfg.worker.broker,
+            identity=self.identity,
+            interval=cfg.broker.heartbeat_interval,
+            liveness=cfg.broker.heartbeat_liveness,
+            max_message_bytes=cfg.broker.max_message_bytes,
+            keys=keys,
+        )
+        self.link = BrokerLink(self.ctx, settings, self.register_message(upstream), self.faults)
+        self._published = 0.0
+
+    def register_message(self, upstream: UpstreamSettings) -> Register:
+        host = socket.gethostname()
+        return Register(
+            start=0,
+            end=1,
+            num_layers=1,
+            capacity=self.capacity,
+            max_kv_tokens=MAX_KV_TOKENS,
+            context=MAX_CONTEXT,
+            version=__version__,
+            # Replicas of one upstream model agree, whatever URL each one calls.
+            fingerprint=f"remote:{upstream.model}"[:128],
+            model={"remote_model": upstream.model[:256]},
+            host=host if host.isascii() and host.isprintable() and " " not in host else "unknown",
+            pid=os.getpid(),
+            device="remote",
+            served=self.served,
+            text_model=True,
+        )
+
+    # -- the loop ----------------------------------------------------------------------
+    def sessions(self) -> int:
+        return len(self.tasks)
+
+    def run(self) -> int:
+        self._thread.start()
+        self.link.start()
+        log.info(
+            "remote worker started",
+            worker=self.identity,
+            broker=self.cfg.worker.broker,
+            model=self.served,
+            # Not the URL itself: it may carry a password, or a key in its query.
+            upstream=shown_url(self.upstream.settings.url),
+            curve=self.link.settings.keys is not None,
+        )
+        return self.run_turns()
+
+    def _turn(self) -> None:
+        if not self.link.alive():
+            raise LinkLost("the broker link ended")
+        now = time.monotonic()
+        if now - self._published >= IDLE_POLL_S:
+            self._published = now
+            self.link.publish({"sessions": len(self.tasks)}, self.draining)
+        with self.link.lock:
+            # Pumped on every turn, without waiting when there is work: streams that keep
+            # the outbox full must not keep CLOSEs unread and heartbeats unsent (the
+            # keeper seldom gets the lock from a loop that takes it back at once).
+            busy = self.link.inbox or self.outbox
+            self.link.pump(0.0 if busy else BUSY_POLL_S if self.tasks else IDLE_POLL_S)
+            self.drain_inbox()
+            self.flush_outbox()
+
+    def close(self) -> None:
+        for future in list(self.tasks.values()):
+            future.cancel()
+        self.link.stop()
+        if self._thread.is_alive():
+            closing = asyncio.run_coroutine_threadsafe(self.upstream.aclose(), self.loop)
+            try:
+                closing.result(timeout=5)
+            except Exception as exc:
+                log.debug("upstream client not closed cleanly", error=str(exc))
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=5)
+        log.info("worker stopped")
+
+    # -- from the broker ---------------------------------------------------------------
+    def drain_inbox(self) -> None:
+        inbox = self.link.inbox
+        for _ in range(MAX_MESSAGES_PER_TURN):
+            if not inbox:
+                return
+            kind, value = inbox.popleft()
+            if kind == DELIVER:
+                self.handle_frames(value)
+            elif kind == RESET:
+                if self.tasks:
+                    log.warning("the broker forgot this worker's sessions", reason=value)
+                for future in self.tasks.values():
+                    future.cancel()
+                self.tasks.clear()
+            elif kind == REFUSED:
+                raise WorkerRefused(value)
+
+    def handle_frames(self, frames: list[Any]) -> None:
+        """One message, in isolation: whatever goes wrong costs at most its session."""
+        try:
+            msg = decode(frames)
+        except ProtocolError as exc:
+            self.faults.report("malformed", "malformed message", exc)
+            return
+        try:
+            self.handle(msg)
+        except Exception as exc:
+            self.faults.report("internal", "error handling a message", exc, type=msg.TYPE.value)
+            self.fail(msg, ErrorCode.INTERNAL, f"{type(exc).__name__} handling it")
+
+    def handle(self, msg: Message) -> None:
+        if isinstance(msg, Ask):
+            self.on_ask(msg)
+        elif isinstance(msg, Close | Cancel):
+            future = self.tasks.pop(session_key(msg.session, msg.attempt), None)
+            if future is not None:
+                future.cancel()  # the task closes its upstream stream
+                with bind_request(msg.request_id, msg.session):
+                    log.info("session closed", reason=msg.TYPE.value)
+        else:
+            # A worker of layers' messages (OPEN, STEP, ...) mean nothing here.
+            self.fail(msg, ErrorCode.BAD_REQUEST, f"a remote worker takes no {msg.TYPE.value}")
+
+    def on_ask(self, msg: Ask) -> None:
+        key = session_key(msg.session, msg.attempt)
+        with bind_request(msg.request_id, msg.session):
+            if key in self.tasks:
+                return  # a duplicate: the first one runs
+            if self.draining or len(self.tasks) >= self.capacity:
+                self.fail(msg, ErrorCode.FULL, "remote worker has no room")
+                return
+            try:
+                body = upstream_body(msg.kind, msg.request(), msg.max_tokens)
+            except (AskBodyError, ProtocolError) as exc:
+                self.faults.report("bad_request", "request refused", why=str(exc)[:200])
+                self.fail(msg, ErrorCode.BAD_REQUEST, str(exc))
+                return
+            log.info("session opened", kind=msg.kind.value, max_tokens=msg.max_tokens)
+            coro = self._stream(key, msg, body)
+            future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+            self.tasks[key] = future
+            future.add_done_callback(functools.partial(self._done, key))
+
+    def _done(self, key: str, future: concurrent.futures.Future[None]) -> None:
+        # On the upstream thread (or the broker loop's, for a cancel): the broker loop
+        # forgets the session once it has sent what the task left in the outbox before
+        # this mark. The mark names its task: the key may be taken anew meanwhile.
+        if self.tasks.get(key) is future:
+            self.outbox.append((key, _Forget(future)))
+
+    # -- to the broker -----------------------------------------------------------------
+    def fail(self, msg: Message, code: ErrorCode, why: str) -> None:
+        if not isinstance(msg, SessionMessage):
+            return
+        err = Error.of(code, why, msg.session, attempt=msg.attempt, request_id=msg.request_id)
+        self.send(err, session_key(msg.session, msg.attempt))
+
+    def flush_outbox(self) -> None:
+        for _ in range(MAX_MESSAGES_PER_TURN):
+            if not self.outbox:
+                return
+            key, msg = self.outbox.popleft()
+            if isinstance(msg, _Forget):
+                if self.tasks.get(key) is msg.future:
+                    del self.tasks[key]
+            elif key in self.tasks:  # closed meanwhile: nothing more is sent for it
+                self.send(msg, key)
+
+    def send(self, msg: Message, key: str) -> None:
+        try:
+            frames = encode(msg)
+        except ProtocolError as exc:
+            self.faults.report("unsent", "message not sent; session failed", exc, session=key)
+            future = self.tasks.pop(key, None)
+            if future is not None:
+                future.cancel()
+            if isinstance(msg, SessionMessage) and not isinstance(msg, Error):
+                # The link is fine: the client hears why now, not at a deadline.
+                self.fail(msg, ErrorCode.INTERNAL, "the remote worker could not encode a reply")
+            return
+        with self.link.lock:
+            why = self.link.send(frames, key)
+        if why:
+            future = self.tasks.pop(key, None)
+            if future is not None:
+                future.cancel()
+
+    # -- one session, on the upstream thread -------------------------------------------
+    async def _stream(self, key: str, ask: Ask, body: dict[str, Any]) -> None:
+        def out(msg: Message) -> None:
+            self.outbox.append((key, msg))
+
+        def piece_of(step: int, **fields: Any) -> Delta:
+            return Delta(
+                session=ask.session,
+                attempt=ask.attempt,
+                request_id=ask.request_id,
+                step=step,
+                **fields,
+            )
+
+        kind = "chat" if ask.kind is AskKind.CHAT else "completion"
+        step, finish = 0, None
+        usage: tuple[int | None, int | None] = (None, None)
+        try:
+            pieces = self.upstream.stream(kind, body)
+            async with contextlib.aclosing(pieces):
+                async for piece in pieces:
+                    if piece.prompt_tokens is not None or piece.completion_tokens is not None:
+                        usage = (_count(piece.prompt_tokens), _count(piece.completion_tokens))
+                    for start in range(0, len(piece.text), MAX_DELTA):
+                        out(piece_of(step, text=piece.text[start : start + MAX_DELTA]))
+                        step += 1
+                    finish = piece.finish or finish
+            # The finish goes last, with the usage that came after it.
+            out(
+                piece_of(
+                    step,
+                    finish=(finish or "stop")[:32],
+                    prompt_tokens=usage[0],
+                    completion_tokens=usage[1],
+                )
+            )
+            with bind_request(ask.request_id, ask.session):
+                log.info("session finished", finish=finish, pieces=step + 1)
+        except UpstreamError as exc:
+            code = UPSTREAM_CODES.get(exc.code, ErrorCode.UPSTREAM_ERROR)
+            with bind_request(ask.request_id, ask.session):
+                log.warning("upstream failed; session failed", code=code.value, status=exc.status)
+            out(Error.of(code, exc.message, ask.session, **_ids(ask)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.faults.report("internal", "upstream stream failed", exc)
+            out(Error.of(ErrorCode.INTERNAL, "internal error in the remote worker", **_sid(ask)))
+
+
+def _count(value: int | None) -> int | None:
+    """An upstream's token count, within what a DELTA carries."""
+    return None if value is None else max(0, min(int(value), MAX_CONTEXT))
+
+
+def _ids(ask: Ask) -> dict[str, Any]:
+    return {"attempt": ask.attempt, "request_id": ask.request_id}
+
+
+def _sid(ask: Ask) -> dict[str, Any]:
+    return {"session": ask.session, **_ids(ask)}
+
+
+class _Forget:
+    """Marks the end of a session's task in the outbox."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, future: concurrent.futures.Future[None]) -> None:
+        self.future = future
+
+
+def serve(cfg: Config) -> int:
+    """Run a remote worker until SIGTERM/SIGINT (its upstream model looked up first)."""
+    folder = keys_dir(cfg.security)
+    keys = load_peer_keys(folder, "worker") if folder is not None else None
+    w = cfg.worker
+    settings = UpstreamSettings(
+        url=w.remote,
+        model=w.remote_model,
+        api_key=read_api_key(w.api_key_file),
+        stall_timeout=w.remote_stall_timeout,
+        retries=w.remote_retries,
+    )
+    if not settings.model:
+        probe = Upstream(settings)
+
+        async def resolve() -> str:
+            try:
+                return await probe.resolve_model()
+            finally:
+                await probe.aclose()
+
+        try:
+            model = asyncio.run(resolve())
+        except UpstreamError as exc:
+            log.error("cannot learn the upstream's model", error=exc.message)
+            return 1
+        settings = dataclasses.replace(settings, model=model)
+    served = worker_served_name(cfg) or settings.model
+    if not _SERVED_NAME.fullmatch(served):
+        # An upstream's own id (a flag's is checked with the config): REGISTER takes none
+        # with spaces or beyond ASCII, and failing there would be a traceback.
+        raise ConfigError(
+            f"the upstream's model id {served!r:.80} is no usable model name "
+            "(1 to 255 printable ASCII characters, no spaces); set --served-name"
+        )
+    worker = RemoteWorker(cfg, settings, served, keys=keys)
+    signal.signal(signal.SIGTERM, worker.on_sigterm)
+    signal.signal(signal.SIGINT, worker.on_sigint)
+    return worker.run()

@@ -1,0 +1,132 @@
+"""Loading a worker's shard, and what the worker tells the broker about it.
+
+A worker reads only the tensors of its own layer range (from a local directory or, from
+the Hub, only the files that hold them), warms the stage up, and registers with the
+model's fingerprint, so that a broker can refuse a worker of another model.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zmqllm.bus.protocol import MAX_HEADER_BYTES, Register
+from zmqllm.config.layers import parse_layers
+from zmqllm.config.settings import Config, resolve_model_path, worker_served_name
+from zmqllm.engine import native
+from zmqllm.engine.cache import rss_bytes
+from zmqllm.engine.generator import load_shard
+from zmqllm.engine.rules import GrammarTokenizer
+from zmqllm.engine.stage import Stage
+from zmqllm.engine.weights import model_fingerprint, resolve_checkpoint
+from zmqllm.log import get_logger
+from zmqllm.models.model_args import ModelArgs
+from zmqllm.version import __version__
+
+__all__ = ["Loaded", "load_stage", "max_frame_bytes", "register_message"]
+
+log = get_logger("zmqllm.worker")
+
+
+@dataclass
+class Loaded:
+    stage: Stage
+    fingerprint: dict[str, Any]
+    start: int
+    end: int
+    num_layers: int
+    context: int
+
+
+def load_stage(cfg: Config) -> Loaded:
+    """Resolve the checkpoint, read only this shard's tensors, warm it up."""
+    w = cfg.worker
+    if w.threads:
+        torch.set_num_threads(w.threads)
+    spec = resolve_model_path(cfg.model.path)
+
+    def layer_range(args: ModelArgs) -> tuple[int, int]:
+        return parse_layers(w.layers, args.num_layers)
+
+    # From the Hub: config first, then only the files holding this range's tensors.
+    directory = resolve_checkpoint(spec, layer_range, cfg.model.revision)
+    args = ModelArgs.from_dir(directory)
+    start, end = layer_range(args)
+
+    t0 = time.perf_counter()
+    m = cfg.model
+    shard = load_shard(directory, start, end, m.dtype, m.device, args, m.quant)
+    kernel = shard.use_kernel(native.load()) if w.native_attention else False
+    # Resident growth, not the packed tensors' sizes: MKL's buffers are allocated
+    # larger than they are filled.
+    rss = rss_bytes()
+    packed = shard.pack(w.packed_rows)
+    packed_mib = (rss_bytes() - rss) >> 20 if packed else 0
+    # The last stage samples: it applies response_format grammars.
+    grammars = GrammarTokenizer(directory, args.vocab_size) if shard.is_last else None
+    if grammars is not None:
+        grammars.prepare()
+    stage = Stage(
+        shard,
+        w.max_sessions,
+        w.max_kv_tokens,
+        w.prefill_chunk,
+        w.max_memory_mb,
+        w.prefix_cache,
+        grammars,
+    )
+    stage.warmup()
+    log.info(
+        "shard loaded",
+        layers=f"{start}:{end}",
+        parameters=shard.num_parameters(),
+        seconds=round(time.perf_counter() - t0, 2),
+        dtype=cfg.model.dtype,
+        device=cfg.model.device,
+        quant=cfg.model.quant,
+        weights_from=shard.weights_from,
+        weights_mib=shard.weight_bytes() >> 20,
+        rss_mib=rss_bytes() >> 20,
+        batched_decode_attention="compiled kernel" if kernel else "pytorch",
+        packed_weights_mib=packed_mib,
+    )
+    fp = model_fingerprint(directory, args, cfg.model.dtype)
+    return Loaded(stage, fp, start, end, args.num_layers, args.max_position_embeddings)
+
+
+def max_frame_bytes(stage: Stage, context: int) -> int:
+    """The largest frame this worker can be sent: a prefill chunk's activation (in
+    float32, the widest wire dtype a previous stage may send) or a whole prompt's token
+    ids, plus room for a header."""
+    activation = stage.prefill_chunk * stage.shard.args.hidden_size * 4
+    return max(activation, context * 4) + MAX_HEADER_BYTES
+
+
+def register_message(cfg: Config, ld: Loaded) -> Register:
+    """What this worker tells the broker it is."""
+    # The summary's scalars (a model without a sliding window has None there).
+    model = {k: v for k, v in ld.fingerprint.items() if isinstance(v, int | float | str | bool)}
+    host = socket.gethostname()
+    return Register(
+        start=ld.start,
+        end=ld.end,
+        num_layers=ld.num_layers,
+        capacity=ld.stage.pool.max_sessions,
+        max_kv_tokens=ld.stage.pool.max_tokens,
+        context=ld.context,
+        version=__version__,
+        fingerprint=str(ld.fingerprint["digest"]),
+        model=model,
+        host=host if re.fullmatch(r"[\x21-\x7e]{1,255}", host) else "unknown",
+        pid=os.getpid(),
+        dtype=cfg.model.dtype,
+        device=cfg.model.device,
+        prefill_chunk=cfg.worker.prefill_chunk,
+        served=worker_served_name(cfg),
+    )
