@@ -15,7 +15,7 @@ from zmqllm.engine.generator import Generator, load_shard  # noqa: E402
 from zmqllm.engine.linear import QuantLinear  # noqa: E402
 from zmqllm.engine.quant import QuantTensor  # noqa: E402
 
-from .float_tolerance import reorder_tolerance  # noqa: E402
+from tests.float_tolerance import reorder_tolerance  # noqa: E402
 
 
 def product_tolerance(w: torch.Tensor, x: torch.Tensor, want: torch.Tensor) -> dict[str, float]:
