@@ -41,17 +41,21 @@ def measure(
     import numpy as np
     from per_token_latency import stream_once
 
-    from zmqllm.config.settings import default_model_dir
+    if (root / "zmqllm" / "config" / "__init__.py").is_file():
+        from zmqllm.config.layers import split_layers
+        from zmqllm.config.settings import default_model_dir
+    else:  # a revision from before the package-by-role layout (zmqllm/config.py)
+        from zmqllm.config import default_model_dir  # type: ignore[no-redef]
+
+        try:
+            from zmqllm.layers import split_layers  # type: ignore[import-not-found,no-redef]
+        except ImportError:  # a revision from before zmqllm/layers.py
+            from zmqllm.config import split_layers  # type: ignore[attr-defined,no-redef]
 
     if (root / "testbed").is_dir():
         from testbed.cluster import Cluster
     else:  # a revision from before testbed/: the cluster lived in the runtime package
         from zmqllm.local_cluster import Cluster  # type: ignore[import-not-found,no-redef]
-
-    try:
-        from zmqllm.config.layers import split_layers
-    except ImportError:  # a revision from before zmqllm/layers.py
-        from zmqllm.config.settings import split_layers  # type: ignore[attr-defined,no-redef]
 
     text = (default_model_dir() / "config.json").read_text()
     layers = split_layers(json.loads(text)["num_hidden_layers"], stages)
