@@ -5,7 +5,8 @@ changes nothing else: the receiving float32 stage casts them back. So the cluste
 text is asserted equal, token for token, to HF `MistralForCausalLM`'s on the same weights
 with that one rounding applied at the output of layer 1 (a forward hook): a deterministic
 prediction. How often that text also equals float32's is printed, not asserted: it depends
-on near-ties the rounding may break (figures for the tiny and the default model: README).
+on near-ties the rounding may break (figures for the tiny and the default model:
+docs/benchmarks.md).
 """
 
 from __future__ import annotations

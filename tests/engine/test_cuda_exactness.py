@@ -1,6 +1,6 @@
 """bfloat16 on a GPU: the engine's greedy tokens against transformers' on the same device
 and dtype, whole and split in shards. Skipped where torch sees no cuda device (this
-project's CI machine has none; see the README's Benchmarks section)."""
+project's CI machine has none; see docs/benchmarks.md)."""
 
 from __future__ import annotations
 

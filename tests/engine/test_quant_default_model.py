@@ -86,7 +86,7 @@ def test_int4_greedy_equals_hf_float32(
 
 def test_int8_teacher_forced_agreement_with_float32(default_model_dir: Path) -> None:
     """Top-1 of int8 against float32 at every position of a text the tests ship
-    (the perplexities are in the README, from benchmarks/quant_accuracy.py)."""
+    (the perplexities are in docs/benchmarks.md, from benchmarks/quant_accuracy.py)."""
     from zmqllm.models.tokenizer import Tokenizer
 
     ids = Tokenizer.from_dir(default_model_dir).encode(TEXT.read_text())
