@@ -42,7 +42,7 @@ from zmqllm.bus.protocol import (
     encode,
 )
 from zmqllm.bus.sampling_params import SamplingParams
-from zmqllm.bus.sockets import Drops
+from zmqllm.bus.sockets import Drops, recv_bounded_async
 from zmqllm.client.streams import (
     DeltaEvent,
     StreamTable,
@@ -275,18 +275,6 @@ class BrokerClient:
         except zmq.ZMQError as exc:
             raise SessionError(ErrorCode.BROKER_UNREACHABLE, f"send failed: {exc}") from None
 
-    async def _recv_bounded(self, sock: zmq.asyncio.Socket) -> list[bytes] | None:
-        """One message, frame by frame; None (the rest read and discarded) past MAX_FRAMES.
-        Copied: a broker sends a client small headers, where a copy beats zero-copy."""
-        frames: list[bytes] | None = [await sock.recv()]
-        while sock.get(zmq.RCVMORE):
-            frame = await sock.recv()  # the rest of a message is already here
-            if frames is not None and len(frames) < MAX_FRAMES:
-                frames.append(frame)
-            else:
-                frames = None
-        return frames
-
     async def _recv_loop(self) -> None:
         while not self._closing:
             sock = self._sock
@@ -294,7 +282,7 @@ class BrokerClient:
                 await asyncio.sleep(0.05)
                 continue
             try:
-                frames = await self._recv_bounded(sock)
+                frames = await recv_bounded_async(sock, MAX_FRAMES)
             except zmq.ZMQError:
                 await asyncio.sleep(0.05)  # socket replaced by a reconnect
                 continue
