@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+from zmqllm.config.names import NAME_RULE, is_name
 from zmqllm.log import LOG_FORMATS, LOG_LEVELS
 
 __all__ = [
@@ -429,12 +430,12 @@ def worker_served_name(cfg: Config) -> str:
 
 
 def checked_model_name(name: str) -> str:
-    """A model name as the bus carries it (1 to 255 printable ASCII characters, no
-    spaces); ConfigError otherwise, pointing at the setting that names it."""
-    if not 1 <= len(name) <= 255 or not all(0x21 <= ord(c) <= 0x7E for c in name):
+    """A model name as the bus carries it (``is_name``); ConfigError otherwise, pointing
+    at the setting that names it."""
+    if not is_name(name):
         raise ConfigError(
-            f"model name {name[:80]!r} must be 1 to 255 printable ASCII characters without "
-            "spaces: set one with --model-name (or --served-name on a worker)"
+            f"model name {name[:80]!r} must be {NAME_RULE}: set one with --model-name "
+            "(or --served-name on a worker)"
         )
     return name
 
