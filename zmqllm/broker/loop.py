@@ -51,9 +51,6 @@ from zmqllm.version import __version__
 
 log = get_logger("zmqllm.broker")
 
-# Heartbeat constants (Paranoid Pirate): a peer silent for LIVENESS intervals is dead.
-DEFAULT_HEARTBEAT_INTERVAL = 1.0
-DEFAULT_HEARTBEAT_LIVENESS = 3
 # Most messages handled per socket per loop turn, so neither side starves the other.
 BATCH = 512
 # Messages queued from one peer before ZeroMQ stops reading its connection.

@@ -79,7 +79,6 @@ class WorkerEntry:
     device: str = ""
     model: dict[str, Any] = field(default_factory=dict)  # its fingerprint summary
     last_seen: float = field(default_factory=time.monotonic)
-    registered_at: float = field(default_factory=time.monotonic)
     # Session key -> KV tokens reserved for it here, so a release frees exactly that.
     sessions: dict[Hashable, int] = field(default_factory=dict)
     reserved_tokens: int = 0
