@@ -69,7 +69,7 @@ class Broker:
         context: zmq.Context | None = None,
         keys: BrokerKeys | None = None,
     ) -> None:
-        self.s = settings
+        self.settings = settings
         self.ctx = context or zmq.Context.instance()
         self.keys = keys
         # The ZAP handler must be bound before the sockets: libzmq looks for it when a
@@ -149,9 +149,9 @@ class Broker:
         if self.keys is not None and domain == WORKERS:
             # Without handover (see above) a silent connection, a host cut off, would keep its
             # routing id from the worker's next one: ZeroMQ's own heartbeats close it first.
-            interval_ms = max(1, round(self.s.heartbeat_interval * 1000))
+            interval_ms = max(1, round(self.settings.heartbeat_interval * 1000))
             sock.setsockopt(zmq.HEARTBEAT_IVL, interval_ms)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, interval_ms * self.s.heartbeat_liveness)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, interval_ms * self.settings.heartbeat_liveness)
         # Unknown peer -> an error we handle, not a silent drop; with NOBLOCK a full
         # pipe -> EAGAIN instead of the whole broker waiting on one peer.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -289,7 +289,7 @@ class Broker:
         """Heartbeats out, dead workers out, deadlines, queue in; each step isolated."""
         now = time.monotonic()
         self._status_body = None
-        self._next_beat = now + self.s.heartbeat_interval
+        self._next_beat = now + self.settings.heartbeat_interval
         for step in (self._revoke, self._beat_workers, self._expire):
             try:
                 step(now)
@@ -298,7 +298,7 @@ class Broker:
 
     def _beat_workers(self, now: float) -> None:
         beat = encode(Heartbeat(boot=self.boot))
-        horizon = self.s.heartbeat_interval * self.s.heartbeat_liveness
+        horizon = self.settings.heartbeat_interval * self.settings.heartbeat_liveness
         for w in list(self.registry.workers.values()):
             # Silent up to the last time everything that had arrived was read: a broker
             # behind on its backend (a flood) must not take unread heartbeats for silence.
@@ -493,7 +493,7 @@ class Broker:
         return self.table.worker_lost(w.worker_id, reason, now)
 
     def _no_route_reason(self, model: str = "") -> str:
-        return no_route_reason(self.registry, self.s.queue_timeout, model)
+        return no_route_reason(self.registry, self.settings.queue_timeout, model)
 
     # -- status ----------------------------------------------------------------
     def _status_reply(self, request_id: str, now: float) -> StatusReply:
