@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 
-from zmqllm.bus.ask_body import MAX_MESSAGES, MAX_STOPS, AskBodyError, upstream_body
+from zmqllm.bus.ask_body import MAX_MESSAGES, AskBodyError, upstream_body
 from zmqllm.bus.messages import AskKind
+from zmqllm.bus.sampling_params import MAX_STOPS
 
 CHAT = AskKind.CHAT
 COMPLETION = AskKind.COMPLETION

@@ -6,6 +6,7 @@ the JSON configuration every process uses where the rendered traceback matters.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -14,10 +15,17 @@ from collections.abc import Iterator
 import pytest
 import structlog
 import zmq
+import zmq.asyncio
 from structlog.testing import capture_logs
 
 from zmqllm.bus import sockets as bus
-from zmqllm.bus.sockets import LOG_PER_SECOND, MAX_LOGGED_TEXT, Drops, recv_bounded
+from zmqllm.bus.sockets import (
+    LOG_PER_SECOND,
+    MAX_LOGGED_TEXT,
+    Drops,
+    recv_bounded,
+    recv_bounded_async,
+)
 from zmqllm.log import configure_logging
 
 Pair = tuple[zmq.Socket, zmq.Socket]
@@ -87,6 +95,31 @@ def test_recv_bounded_raises_again_when_nothing_waits(pair: Pair) -> None:
     _, b = pair
     with pytest.raises(zmq.Again):
         recv_bounded(b, 3)
+
+
+@pytest.mark.parametrize("extra", [0, 1, 10_000])
+def test_recv_bounded_async_keeps_the_same_bound(extra: int) -> None:
+    """The asyncio variant: the same messages kept and let go as recv_bounded."""
+
+    async def main() -> list[list[bytes] | None]:
+        ctx = zmq.asyncio.Context()
+        a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+        try:
+            a.bind(f"inproc://bounded-async-{extra}")
+            b.connect(f"inproc://bounded-async-{extra}")
+            await a.send_multipart([b"x"] * (3 + extra))
+            await a.send_multipart([b"next", b"one"])
+            got = [await asyncio.wait_for(recv_bounded_async(b, 3), 5) for _ in range(2)]
+            assert not await b.poll(0)  # nothing of the long message left behind
+            return got
+        finally:
+            a.close(linger=0)
+            b.close(linger=0)
+            ctx.term()
+
+    first, second = asyncio.run(main())
+    assert first == (None if extra else [b"x"] * 3)
+    assert second == [b"next", b"one"]
 
 
 # -- Drops --------------------------------------------------------------------------------

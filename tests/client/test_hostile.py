@@ -122,7 +122,7 @@ def test_an_error_in_one_handler_does_not_stop_the_next_message() -> None:
         def broken(msg: Heartbeat) -> None:
             raise RuntimeError("a bug in the heartbeat handler")
 
-        client._on_heartbeat = broken  # type: ignore[method-assign]
+        client._handlers[Heartbeat] = broken  # the dispatch table's entry
         async with generate(client, session="s1") as stream:
             opened = await fake.expect(MsgType.OPEN)
             await fake.send(opened.identity, Heartbeat(boot="boot-a"))

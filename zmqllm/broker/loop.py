@@ -21,6 +21,7 @@ import zmq
 
 from zmqllm.broker.registry import Registry, RegistryError, WorkerEntry
 from zmqllm.broker.session_table import Out, SessionTable
+from zmqllm.broker.status import broker_status, no_route_reason
 from zmqllm.bus.auth import CLIENTS, WORKERS, Authenticator, ClientKeys, HandshakeMonitor, peer_key
 from zmqllm.bus.keys import BrokerKeys, as_server
 from zmqllm.bus.messages import (
@@ -50,13 +51,15 @@ from zmqllm.version import __version__
 
 log = get_logger("zmqllm.broker")
 
-# Heartbeat constants (Paranoid Pirate): a peer silent for LIVENESS intervals is dead.
-DEFAULT_HEARTBEAT_INTERVAL = 1.0
-DEFAULT_HEARTBEAT_LIVENESS = 3
 # Most messages handled per socket per loop turn, so neither side starves the other.
 BATCH = 512
 # Messages queued from one peer before ZeroMQ stops reading its connection.
 RECV_QUEUE = 1000
+
+# A handler of one message type: (peer, message, its frames, now). Each handler takes its
+# own message type; the tables pair them.
+ClientHandler = Callable[[bytes, Any, list[Any], float], None]
+WorkerHandler = Callable[[WorkerEntry, Any, list[Any], float], None]
 
 
 class Broker:
@@ -66,7 +69,7 @@ class Broker:
         context: zmq.Context | None = None,
         keys: BrokerKeys | None = None,
     ) -> None:
-        self.s = settings
+        self.settings = settings
         self.ctx = context or zmq.Context.instance()
         self.keys = keys
         # The ZAP handler must be bound before the sockets: libzmq looks for it when a
@@ -117,6 +120,24 @@ class Broker:
         self._stop = False
         self._next_beat = 0.0
         self._backend_read_at = 0.0  # when the backend was last read to empty
+        # What each side may send, by message type (a REGISTER is handled before a worker
+        # is known, so it is not in the workers' table).
+        self._client_handlers: dict[type[Message], ClientHandler] = {
+            Open: self._client_open,
+            Ask: self._client_open,
+            Cancel: self._client_cancel,
+            Heartbeat: self._client_heartbeat,
+            Status: self._client_status,
+        }
+        self._worker_handlers: dict[type[Message], WorkerHandler] = {
+            Heartbeat: self._worker_heartbeat,
+            Activation: self._worker_activation,
+            Token: self._worker_token,
+            Delta: self._worker_delta,
+            Cached: self._worker_cached,
+            Error: self._worker_error,
+            Disconnect: self._worker_disconnect,
+        }
 
     def _router(
         self, address: str, max_bytes: int, hwm: int, handover: bool, domain: str
@@ -128,9 +149,9 @@ class Broker:
         if self.keys is not None and domain == WORKERS:
             # Without handover (see above) a silent connection, a host cut off, would keep its
             # routing id from the worker's next one: ZeroMQ's own heartbeats close it first.
-            interval_ms = max(1, round(self.s.heartbeat_interval * 1000))
+            interval_ms = max(1, round(self.settings.heartbeat_interval * 1000))
             sock.setsockopt(zmq.HEARTBEAT_IVL, interval_ms)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, interval_ms * self.s.heartbeat_liveness)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, interval_ms * self.settings.heartbeat_liveness)
         # Unknown peer -> an error we handle, not a silent drop; with NOBLOCK a full
         # pipe -> EAGAIN instead of the whole broker waiting on one peer.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -268,7 +289,7 @@ class Broker:
         """Heartbeats out, dead workers out, deadlines, queue in; each step isolated."""
         now = time.monotonic()
         self._status_body = None
-        self._next_beat = now + self.s.heartbeat_interval
+        self._next_beat = now + self.settings.heartbeat_interval
         for step in (self._revoke, self._beat_workers, self._expire):
             try:
                 step(now)
@@ -277,7 +298,7 @@ class Broker:
 
     def _beat_workers(self, now: float) -> None:
         beat = encode(Heartbeat(boot=self.boot))
-        horizon = self.s.heartbeat_interval * self.s.heartbeat_liveness
+        horizon = self.settings.heartbeat_interval * self.settings.heartbeat_liveness
         for w in list(self.registry.workers.values()):
             # Silent up to the last time everything that had arrived was read: a broker
             # behind on its backend (a flood) must not take unread heartbeats for silence.
@@ -351,23 +372,31 @@ class Broker:
 
     # -- clients ---------------------------------------------------------------
     def on_client_message(self, client: bytes, msg: Message, frames: list[Any]) -> None:
-        now = time.monotonic()
-        if isinstance(msg, (Open, Ask)):
-            if self.auth is not None:
-                self.client_keys.opened(client, frames)
-            self.send(self.table.open(client, msg, now))
-        elif isinstance(msg, Cancel):
-            self.send(self.table.cancel(client, msg.session, now))
-        elif isinstance(msg, Heartbeat):
-            self.send([Out(False, client, Heartbeat(boot=self.boot))])
-        elif isinstance(msg, Status):
-            self.send([Out(False, client, self._status_reply(msg.request_id, now))])
-        else:
-            self.drops.drop("frontend:not_allowed", type=msg.TYPE.value)
-            session = getattr(msg, "session", "")
-            text = f"a client cannot send {msg.TYPE.value}"
-            reply = Error.of(ErrorCode.BAD_REQUEST, text, session, request_id=msg.request_id)
-            self.send([Out(False, client, reply)])
+        handler = self._client_handlers.get(type(msg))
+        if handler is not None:
+            handler(client, msg, frames, time.monotonic())
+            return
+        self.drops.drop("frontend:not_allowed", type=msg.TYPE.value)
+        session = getattr(msg, "session", "")
+        text = f"a client cannot send {msg.TYPE.value}"
+        reply = Error.of(ErrorCode.BAD_REQUEST, text, session, request_id=msg.request_id)
+        self.send([Out(False, client, reply)])
+
+    def _client_open(self, client: bytes, msg: Open | Ask, frames: list[Any], now: float) -> None:
+        if self.auth is not None:
+            self.client_keys.opened(client, frames)
+        self.send(self.table.open(client, msg, now))
+
+    def _client_cancel(self, client: bytes, msg: Cancel, frames: list[Any], now: float) -> None:
+        self.send(self.table.cancel(client, msg.session, now))
+
+    def _client_heartbeat(
+        self, client: bytes, msg: Heartbeat, frames: list[Any], now: float
+    ) -> None:
+        self.send([Out(False, client, Heartbeat(boot=self.boot))])
+
+    def _client_status(self, client: bytes, msg: Status, frames: list[Any], now: float) -> None:
+        self.send([Out(False, client, self._status_reply(msg.request_id, now))])
 
     # -- workers ---------------------------------------------------------------
     def on_worker_message(self, identity: bytes, msg: Message, frames: list[Any]) -> None:
@@ -389,25 +418,41 @@ class Broker:
             return
         now = time.monotonic()
         w.last_seen = now
-        if isinstance(msg, Heartbeat):
-            w.load = msg.load or {}
-            w.draining = msg.draining
-        elif isinstance(msg, Activation):
-            self.send(self.table.on_activation(w, msg, frames[1:], now))
-        elif isinstance(msg, Token):
-            self.send(self.table.on_token(w, msg, now))
-        elif isinstance(msg, Delta):
-            self.send(self.table.on_delta(w, msg, now))
-        elif isinstance(msg, Cached):
-            self.send(self.table.on_cached(w, msg, now))
-        elif isinstance(msg, Error):
-            self.send(self.table.on_worker_error(w, msg, now))
-        elif isinstance(msg, Disconnect):
-            self.remove_worker(
-                w, f"worker {w.worker_id} (layers {w.start}:{w.end}) left: {msg.reason[:200]}"
-            )
-        else:
+        handler = self._worker_handlers.get(type(msg))
+        if handler is None:
             self.drops.drop("backend:not_allowed", type=msg.TYPE.value, worker=w.worker_id)
+        else:
+            handler(w, msg, frames, now)
+
+    def _worker_heartbeat(
+        self, w: WorkerEntry, msg: Heartbeat, frames: list[Any], now: float
+    ) -> None:
+        w.load = msg.load or {}
+        w.draining = msg.draining
+
+    def _worker_activation(
+        self, w: WorkerEntry, msg: Activation, frames: list[Any], now: float
+    ) -> None:
+        self.send(self.table.on_activation(w, msg, frames[1:], now))
+
+    def _worker_token(self, w: WorkerEntry, msg: Token, frames: list[Any], now: float) -> None:
+        self.send(self.table.on_token(w, msg, now))
+
+    def _worker_delta(self, w: WorkerEntry, msg: Delta, frames: list[Any], now: float) -> None:
+        self.send(self.table.on_delta(w, msg, now))
+
+    def _worker_cached(self, w: WorkerEntry, msg: Cached, frames: list[Any], now: float) -> None:
+        self.send(self.table.on_cached(w, msg, now))
+
+    def _worker_error(self, w: WorkerEntry, msg: Error, frames: list[Any], now: float) -> None:
+        self.send(self.table.on_worker_error(w, msg, now))
+
+    def _worker_disconnect(
+        self, w: WorkerEntry, msg: Disconnect, frames: list[Any], now: float
+    ) -> None:
+        self.remove_worker(
+            w, f"worker {w.worker_id} (layers {w.start}:{w.end}) left: {msg.reason[:200]}"
+        )
 
     def on_register(self, identity: bytes, reg: Register, key: str = "") -> None:
         reason = self.registry.refusal(reg, __version__, identity)
@@ -448,18 +493,7 @@ class Broker:
         return self.table.worker_lost(w.worker_id, reason, now)
 
     def _no_route_reason(self, model: str = "") -> str:
-        t = self.s.queue_timeout
-        if not self.registry.workers:
-            return f"no capacity: no worker registered after {t:g}s"
-        m = self.registry.resolve(model)
-        if m is None:
-            served = ", ".join(sorted(self.registry.models)[:8])
-            what = f"no worker serves model {model!r}" if model else "no model named"
-            return f"no capacity: {what} (served: {served}) after {t:g}s"
-        missing = self.registry.uncovered(m.name)
-        if missing:
-            return f"no capacity: no complete route (layers {missing} have no worker) after {t:g}s"
-        return f"no capacity: no route with room after {t:g}s"
+        return no_route_reason(self.registry, self.settings.queue_timeout, model)
 
     # -- status ----------------------------------------------------------------
     def _status_reply(self, request_id: str, now: float) -> StatusReply:
@@ -473,31 +507,14 @@ class Broker:
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
-        st = self.table.stats
-        return {
-            "boot": self.boot,
-            "version": __version__,
-            "uptime_s": round(now - self.started, 1),
-            "num_layers": self.registry.num_layers,
-            "complete_route": self.registry.find_route(1, ignore_room=True) is not None,
-            "queue": len(self.table.queue),
-            "sessions": len(self.table.sessions),
-            "workers": [w.describe(now) for w in self.registry.workers.values()],
-            "pools": self.registry.pools(),
-            "routes": self.registry.route_shapes(),
-            "models": [m.describe() for m in self.registry.models.values()],
-            "counters": {
-                "sessions_opened": st.opened,
-                "sessions_finished": st.finished,
-                "sessions_failed": st.failed,
-                "tokens": st.tokens,
-                "relayed": st.relayed,
-                "dropped_messages": sum(self.drops.counts.values()),
-            },
-            "dropped": dict(self.drops.counts),
-            "curve": self.keys is not None,
-            "auth": {
-                "refused": dict(self.auth.denied.counts) if self.auth is not None else {},
-                "handshake_failures": dict(self.monitor.counts) if self.monitor else {},
-            },
-        }
+        return broker_status(
+            self.registry,
+            self.table,
+            boot=self.boot,
+            uptime_s=now - self.started,
+            now=now,
+            dropped=self.drops.counts,
+            curve=self.keys is not None,
+            auth_refused=self.auth.denied.counts if self.auth is not None else {},
+            handshake_failures=self.monitor.counts if self.monitor else {},
+        )

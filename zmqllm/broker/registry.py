@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from zmqllm.broker.route_search import Edge, best_chain, gaps, route_shapes
 from zmqllm.bus.messages import LOAD_KEYS, MAX_CONTEXT, MAX_LAYERS, MAX_TEXT, Register
 from zmqllm.bus.wire_types import ProtocolError
+from zmqllm.config.names import NAME_RULE, is_name
 
 if TYPE_CHECKING:
     from zmqllm.config.settings import BrokerSettings
@@ -64,12 +65,6 @@ def fingerprint_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return out
 
 
-def _is_routing_name(identity: bytes) -> bool:
-    # The worker id is the routing id as text, sent back in REGISTERED: printable ASCII
-    # keeps it one-to-one with the identity (no two identities decode to the same id).
-    return 1 <= len(identity) <= 255 and all(0x21 <= c <= 0x7E for c in identity)
-
-
 @dataclass(eq=False)
 class WorkerEntry:
     identity: bytes
@@ -84,7 +79,6 @@ class WorkerEntry:
     device: str = ""
     model: dict[str, Any] = field(default_factory=dict)  # its fingerprint summary
     last_seen: float = field(default_factory=time.monotonic)
-    registered_at: float = field(default_factory=time.monotonic)
     # Session key -> KV tokens reserved for it here, so a release frees exactly that.
     sessions: dict[Hashable, int] = field(default_factory=dict)
     reserved_tokens: int = 0
@@ -261,8 +255,10 @@ class Registry:
             return f"invalid register: {exc}"
         if not 0 <= reg.start < reg.end <= n:
             return f"layer range {reg.start}:{reg.end} is not inside [0, {n})"
-        if identity is not None and not _is_routing_name(identity):
-            return "the routing id must be 1 to 255 printable ASCII characters"
+        # The worker id is the routing id as text, sent back in REGISTERED: the name rule
+        # keeps it one-to-one with the identity (no two identities decode to the same id).
+        if identity is not None and not is_name(identity):
+            return f"the routing id must be {NAME_RULE}"
 
         old = self.by_identity.get(identity) if identity is not None else None
         m = self.models.get(reg.served)

@@ -11,13 +11,19 @@ import math
 from typing import Any
 
 from zmqllm.bus.messages import AskKind
+from zmqllm.bus.sampling_params import (
+    MAX_PENALTY,
+    MAX_SEED,
+    MAX_STOP_CHARS,
+    MAX_STOPS,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+)
 
-__all__ = ["CHAT_ROLES", "MAX_MESSAGES", "MAX_STOPS", "AskBodyError", "upstream_body"]
+__all__ = ["CHAT_ROLES", "MAX_MESSAGES", "AskBodyError", "upstream_body"]
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "developer"})
 MAX_MESSAGES = 4096
-MAX_STOPS = 4  # OpenAI's limit
-MAX_STOP_CHARS = 256
 
 
 class AskBodyError(ValueError):
@@ -81,15 +87,15 @@ def upstream_body(kind: AskKind, fields: dict[str, Any], max_tokens: int) -> dic
             raise AskBodyError("prompt must be a non-empty string")
         body["prompt"] = prompt
     for key, lo, hi in (
-        ("temperature", 0.0, 2.0),
+        ("temperature", 0.0, MAX_TEMPERATURE),
         ("top_p", 0.0, 1.0),
-        ("presence_penalty", -2.0, 2.0),
-        ("frequency_penalty", -2.0, 2.0),
+        ("presence_penalty", -MAX_PENALTY, MAX_PENALTY),
+        ("frequency_penalty", -MAX_PENALTY, MAX_PENALTY),
     ):
         value = _number(fields, key, lo, hi)
         if value is not None:
             body[key] = value
-    for key, ilo, ihi in (("seed", 0, 2**63 - 1), ("top_k", 0, 1 << 20)):
+    for key, ilo, ihi in (("seed", 0, MAX_SEED), ("top_k", 0, MAX_TOP_K)):
         integer = _integer(fields, key, ilo, ihi)
         if integer is not None:
             body[key] = integer

@@ -1,7 +1,9 @@
 """Sampling parameters: what a request asks of the token picker, as plain data.
 
 The gateway builds them, the wire carries them and the worker's sampler reads them; no
-torch here, so the front end can use them without the ML stack.
+torch here, so the front end can use them without the ML stack. The limits of a request's
+sampling fields are declared here once: the gateway checks a request with them, the bus an
+OPEN (``validate``) and an ASK's body (``ask_body``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ __all__ = [
     "MAX_LOGPROBS",
     "MAX_PENALTY",
     "MAX_SEED",
+    "MAX_STOPS",
+    "MAX_STOP_CHARS",
+    "MAX_TEMPERATURE",
+    "MAX_TOP_K",
     "NO_LOGPROBS",
     "SamplingParams",
     "is_int",
@@ -36,6 +42,11 @@ LOGPROB_FLOOR = -9999.0
 MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
 # A grammar travels in the OPEN header, whose strings stop at 16 KiB.
 MAX_GRAMMAR_BYTES = 12 * 1024
+MAX_STOPS = 4  # OpenAI's limit on stop strings
+MAX_STOP_CHARS = 256  # one stop string an ASK body forwards to an upstream
+# OpenAI's temperature range, forwarded to an upstream; our own sampler takes any >= 0.
+MAX_TEMPERATURE = 2.0
+MAX_TOP_K = 1 << 20  # a top_k forwarded to an upstream
 
 
 @dataclass(frozen=True)
@@ -94,7 +105,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_real(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
-                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+                raise ValueError(
+                    f"{name} must be a number in [{-MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}"
+                )
         if not isinstance(self.grammar, str) or len(self.grammar.encode()) > MAX_GRAMMAR_BYTES:
             raise ValueError(f"grammar must be a string of at most {MAX_GRAMMAR_BYTES} bytes")
 

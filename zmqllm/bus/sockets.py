@@ -1,8 +1,9 @@
 """Socket-side helpers every process uses on the bus: bounded receives, counted drops.
 
-A peer decides how many frames it sends; ``recv_bounded`` reads one message frame by
-frame and discards the rest of one that has more frames than any message type allows,
-without building the list up. ``Drops`` counts what a process threw away or failed on
+A peer decides how many frames it sends; ``recv_bounded`` (a plain socket) and
+``recv_bounded_async`` (a zmq.asyncio one) read one message frame by frame under one rule
+(``_keep``): a message with more frames than any message type allows is read to its end and
+let go, without building the list up. ``Drops`` counts what a process threw away or failed on
 by reason and logs each reason at most a few times a second (saying how many lines it
 left out), so a flood of garbage can neither fill the disk nor hide in silence. The
 broker, the client and each worker's threads share it.
@@ -18,11 +19,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import zmq
+import zmq.asyncio
 from structlog.typing import FilteringBoundLogger
 
 from zmqllm.log import get_logger
 
-__all__ = ["Drops", "describe", "recv_bounded"]
+__all__ = ["Drops", "describe", "recv_bounded", "recv_bounded_async"]
 
 # Log lines per reason per second at most; the counters keep the full count.
 LOG_PER_SECOND = 5
@@ -30,18 +32,33 @@ LOG_PER_SECOND = 5
 MAX_LOGGED_TEXT = 200
 
 
-def recv_bounded(sock: zmq.Socket, max_frames: int) -> list[Any] | None:
+def _keep(frames: list[Any] | None, frame: Any, max_frames: int) -> list[Any] | None:
+    """The bound: ``frame`` added while the message has room, else None for the whole
+    message (its remaining frames are still read, one by one, and let go)."""
+    if frames is None or len(frames) >= max_frames:
+        return None
+    frames.append(frame)
+    return frames
+
+
+def recv_bounded(sock: zmq.Socket[Any], max_frames: int) -> list[Any] | None:
     """One whole message (zmq.Frame objects, not copied), or None when it had more than
-    ``max_frames`` frames (the rest read and discarded). Raises zmq.Again when none is
-    waiting."""
-    frames = [sock.recv(zmq.NOBLOCK, copy=False)]
-    while frames[-1].more:
-        if len(frames) >= max_frames:
-            # ZeroMQ delivers a message whole: the remaining frames are already here.
-            while sock.recv(copy=False).more:
-                pass
-            return None
-        frames.append(sock.recv(copy=False))
+    ``max_frames`` frames. Raises zmq.Again when none is waiting."""
+    frame = sock.recv(zmq.NOBLOCK, copy=False)
+    frames = _keep([], frame, max_frames)
+    while frame.more:
+        # ZeroMQ delivers a message whole: the remaining frames are already here.
+        frame = sock.recv(copy=False)
+        frames = _keep(frames, frame, max_frames)
+    return frames
+
+
+async def recv_bounded_async(sock: zmq.asyncio.Socket, max_frames: int) -> list[bytes] | None:
+    """``recv_bounded`` on an asyncio socket: waits for a message; copied frames (small
+    headers, where a copy beats zero-copy)."""
+    frames = _keep([], await sock.recv(), max_frames)
+    while sock.get(zmq.RCVMORE):
+        frames = _keep(frames, await sock.recv(), max_frames)  # already here, as above
     return frames
 
 

@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from zmqllm.config.names import NAME_RULE, is_name
+
 __all__ = [
     "ID_PATTERN",
     "MAX_DIMS",
@@ -55,8 +57,6 @@ MAX_DIMS = 4
 # Ids a client supplies (sessions, requests): short and safe to log and to key tables by.
 MAX_ID_LEN = 64
 ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
-# Names a peer picks for itself (worker ids hold the host name): printable, no spaces.
-_NAME_PATTERN = re.compile(r"[\x21-\x7e]{1,255}")
 
 # Wire dtype name -> numpy dtype. Little-endian on the wire. numpy has no bfloat16: its raw
 # 2-byte words travel as a uint16 array under the wire name "bfloat16".
@@ -215,13 +215,14 @@ def curve_key(*, empty: bool = False) -> Check:
 
 
 def name(*, empty: bool = False) -> Check:
-    """A name a peer picks for itself: 1 to 255 printable ASCII, no spaces."""
+    """A name a peer picks for itself (worker ids hold the host name): config's name
+    rule."""
 
     def check(field_name: str, value: Any) -> str:
         if empty and value == "":
             return ""
-        if type(value) is not str or _NAME_PATTERN.fullmatch(value) is None:
-            raise _fail(field_name, "1 to 255 printable ASCII characters", value)
+        if type(value) is not str or not is_name(value):  # bytes keep the rule too
+            raise _fail(field_name, NAME_RULE, value)
         return value
 
     return check

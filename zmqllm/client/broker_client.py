@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import zmq
@@ -42,7 +42,7 @@ from zmqllm.bus.protocol import (
     encode,
 )
 from zmqllm.bus.sampling_params import SamplingParams
-from zmqllm.bus.sockets import Drops
+from zmqllm.bus.sockets import Drops, recv_bounded_async
 from zmqllm.client.streams import (
     DeltaEvent,
     StreamTable,
@@ -87,6 +87,14 @@ class BrokerClient:
         self._sock: zmq.asyncio.Socket | None = None
         self._streams = StreamTable(max_streams)
         self._status_waiters: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        # What a broker may send us, by message type; anything else is dropped.
+        self._handlers: dict[type[Message], Callable[[Any], None]] = {
+            Token: self._on_token,
+            Delta: self._on_delta,
+            Error: self._on_error,
+            Heartbeat: self._on_heartbeat,
+            StatusReply: self._on_status_reply,
+        }
         self._tasks: list[asyncio.Task[None]] = []
         self._cancels: set[asyncio.Task[None]] = set()
         self._last_seen = 0.0
@@ -275,18 +283,6 @@ class BrokerClient:
         except zmq.ZMQError as exc:
             raise SessionError(ErrorCode.BROKER_UNREACHABLE, f"send failed: {exc}") from None
 
-    async def _recv_bounded(self, sock: zmq.asyncio.Socket) -> list[bytes] | None:
-        """One message, frame by frame; None (the rest read and discarded) past MAX_FRAMES.
-        Copied: a broker sends a client small headers, where a copy beats zero-copy."""
-        frames: list[bytes] | None = [await sock.recv()]
-        while sock.get(zmq.RCVMORE):
-            frame = await sock.recv()  # the rest of a message is already here
-            if frames is not None and len(frames) < MAX_FRAMES:
-                frames.append(frame)
-            else:
-                frames = None
-        return frames
-
     async def _recv_loop(self) -> None:
         while not self._closing:
             sock = self._sock
@@ -294,7 +290,7 @@ class BrokerClient:
                 await asyncio.sleep(0.05)
                 continue
             try:
-                frames = await self._recv_bounded(sock)
+                frames = await recv_bounded_async(sock, MAX_FRAMES)
             except zmq.ZMQError:
                 await asyncio.sleep(0.05)  # socket replaced by a reconnect
                 continue
@@ -328,18 +324,11 @@ class BrokerClient:
             self._fail_named(msg)
 
     def _dispatch(self, msg: Message) -> None:
-        if isinstance(msg, Token):
-            self._on_token(msg)
-        elif isinstance(msg, Delta):
-            self._on_delta(msg)
-        elif isinstance(msg, Error):
-            self._on_error(msg)
-        elif isinstance(msg, Heartbeat):
-            self._on_heartbeat(msg)
-        elif isinstance(msg, StatusReply):
-            self._on_status_reply(msg)
-        else:
+        handler = self._handlers.get(type(msg))
+        if handler is None:
             self.drops.drop("unexpected type", type=msg.TYPE.value)
+        else:
+            handler(msg)
 
     def _drop_debug(self, reason: str, msg: Token | Delta | Error) -> None:
         # Late messages of a cancelled stream are routine: counted, not shouted.

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from zmqllm.config.layers import check_layer_spec
+from zmqllm.config.names import NAME_RULE, is_name
 from zmqllm.config.settings import (
     DTYPES,
     QUANTS,
@@ -101,7 +102,6 @@ def _field_types(cls: type) -> dict[str, Any]:
 _ENDPOINT_RE = re.compile(r"(tcp|ipc|inproc)://\S+")
 _DEVICE_RE = re.compile(r"cpu|cuda|cuda:[0-9]+")
 _URL_RE = re.compile(r"https?://[^\s/?#]+(/[^\s?#]*)?")
-_NAME_RE = re.compile(r"[\x21-\x7e]{1,255}")
 
 
 def _fail(key: str, where: str, must: str, value: object) -> ConfigError:
@@ -135,8 +135,8 @@ def _check_model(s: ModelSettings, where: str) -> ModelSettings:
         raise _fail("path", where, 'a directory, a repo id, "default" or "tiny"', s.path)
     if s.dtype not in DTYPES:
         raise _fail("dtype", where, f"one of {', '.join(DTYPES)}", s.dtype)
-    if s.name and not _NAME_RE.fullmatch(s.name):
-        raise _fail("name", where, "1 to 255 printable characters without spaces", s.name)
+    if s.name and not is_name(s.name):
+        raise _fail("name", where, NAME_RULE, s.name)
     if not _DEVICE_RE.fullmatch(s.device):
         raise _fail("device", where, '"cpu", "cuda" or "cuda:N"', s.device)
     if s.quant not in QUANTS:
@@ -188,8 +188,8 @@ def _check_worker(s: WorkerSettings, where: str) -> WorkerSettings:
     _check_positive(s, ("remote_retries",), where, minimum=0)
     for key in ("served_name", "remote_model"):
         value = getattr(s, key)
-        if value and not _NAME_RE.fullmatch(value):
-            raise _fail(key, where, "1 to 255 printable characters without spaces", value)
+        if value and not is_name(value):
+            raise _fail(key, where, NAME_RULE, value)
     return s
 
 
@@ -317,8 +317,8 @@ def _load_remotes(raw: object, origin: str) -> list[RemoteSpec]:
             raise ConfigError(f"url {where} must be an http(s) URL like 'http://host:8000/v1'")
         for key in ("model", "served_name"):
             value = getattr(remote, key)
-            if value and not _NAME_RE.fullmatch(value):
-                raise _fail(key, where, "1 to 255 printable characters without spaces", value)
+            if value and not is_name(value):
+                raise _fail(key, where, NAME_RULE, value)
         remotes.append(remote)
     return remotes
 

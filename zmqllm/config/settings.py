@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+from zmqllm.config.names import NAME_RULE, is_name
 from zmqllm.log import LOG_FORMATS, LOG_LEVELS
 
 __all__ = [
@@ -198,7 +199,7 @@ class WorkerSettings:
         "attend batched decode steps with the compiled kernel (zmqllm/engine/csrc, built on "
         "first use; float32 on the CPU only); off, or no compiler: the PyTorch path",
     )
-    # ~25% faster batched decode at the cost of about a second copy of the weights.
+    # Faster batched decode, at the cost of a second copy of the weights.
     packed_rows: int = setting(
         16,
         "keep an MKL-packed copy of the weights for batches of 7 to N rows (float32 on the "
@@ -213,11 +214,8 @@ class WorkerSettings:
         "refuse a new session when this process's memory (RSS on cpu, allocated GPU memory "
         "on cuda) plus its KV cache would pass this many MiB; 0 = no limit",
     )
-    # llama.cpp's server batches 2048 too. A long prompt stalls the other sessions'
-    # decode steps one chunk at a time (~1 ms per token for the default model on 2 cores);
-    # a burst of short prompts that fits is prefilled in one forward (32 chat prompts of
-    # ~40 tokens do). Split over two, the streams of the first start decoding and their
-    # next token waits on the second.
+    # As llama.cpp's server: a burst of short prompts prefills in one forward, while a long
+    # prompt stalls the other sessions' decode steps only one chunk at a time.
     prefill_chunk: int = setting(2048, "prompt tokens per forward", metavar="TOKENS")
     # Multi-turn chat resends the conversation each turn: kept, its KV is not recomputed.
     prefix_cache: bool = setting(
@@ -429,12 +427,12 @@ def worker_served_name(cfg: Config) -> str:
 
 
 def checked_model_name(name: str) -> str:
-    """A model name as the bus carries it (1 to 255 printable ASCII characters, no
-    spaces); ConfigError otherwise, pointing at the setting that names it."""
-    if not 1 <= len(name) <= 255 or not all(0x21 <= ord(c) <= 0x7E for c in name):
+    """A model name as the bus carries it (``is_name``); ConfigError otherwise, pointing
+    at the setting that names it."""
+    if not is_name(name):
         raise ConfigError(
-            f"model name {name[:80]!r} must be 1 to 255 printable ASCII characters without "
-            "spaces: set one with --model-name (or --served-name on a worker)"
+            f"model name {name[:80]!r} must be {NAME_RULE}: set one with --model-name "
+            "(or --served-name on a worker)"
         )
     return name
 

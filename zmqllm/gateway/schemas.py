@@ -16,10 +16,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from zmqllm.bus.sampling_params import MAX_LOGPROBS
+from zmqllm.bus.sampling_params import MAX_LOGPROBS, MAX_STOPS
 
 __all__ = [
-    "MAX_STOP_STRINGS",
     "UNSUPPORTED",
     "ChatChoice",
     "ChatChunkChoice",
@@ -39,9 +38,8 @@ __all__ = [
     "unsupported_field",
 ]
 
-# OpenAI accepts up to 4 stop sequences, and up to 5 log-probabilities per token on the
-# completions API (20 on chat: MAX_LOGPROBS).
-MAX_STOP_STRINGS = 4
+# OpenAI accepts up to 5 log-probabilities per token on the completions API (20 on chat:
+# MAX_LOGPROBS).
 MAX_COMPLETION_LOGPROBS = 5
 
 
@@ -163,8 +161,8 @@ class _SamplingFields(_Request):
         stops = [value] if isinstance(value, str) else value
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
             raise ValueError("stop must be a string or a list of strings")
-        if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"stop takes at most {MAX_STOPS} strings, got {len(stops)}")
         if any(s == "" for s in stops):
             raise ValueError("stop strings must not be empty")
         return stops

@@ -17,7 +17,7 @@ import anyio
 from starlette.requests import Request
 
 from zmqllm.bus.messages import AskKind
-from zmqllm.bus.sampling_params import NO_LOGPROBS, SamplingParams
+from zmqllm.bus.sampling_params import MAX_SEED, NO_LOGPROBS, SamplingParams
 from zmqllm.client.failover import FailoverEvent, FailoverPolicy, ReplayStream
 from zmqllm.config.settings import GatewaySettings
 from zmqllm.gateway.admission import Admission, ClientGone, QueueFull, QueueTimeout
@@ -40,7 +40,6 @@ __all__ = [
 # Sampling when a request names no temperature: greedy, so the same prompt gives the same
 # answer (what the e2e tests compare with HF generate). OpenAI's own default is 1.0.
 DEFAULT_TEMPERATURE = 0.0
-_MAX_SEED = 2**63 - 1
 # Seconds a request gives a broker link that looks dead to show it is alive. The link's
 # liveness is the time since the broker's last message was read, and while the event loop
 # was busy (a burst of requests parsed and tokenized at once) the broker's messages wait
@@ -181,7 +180,7 @@ class GatewayService:
             top_k=0 if top_k is None else top_k,
             # An unseeded request draws a fresh seed, so resampling gives a new answer; the
             # seed still makes a replay on another route reproduce the same tokens.
-            seed=secrets.randbelow(_MAX_SEED + 1) if seed is None else seed,
+            seed=secrets.randbelow(MAX_SEED + 1) if seed is None else seed,
             logprobs=NO_LOGPROBS if logprobs is None else logprobs,
             presence_penalty=presence_penalty or 0.0,
             frequency_penalty=frequency_penalty or 0.0,

@@ -22,7 +22,6 @@ import contextlib
 import dataclasses
 import functools
 import os
-import re
 import signal
 import socket
 import threading
@@ -51,6 +50,7 @@ from zmqllm.bus.protocol import (
     decode,
     encode,
 )
+from zmqllm.config.names import NAME_RULE, is_name
 from zmqllm.config.settings import Config, ConfigError, worker_served_name
 from zmqllm.log import bind_request, get_logger
 from zmqllm.remote.upstream import Upstream, UpstreamError, UpstreamSettings, shown_url
@@ -79,8 +79,6 @@ IDLE_POLL_S = 0.1
 MAX_MESSAGES_PER_TURN = 1024
 MAX_KV_TOKENS = 1 << 40  # nothing to hold here: capacity is counted in sessions
 MAX_KEY_BYTES = 4096
-# What a broker takes as a model name (wire_types.name): an upstream's id may be anything.
-_SERVED_NAME = re.compile(r"[\x21-\x7e]{1,255}")
 # ErrorCode for each UpstreamError code; anything else is an upstream error.
 UPSTREAM_CODES = {
     "bad_request": ErrorCode.BAD_REQUEST,
@@ -158,7 +156,7 @@ class RemoteWorker(WorkerLoop):
             # Replicas of one upstream model agree, whatever URL each one calls.
             fingerprint=f"remote:{upstream.model}"[:128],
             model={"remote_model": upstream.model[:256]},
-            host=host if host.isascii() and host.isprintable() and " " not in host else "unknown",
+            host=host if is_name(host) else "unknown",
             pid=os.getpid(),
             device="remote",
             served=self.served,
@@ -421,12 +419,12 @@ def serve(cfg: Config) -> int:
             return 1
         settings = dataclasses.replace(settings, model=model)
     served = worker_served_name(cfg) or settings.model
-    if not _SERVED_NAME.fullmatch(served):
+    if not is_name(served):
         # An upstream's own id (a flag's is checked with the config): REGISTER takes none
         # with spaces or beyond ASCII, and failing there would be a traceback.
         raise ConfigError(
             f"the upstream's model id {served!r:.80} is no usable model name "
-            "(1 to 255 printable ASCII characters, no spaces); set --served-name"
+            f"({NAME_RULE}); set --served-name"
         )
     worker = RemoteWorker(cfg, settings, served, keys=keys)
     signal.signal(signal.SIGTERM, worker.on_sigterm)

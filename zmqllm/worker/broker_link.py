@@ -61,6 +61,7 @@ from zmqllm.bus.protocol import (
     encode,
     is_valid_id,
 )
+from zmqllm.bus.sockets import recv_bounded
 from zmqllm.log import get_logger
 from zmqllm.worker.faults import Faults
 
@@ -317,39 +318,18 @@ class BrokerLink:
         for _ in range(MAX_MESSAGES_PER_PUMP):
             if self._sock is None:
                 return
-            frames = self._recv_bounded(self._sock)
-            if frames is None:
+            try:
+                frames = recv_bounded(self._sock, MAX_FRAMES)
+            except zmq.Again:
                 return
             self._last_broker = time.monotonic()
-            if not frames:
+            if frames is None:
+                self.faults.report("malformed", "message with too many frames dropped")
                 continue
             try:
                 self._handle(frames)
             except Exception as exc:  # one message costs at most itself
                 self.faults.report("internal", "error handling a broker message", exc)
-
-    def _recv_bounded(self, sock: zmq.Socket[Any]) -> list[zmq.Frame] | None:
-        """One message of at most MAX_FRAMES frames ([] if it had more: the rest are read
-        one by one and let go); None when nothing is waiting."""
-        try:
-            frame = sock.recv(zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            return None
-        frames = [frame]
-        extra = 0
-        while frame.more:
-            # The parts of a message arrive together: the rest is already here.
-            frame = sock.recv(zmq.NOBLOCK, copy=False)
-            if len(frames) < MAX_FRAMES:
-                frames.append(frame)
-            else:
-                extra += 1
-        if extra:
-            self.faults.report(
-                "malformed", "message with too many frames dropped", frames=MAX_FRAMES + extra
-            )
-            return []
-        return frames
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         try:

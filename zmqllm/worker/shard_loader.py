@@ -8,7 +8,6 @@ model's fingerprint, so that a broker can refuse a worker of another model.
 from __future__ import annotations
 
 import os
-import re
 import socket
 import time
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ import torch
 
 from zmqllm.bus.protocol import MAX_HEADER_BYTES, Register
 from zmqllm.config.layers import parse_layers
+from zmqllm.config.names import is_name
 from zmqllm.config.settings import Config, resolve_model_path, worker_served_name
 from zmqllm.engine import native
 from zmqllm.engine.cache import rss_bytes
@@ -123,7 +123,7 @@ def register_message(cfg: Config, ld: Loaded) -> Register:
         version=__version__,
         fingerprint=str(ld.fingerprint["digest"]),
         model=model,
-        host=host if re.fullmatch(r"[\x21-\x7e]{1,255}", host) else "unknown",
+        host=host if is_name(host) else "unknown",
         pid=os.getpid(),
         dtype=cfg.model.dtype,
         device=cfg.model.device,
