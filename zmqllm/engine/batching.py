@@ -52,7 +52,6 @@ class SessionState:
     cache: KVCache
     # Stage 0 only: prompt tokens not yet run (chunked prefill).
     prompt_left: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
-    opened: float = field(default_factory=time.monotonic)
     next_hop: str = ""  # the worker its results go to next (the worker groups by it)
     # The worker's own: this session's peer links (peer_link.PeerRoute), if any.
     link: Any = None
