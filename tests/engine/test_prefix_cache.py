@@ -167,7 +167,9 @@ def test_without_the_prefix_cache_nothing_is_kept(
         assert p.stages[0].sessions[name].reused == 0
         p.run_until_idle()
         assert p.tokens[name] == reference(generator, long, 5)
-    assert all(st.prefixes is None and "prefix_hit_tokens" not in st.load() for st in p.stages)
+    assert all(
+        st.prefixes is None and "prefix_hit_tokens" not in st.heartbeat_figures() for st in p.stages
+    )
 
 
 # -- memory ------------------------------------------------------------------------------

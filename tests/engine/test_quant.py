@@ -10,12 +10,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tests.float_tolerance import reorder_tolerance  # noqa: E402
 from zmqllm.engine import native, quant  # noqa: E402
 from zmqllm.engine.generator import Generator, load_shard  # noqa: E402
 from zmqllm.engine.linear import QuantLinear  # noqa: E402
 from zmqllm.engine.quant import QuantTensor  # noqa: E402
-
-from tests.float_tolerance import reorder_tolerance  # noqa: E402
 
 
 def product_tolerance(w: torch.Tensor, x: torch.Tensor, want: torch.Tensor) -> dict[str, float]:

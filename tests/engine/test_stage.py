@@ -18,10 +18,11 @@ torch = pytest.importorskip("torch")
 
 from zmqllm.bus.prefix import prefix_chain  # noqa: E402
 from zmqllm.bus.sampling_params import SamplingParams  # noqa: E402
+from zmqllm.engine.batching import COALESCE_MAX_S  # noqa: E402
 from zmqllm.engine.cache import CacheFullError  # noqa: E402
 from zmqllm.engine.generator import Generator, load_shard  # noqa: E402
 from zmqllm.engine.model import MistralShard  # noqa: E402
-from zmqllm.engine.stage import COALESCE_MAX_S, BadWork, BatchFailed, Stage  # noqa: E402
+from zmqllm.engine.stage import BadWork, BatchFailed, Stage  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -253,11 +254,11 @@ def test_a_batch_holds_several_sessions(shards: dict[tuple[int, int], MistralSha
     for o in outputs:
         stage.step(o.session, 1, o.token or 0)
     assert len(stage.run()) == 3
-    load = stage.load()
-    assert load["sessions"] == 3
-    assert load["kv_tokens_reserved"] == 60
-    assert load["max_batch"] == 3
-    assert load["mean_batch"] == 3.0
+    figures = stage.heartbeat_figures()
+    assert figures["sessions"] == 3
+    assert figures["kv_tokens_reserved"] == 60
+    assert figures["max_batch"] == 3
+    assert figures["mean_batch"] == 3.0
 
 
 # -- admission and closing ---------------------------------------------------------------
@@ -284,7 +285,7 @@ def test_cache_full_when_max_kv_tokens_is_exceeded(
     with pytest.raises(CacheFullError):
         stage.open("b", "", 30, 5, GREEDY, frozenset(), np.asarray([5, 6], np.int32))
     stage.open("c", "", 20, 5, GREEDY, frozenset(), np.asarray([5, 6], np.int32))  # fits exactly
-    assert stage.load()["kv_tokens_reserved"] == 50
+    assert stage.heartbeat_figures()["kv_tokens_reserved"] == 50
     stage.close("a")
     stage.open("b", "", 30, 5, GREEDY, frozenset(), np.asarray([5, 6], np.int32))
 
@@ -540,7 +541,7 @@ def test_a_narrower_activation_is_cast_to_the_stage_dtype(
     stage.open("b", "", 20, 5, GREEDY, frozenset())
     stage.activation("a", 0, hidden.to(wire), True)
     stage.activation("b", 0, hidden.to(wire).float(), True)
-    queued = [w.inputs for w in stage._ready]
+    queued = [w.inputs for w in stage.scheduler.ready]
     assert [x.dtype for x in queued] == [torch.float32, torch.float32]
     assert torch.equal(queued[0], queued[1])
     tokens = {o.session: o.token for _ in range(2) for o in stage.run()}

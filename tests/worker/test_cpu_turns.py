@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import zmqllm.engine.stage as stage_module  # noqa: E402
+import zmqllm.engine.batching as batching_module  # noqa: E402
 import zmqllm.worker.cpu_turns as turns_module  # noqa: E402
 from zmqllm.bus.sampling_params import SamplingParams  # noqa: E402
 from zmqllm.engine.generator import load_shard  # noqa: E402
@@ -31,7 +31,7 @@ def slow_waits(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     monkeypatch.setattr(turns_module, "HOP_GRACE_S", t.hop)
     monkeypatch.setattr(turns_module, "GROUP_WAIT_S", t.group)
     monkeypatch.setattr(turns_module, "LOCK_WAIT_MAX_S", t.lock_max)
-    monkeypatch.setattr(stage_module, "COALESCE_MAX_S", t.bound)
+    monkeypatch.setattr(batching_module, "COALESCE_MAX_S", t.bound)
     return t
 
 
@@ -92,7 +92,7 @@ def test_waits_for_sessions_while_another_stage_computes(
     turns.last_work_at -= 2 * t.hop
 
     # Time spent while another stage computes does not count against the bound...
-    for w in stage._ready:
+    for w in stage.scheduler.ready:
         w.ready_at -= 2 * t.bound
     fcntl.flock(other, fcntl.LOCK_EX)
     assert turns.wait() == LOCK_POLL_S
@@ -111,7 +111,7 @@ def test_waits_for_sessions_while_another_stage_computes(
 
     # A stage that never lets go for long is queued on, not polled, forever.
     fcntl.flock(other, fcntl.LOCK_EX)
-    for w in stage._ready:
+    for w in stage.scheduler.ready:
         w.ready_at -= t.lock_max
     assert turns.wait() == 0.0
     fcntl.flock(other, fcntl.LOCK_UN)

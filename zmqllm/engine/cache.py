@@ -44,12 +44,6 @@ class KVCache:
         self.max_len = max_len
         self.length = 0
 
-    def room(self) -> int:
-        return self.max_len - self.length
-
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
 
 @dataclass
 class CacheStats:
@@ -130,9 +124,6 @@ class CachePool:
             return False
         self._reserved -= cache.max_len
         return True
-
-    def sessions(self) -> list[str]:
-        return list(self._caches)
 
     def stats(self) -> CacheStats:
         itemsize = torch.empty((), dtype=self.dtype).element_size()

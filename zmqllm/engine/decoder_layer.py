@@ -149,6 +149,6 @@ def _attend(
     g = h // kvh
     qg = q.view(n, kvh, g, d).permute(1, 2, 0, 3).reshape(1, kvh, g * n, d)
     # 4-D inputs take PyTorch's fused CPU attention kernel (3-D ones fall back to
-    # the unfused math path, ~2.5x slower at decode).
+    # the unfused math path, slower at decode).
     out = F.scaled_dot_product_attention(qg, k[None], v[None], attn_mask=mask)
     return out.view(kvh, g, n, d).permute(2, 0, 1, 3).reshape(n, h * d)  # [n, H*D]

@@ -11,7 +11,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from zmqllm.engine import native
@@ -191,7 +190,3 @@ class Generator:
             stats.decode_s = time.perf_counter() - t1
         finally:
             self.close(session)
-
-
-def logits_to_numpy(logits: torch.Tensor) -> np.ndarray:
-    return logits.detach().to(torch.float32).cpu().numpy()

@@ -48,11 +48,9 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """PyTorch's float32 linear on the CPU handles 4..15 rows a few at a time,
-        re-reading the weight each time: 12 rows through the 49152x576 lm_head take
-        37 ms against 20 ms for 16 (1 thread, measured). Computed as W @ x^T the
-        same product reads the weight once: 23 ms at 12 rows, and the MLP weights
-        gain up to 2x up to 32 rows. Outside that band F.linear is as fast or
-        faster (and is what transformers uses)."""
+        re-reading the weight each time; computed as W @ x^T the same product reads
+        the weight once, which pays in the band CPU_MM_MIN_ROWS..max_mm_rows. Outside
+        it F.linear is as fast or faster (and is what transformers uses)."""
         if x.device.type == "cpu" and CPU_MM_MIN_ROWS <= x.shape[0] <= self.max_mm_rows:
             return torch.mm(self.weight, x.t()).t().contiguous()
         return F.linear(x, self.weight)
@@ -93,9 +91,8 @@ class GemvLinear(_Wrapper):
 
 class PackedLinear(_Wrapper):
     """Batches of PACK_MIN_ROWS..rows rows through MKL's packed GEMM, padded to
-    ``rows``: ~25% less time than F.linear at 16 rows with the weights coming
-    from memory, the same sgemm minus packing the weight on every call. Costs a
-    second copy of the weight."""
+    ``rows``: the same sgemm as F.linear minus packing the weight on every call,
+    which pays when the weights come from memory. Costs a second copy of the weight."""
 
     def __init__(self, inner: nn.Module, rows: int) -> None:
         super().__init__(inner)

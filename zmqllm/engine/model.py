@@ -122,7 +122,7 @@ class MistralShard(nn.Module):
     def pack(self, rows: int) -> bool:
         """Keep an MKL-packed copy of every matmul weight for batches of up to ``rows``
         rows (from PACK_MIN_ROWS): about a second copy of the weights in memory for
-        ~25% faster batched decode forwards. float32 on the CPU with MKL only;
+        faster batched decode forwards (linear.PackedLinear). float32 on the CPU with MKL only;
         returns whether the weights were packed."""
         if not linear.packing_available(self.dtype, self.device, rows):
             return False

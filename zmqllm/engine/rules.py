@@ -5,7 +5,7 @@ presence/frequency penalties over the tokens generated so far, and a grammar
 Grammars are llguidance's (chosen by measuring, see the README): one matcher per session,
 advanced by each sampled token; its bitmask of allowed tokens is filled before each
 sample. The tokenizer llguidance needs is built once per worker, in the background when
-the last stage loads (it takes ~2 s for the default model's 49,152 tokens).
+the last stage loads (it takes seconds for a vocabulary of tens of thousands).
 """
 
 from __future__ import annotations

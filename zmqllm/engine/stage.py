@@ -1,8 +1,11 @@
-"""One pipeline stage's sessions and its batching, with no sockets.
+"""One pipeline stage's sessions: admission, with no sockets.
 
-Each call of :meth:`Stage.run` takes the work that is ready (decode steps of
-every session, and prefill chunks up to a token budget) and runs it as ONE
-batched forward over the shard. Sessions join and leave between calls.
+A :class:`Stage` opens and closes sessions, validates every step and activation when it
+arrives, and queues it with its :class:`~zmqllm.engine.batching.Scheduler`, which
+decides what each forward takes (decode steps of every session, and prefill chunks up
+to a token budget); its :class:`~zmqllm.engine.runner.ModelRunner` runs that as ONE
+batched forward over the shard. Sessions join and leave between calls of
+:meth:`Stage.run`.
 
 Sessions are keyed by an opaque string (the worker uses ``"<session>/<attempt>"``).
 Work is validated when it arrives, before any tensor op sees it: a token id outside the
@@ -13,23 +16,16 @@ raises anyway raises :class:`BatchFailed` naming the sessions that were in it.
 
 from __future__ import annotations
 
-import math
-import time
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 
-from zmqllm.bus.messages import Finish
 from zmqllm.bus.prefix import PREFIX_BLOCK, prefix_blocks
-from zmqllm.bus.sampling_params import NO_LOGPROBS
+from zmqllm.engine.batching import Refusal, Scheduler, SessionState, Work
 from zmqllm.engine.cache import (
     CacheFullError,
     CachePool,
-    KVCache,
     cuda_memory,
     memory_in_use,
     rss_bytes,
@@ -38,89 +34,15 @@ from zmqllm.engine.frames import ACTIVATION_DTYPES
 from zmqllm.engine.model import MistralShard, Segment
 from zmqllm.engine.prefix_cache import PrefixStore
 from zmqllm.engine.rules import GrammarTokenizer, SessionRules
-from zmqllm.engine.sampling import SamplingParams, logprobs_of, sample
+from zmqllm.engine.runner import BatchFailed, ModelRunner, Output, StageStats
+from zmqllm.engine.sampling import SamplingParams
 
-# How long ready work may wait for more sessions while the cores are free (see
-# Stage.coalesce_wait; time another stage spends computing does not count, up to
-# the worker's LOCK_WAIT_MAX_S): a safety net, far above one forward of a shard.
-COALESCE_MAX_S = 0.25
+# The stage's API names the types its methods take and return, wherever they live.
+__all__ = ["BadWork", "BatchFailed", "Output", "SessionState", "Stage", "StageStats"]
 
 
 class BadWork(ValueError):
     """A step or activation this stage cannot run; the session it names must fail."""
-
-
-class BatchFailed(RuntimeError):
-    """A forward raised; ``keys`` are the sessions that were in its batch."""
-
-    def __init__(self, keys: list[str], cause: BaseException) -> None:
-        super().__init__(f"forward of {len(keys)} sessions failed: {type(cause).__name__}")
-        self.keys = keys
-
-
-@dataclass
-class SessionState:
-    id: str
-    request_id: str
-    max_tokens: int
-    sampling: SamplingParams
-    stop_ids: frozenset[int]
-    cache: KVCache
-    # Stage 0 only: prompt tokens not yet run (chunked prefill).
-    prompt_left: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
-    prompt_step: int = 0
-    opened: float = field(default_factory=time.monotonic)
-    next_hop: str = ""  # the worker its results go to next (the worker groups by it)
-    # The worker's own: this session's peer links (peer_link.PeerRoute), if any.
-    link: Any = None
-    # The decode step this stage expects next; 0 while the prompt is still coming
-    # (stage 0: until its last chunk runs; later stages: until the final chunk arrives).
-    next_step: int = 0
-    # Prefix caching: the prompt's block keys, the prompt tokens copied into the cache
-    # from the prefix cache at open, and (stage 0) the later stages yet to say how much
-    # they hold; the prompt starts after the least any stage holds.
-    chain: tuple[int, ...] = ()
-    held: int = 0
-    acks: int = 0
-    reused: int = 0  # prompt tokens not computed (the first chunk tells later stages)
-    told: bool = False  # stage 0: the first prompt chunk has left
-    rules: SessionRules | None = None  # last stage: penalties and a grammar, if asked for
-
-
-@dataclass
-class Work:
-    session: SessionState
-    step: int
-    inputs: torch.Tensor  # stage 0: token ids [n]; later stages: hidden [n, hidden]
-    final: bool  # the last chunk of the prompt, or a decode step: the last stage samples
-    ready_at: float = field(default_factory=time.monotonic)
-    prefix: int = 0  # the first prompt chunk: the prompt tokens before it, not computed
-
-
-@dataclass
-class Output:
-    session: str
-    request_id: str
-    step: int
-    final: bool
-    hidden: torch.Tensor | None = None  # [n, hidden] for the next stage
-    prefix: int = 0  # Work.prefix, for the next stage
-    token: int | None = None  # last stage: the sampled token
-    finish: Finish | None = None  # last stage: why the session ends here, if it does
-    # last stage, when the session asked: the ids and log-probabilities of the sampled
-    # token, then of the most likely ones (engine.sampling.logprobs_of)
-    logprobs: tuple[tuple[int, ...], tuple[float, ...]] | None = None
-
-
-@dataclass
-class StageStats:
-    forwards: int = 0
-    tokens: int = 0
-    last_batch: int = 0
-    max_batch: int = 0
-    batch_sum: int = 0
-    forward_s: float = 0.0
-    last_forward_ms: float = 0.0
 
 
 class Stage:
@@ -134,7 +56,6 @@ class Stage:
         prefix_cache: bool = True,
         grammar_tokenizer: GrammarTokenizer | None = None,
     ) -> None:
-        self.shard = shard
         self.pool = CachePool(
             shard.args,
             shard.num_local_layers,
@@ -143,16 +64,33 @@ class Stage:
             max_sessions,
             max_kv_tokens,
         )
-        self.prefill_chunk = prefill_chunk
         self.max_memory = max_memory_mb << 20
         self.prefixes = PrefixStore() if prefix_cache else None
         self.grammar_tokenizer = grammar_tokenizer
         self.sessions: dict[str, SessionState] = {}
-        self._ready: deque[Work] = deque()
-        self.stats = StageStats()
-        # (session, request id, reason) of work refused before a forward; the socket
-        # side reports and closes them. One bad session must not fail a whole batch.
-        self.failed: list[tuple[str, str, str]] = []
+        self.scheduler = Scheduler(self.sessions, prefill_chunk)
+        self.runner = ModelRunner(shard, self.pool, self.prefixes)
+        # Sessions whose work was refused before or after a forward; the socket side
+        # reports and closes them. One bad session must not fail a whole batch.
+        self.failed: list[Refusal] = []
+
+    @property
+    def shard(self) -> MistralShard:
+        return self.runner.shard
+
+    @shard.setter
+    def shard(self, shard: MistralShard) -> None:
+        # One shard for admission and forward: the runner's (tests swap in failing ones).
+        self.runner.shard = shard
+
+    @property
+    def prefill_chunk(self) -> int:
+        """The most prompt tokens one forward takes (and one activation may carry)."""
+        return self.scheduler.prefill_chunk
+
+    @property
+    def stats(self) -> StageStats:
+        return self.runner.stats
 
     # -- session control ------------------------------------------------------
     def open(
@@ -261,7 +199,7 @@ class Stage:
         s = self.sessions.pop(session, None)
         self.pool.free(session)
         if s is not None:
-            self._ready = deque(w for w in self._ready if w.session is not s)
+            self.scheduler.drop(s)
         return s is not None
 
     def reset(self) -> None:
@@ -280,7 +218,7 @@ class Stage:
         self._check_step(s, step)
         self._check_room(s, 1)
         s.next_step += 1
-        self._ready.append(Work(s, step, torch.tensor([token], dtype=torch.long), True))
+        self.scheduler.add(Work(s, step, torch.tensor([token], dtype=torch.long), True))
 
     def activation(
         self, session: str, step: int, hidden: torch.Tensor, final: bool, prefix: int = 0
@@ -293,7 +231,7 @@ class Stage:
         if self.shard.is_first:
             raise BadWork("stage 0 takes token ids, not activations")
         if prefix:
-            started = s.cache.length or s.next_step or any(w.session is s for w in self._ready)
+            started = s.cache.length or s.next_step or any(self.scheduler.queued(s))
             if started or prefix > s.held or prefix % PREFIX_BLOCK:
                 raise BadWork(f"a prefix of {prefix} tokens: this stage holds {s.held}")
             s.reused = s.cache.length = prefix
@@ -320,7 +258,7 @@ class Stage:
         # Cast to this stage's dtype: the previous stage may send a narrower wire dtype.
         # (No copy when it already is the stage's dtype on the CPU.)
         hidden = hidden.to(device=self.shard.device, dtype=self.shard.dtype)
-        self._ready.append(Work(s, step, hidden, final))
+        self.scheduler.add(Work(s, step, hidden, final))
 
     def _known(self, session: str) -> SessionState:
         s = self.sessions.get(session)
@@ -336,153 +274,35 @@ class Stage:
             raise BadWork(f"step {step} past max_tokens {s.max_tokens}")
 
     def _check_room(self, s: SessionState, n: int) -> None:
-        queued = sum(w.inputs.shape[0] for w in self._ready if w.session is s)
+        queued = self.scheduler.queued_rows(s)
         if s.cache.length + queued + s.prompt_left.size + n > s.cache.max_len:
             raise BadWork(f"{n} more tokens overflow a cache of {s.cache.max_len}")
 
     # -- running ---------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self._ready) or any(
-            s.prompt_left.size and not s.acks for s in self.sessions.values()
-        )
+        return self.scheduler.has_work()
 
     def others_pending(self) -> bool:
         """Work is ready, no prompt waits, and some sessions are not ready here."""
-        if not self._ready or any(
-            s.prompt_left.size and not s.acks for s in self.sessions.values()
-        ):
-            return False
-        return len({w.session.id for w in self._ready}) < len(self.sessions)
+        return self.scheduler.others_pending()
 
     def oldest_ready(self) -> float:
         """When the longest-waiting ready work arrived (inf: none)."""
-        return min((w.ready_at for w in self._ready), default=math.inf)
+        return self.scheduler.oldest_ready()
 
     def coalesce_wait(self, now: float, since: float = 0.0) -> float:
-        """Seconds the ready work may still wait for the sessions that are elsewhere.
-
-        When stages share the cores and take turns, sessions split into groups that
-        reach each stage at different times, and a forward of 16 rows costs little
-        more than one of 8: ready work is worth holding back until the sessions now
-        on another stage come back, so that the groups merge into one batch (the
-        worker decides when they are coming; see Worker._coalesce_wait). This is the
-        bound on that wait: 0 when every session is ready, when a prompt waits, or
-        when COALESCE_MAX_S has passed since the oldest ready work arrived or, if
-        later, since `since` (the worker passes when it last saw another stage
-        computing: time we could not have computed in does not count).
-        """
-        if not self.others_pending():
-            return 0.0
-        start = max(min(w.ready_at for w in self._ready), since)
-        return max(0.0, start + COALESCE_MAX_S - now)
-
-    def _take_batch(self) -> list[Work]:
-        """Decode work first, then prefill chunks within the token budget; at
-        most one segment per session (a cache advances once per forward)."""
-        batch: list[Work] = []
-        seen: set[str] = set()
-        later: deque[Work] = deque()
-        budget = self.prefill_chunk
-        while self._ready:
-            w = self._ready.popleft()
-            n = w.inputs.shape[0]
-            cache = w.session.cache
-            if cache.length + n > cache.max_len:
-                reason = f"{n} more tokens after {cache.length} overflow a cache of {cache.max_len}"
-                self.failed.append((w.session.id, w.session.request_id, reason))
-                continue
-            if w.session.id in seen or (n > 1 and n > budget and batch):
-                later.append(w)
-                continue
-            batch.append(w)
-            seen.add(w.session.id)
-            if n > 1:
-                budget -= n
-        self._ready = later
-        for s in self.sessions.values():
-            if budget <= 0:
-                break
-            if s.prompt_left.size and s.id not in seen and not s.acks:
-                n = min(budget, s.prompt_left.size)
-                chunk, s.prompt_left = s.prompt_left[:n], s.prompt_left[n:]
-                final = s.prompt_left.size == 0
-                if final:
-                    s.next_step = 1  # its first token comes from this forward
-                prefix = 0 if s.told else s.reused
-                s.told = True
-                batch.append(Work(s, 0, torch.from_numpy(chunk), final, prefix=prefix))
-                seen.add(s.id)
-                budget -= n
-        return batch
+        """Seconds the ready work may still wait for the sessions that are elsewhere
+        (see Scheduler.coalesce_wait)."""
+        return self.scheduler.coalesce_wait(now, since)
 
     def run(self) -> list[Output]:
         """One batched forward of the ready work. Raises BatchFailed if the forward
         does (its sessions must fail; the others are untouched). A row that cannot be
         sampled fails its own session (see ``failed``)."""
-        batch = self._take_batch()
+        batch = self.scheduler.take_batch(self.failed)
         if not batch:
             return []
-        segs = [Segment(w.session.cache, w.inputs.shape[0]) for w in batch]
-        t0 = time.perf_counter()
-        try:
-            x = torch.cat([w.inputs for w in batch]) if len(batch) > 1 else batch[0].inputs
-            out = self.shard(x, segs)
-        except Exception as exc:
-            raise BatchFailed([w.session.id for w in batch], exc) from exc
-        dt = time.perf_counter() - t0
-        st = self.stats
-        st.forwards += 1
-        st.tokens += int(x.shape[0])
-        st.last_batch = len(batch)
-        st.max_batch = max(st.max_batch, len(batch))
-        st.batch_sum += len(batch)
-        st.forward_s += dt
-        st.last_forward_ms = dt * 1e3
-        self._keep_prefixes(batch)
-        outputs = []
-        if not self.shard.is_last:
-            off = 0
-            for w, seg in zip(batch, segs, strict=True):
-                s = w.session
-                hidden = out[off : off + seg.n]
-                outputs.append(Output(s.id, s.request_id, w.step, w.final, hidden, w.prefix))
-                off += seg.n
-            return outputs
-        logits = out.numpy()  # [B, vocab] float32
-        for row, w in enumerate(batch):
-            if not w.final:
-                continue  # a prompt chunk that is not the last: nothing to sample yet
-            s = w.session
-            try:
-                if s.rules is None:
-                    token = sample(logits[row], s.sampling, w.step)
-                else:
-                    token = sample(s.rules.apply(logits[row]), s.sampling, w.step)
-                    s.rules.accept(token)
-            except ValueError as exc:  # e.g. NaN logits: this row's session only
-                self.failed.append((s.id, s.request_id, f"sampling failed: {exc}"))
-                continue
-            finish = None
-            if token in s.stop_ids or (s.rules is not None and s.rules.done()):
-                finish = Finish.STOP
-            elif w.step + 1 >= s.max_tokens:
-                finish = Finish.LENGTH
-            top = s.sampling.logprobs
-            lp = logprobs_of(logits[row], token, top) if top != NO_LOGPROBS else None
-            outputs.append(
-                Output(s.id, s.request_id, w.step, True, token=token, finish=finish, logprobs=lp)
-            )
-        return outputs
-
-    def _keep_prefixes(self, batch: list[Work]) -> None:
-        """Store the blocks of each prompt that has just run in full."""
-        store = self.prefixes
-        if store is None:
-            return
-        for w in batch:
-            s = w.session
-            if w.final and w.step == 0 and s.chain:
-                store.save(s.chain, s.cache, self.pool.max_tokens - self.pool.reserved)
+        return self.runner.run(batch, self.failed)
 
     def warmup(self) -> None:
         """One small forward through the shard, so the first request is not slow."""
@@ -498,26 +318,21 @@ class Stage:
         finally:
             self.close(sid)
 
-    def load(self) -> dict[str, float | int]:
-        st, pool = self.stats, self.pool.stats()
+    def heartbeat_figures(self) -> dict[str, float | int]:
+        """This stage's occupancy and throughput for the worker's heartbeat: sessions
+        and KV reserved, the forwards' batch sizes and times, memory, prefix cache."""
+        pool = self.pool.stats()
         return {
             "sessions": pool.sessions,
             "kv_tokens_reserved": pool.tokens_reserved,
             "kv_bytes_reserved": pool.bytes_reserved,
-            "forwards": st.forwards,
-            "tokens": st.tokens,
-            "last_batch": st.last_batch,
-            "max_batch": st.max_batch,
-            "mean_batch": round(st.batch_sum / st.forwards, 3) if st.forwards else 0.0,
-            "mean_forward_ms": round(st.forward_s / st.forwards * 1e3, 3) if st.forwards else 0.0,
-            "last_forward_ms": round(st.last_forward_ms, 3),
-            "busy_s": round(st.forward_s, 4),  # total time in forwards: utilisation
+            **self.stats.figures(),
             "rss_bytes": rss_bytes(),
             **cuda_memory(self.shard.device),
-            **self._prefix_load(),
+            **self._prefix_figures(),
         }
 
-    def _prefix_load(self) -> dict[str, int]:
+    def _prefix_figures(self) -> dict[str, int]:
         store = self.prefixes
         if store is None:
             return {}

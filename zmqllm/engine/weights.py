@@ -71,10 +71,6 @@ def weight_map(directory: Path) -> dict[str, str]:
     raise CheckpointError(f"{directory} holds no {SINGLE_FILE} nor {INDEX_FILE}")
 
 
-def is_local(model: str) -> bool:
-    return Path(model).expanduser().is_dir()
-
-
 def resolve_checkpoint(
     model: str,
     args_for: tuple[int, int] | Callable[[ModelArgs], tuple[int, int]] | None = None,

@@ -170,7 +170,7 @@ class Worker(WorkerLoop):
 
     def publish_load(self, now: float | None = None) -> None:
         self._published = time.monotonic() if now is None else now
-        self.link.publish(self.stage.load(), self.draining)
+        self.link.publish(self.stage.heartbeat_figures(), self.draining)
 
     def close(self) -> None:
         self.link.stop()  # once stopped, or never started, it does nothing

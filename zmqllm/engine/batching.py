@@ -1,0 +1,193 @@
+"""The batching policy of one pipeline stage: which work goes into the next forward.
+
+A :class:`Scheduler` holds the work that is ready (decode steps, prompt chunks sent
+by the previous stage) and the sessions whose prompts this stage still has to
+cut into chunks (stage 0). It decides, without running anything:
+
+- what the next forward takes (:meth:`Scheduler.take_batch`): decode work first,
+  then prompt chunks within a token budget, at most one segment per session;
+- whether ready work should wait for sessions that are on another stage
+  (:meth:`Scheduler.coalesce_wait`), so that groups of sessions merge into one batch.
+
+It never touches a tensor's values: work carries its inputs (token ids or hidden
+states) as they came, and :mod:`zmqllm.engine.runner` turns a batch into one forward.
+Admission (which sessions and steps are valid at all) is :mod:`zmqllm.engine.stage`'s.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+    from zmqllm.engine.cache import KVCache
+    from zmqllm.engine.rules import SessionRules
+    from zmqllm.engine.sampling import SamplingParams
+
+# How long ready work may wait for more sessions while the cores are free (see
+# Scheduler.coalesce_wait; time another stage spends computing does not count, up to
+# the worker's LOCK_WAIT_MAX_S): a safety net, far above one forward of a shard.
+COALESCE_MAX_S = 0.25
+
+# (session key, request id, reason): work refused before or after a forward; the
+# socket side reports and closes those sessions. One bad session must not fail a batch.
+Refusal = tuple[str, str, str]
+
+
+@dataclass
+class SessionState:
+    id: str
+    request_id: str
+    max_tokens: int
+    sampling: SamplingParams
+    stop_ids: frozenset[int]
+    cache: KVCache
+    # Stage 0 only: prompt tokens not yet run (chunked prefill).
+    prompt_left: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    next_hop: str = ""  # the worker its results go to next (the worker groups by it)
+    # The worker's own: this session's peer links (peer_link.PeerRoute), if any.
+    link: Any = None
+    # The decode step this stage expects next; 0 while the prompt is still coming
+    # (stage 0: until its last chunk runs; later stages: until the final chunk arrives).
+    next_step: int = 0
+    # Prefix caching: the prompt's block keys, the prompt tokens copied into the cache
+    # from the prefix cache at open, and (stage 0) the later stages yet to say how much
+    # they hold; the prompt starts after the least any stage holds.
+    chain: tuple[int, ...] = ()
+    held: int = 0
+    acks: int = 0
+    reused: int = 0  # prompt tokens not computed (the first chunk tells later stages)
+    told: bool = False  # stage 0: the first prompt chunk has left
+    rules: SessionRules | None = None  # last stage: penalties and a grammar, if asked for
+
+    def prompt_waiting(self) -> bool:
+        """Stage 0: prompt tokens are left and no later stage's word is awaited."""
+        return bool(self.prompt_left.size) and not self.acks
+
+
+@dataclass
+class Work:
+    session: SessionState
+    step: int
+    # Stage 0: token ids [n] (a tensor for a decode step, the numpy slice of the prompt
+    # for a prompt chunk); later stages: hidden states [n, hidden] on the shard's device.
+    inputs: torch.Tensor | np.ndarray
+    final: bool  # the last chunk of the prompt, or a decode step: the last stage samples
+    ready_at: float = field(default_factory=time.monotonic)
+    prefix: int = 0  # the first prompt chunk: the prompt tokens before it, not computed
+
+    @property
+    def rows(self) -> int:
+        """The tokens this work adds to its session's cache."""
+        return int(self.inputs.shape[0])
+
+
+class Scheduler:
+    """Ready work of one stage and the policy that batches it.
+
+    ``sessions`` is the stage's own table (shared, not copied): prompts are cut from
+    the sessions in it, in the order they opened. ``prefill_chunk`` is the token budget
+    of the prompt chunks in one forward."""
+
+    def __init__(self, sessions: dict[str, SessionState], prefill_chunk: int) -> None:
+        self.sessions = sessions
+        self.prefill_chunk = prefill_chunk
+        self.ready: deque[Work] = deque()
+
+    def add(self, work: Work) -> None:
+        self.ready.append(work)
+
+    def drop(self, s: SessionState) -> None:
+        """Forget the ready work of a session that closed."""
+        self.ready = deque(w for w in self.ready if w.session is not s)
+
+    def queued(self, s: SessionState) -> Iterable[Work]:
+        return (w for w in self.ready if w.session is s)
+
+    def queued_rows(self, s: SessionState) -> int:
+        """The tokens of a session's ready work, not yet in its cache."""
+        return sum(w.rows for w in self.queued(s))
+
+    def has_work(self) -> bool:
+        return bool(self.ready) or any(s.prompt_waiting() for s in self.sessions.values())
+
+    def others_pending(self) -> bool:
+        """Work is ready, no prompt waits, and some sessions are not ready here."""
+        if not self.ready or any(s.prompt_waiting() for s in self.sessions.values()):
+            return False
+        return len({w.session.id for w in self.ready}) < len(self.sessions)
+
+    def oldest_ready(self) -> float:
+        """When the longest-waiting ready work arrived (inf: none)."""
+        return min((w.ready_at for w in self.ready), default=math.inf)
+
+    def coalesce_wait(self, now: float, since: float = 0.0) -> float:
+        """Seconds the ready work may still wait for the sessions that are elsewhere.
+
+        When stages share the cores and take turns, sessions split into groups that
+        reach each stage at different times, and a forward of 16 rows costs little
+        more than one of 8: ready work is worth holding back until the sessions now
+        on another stage come back, so that the groups merge into one batch (the
+        worker decides when they are coming; see Worker._coalesce_wait). This is the
+        bound on that wait: 0 when every session is ready, when a prompt waits, or
+        when COALESCE_MAX_S has passed since the oldest ready work arrived or, if
+        later, since `since` (the worker passes when it last saw another stage
+        computing: time we could not have computed in does not count).
+        """
+        if not self.others_pending():
+            return 0.0
+        start = max(self.oldest_ready(), since)
+        return max(0.0, start + COALESCE_MAX_S - now)
+
+    def take_batch(self, refused: list[Refusal]) -> list[Work]:
+        """The next forward's work: decode work first, then prefill chunks within the
+        token budget; at most one segment per session (a cache advances once per
+        forward). Work that would overflow its cache is dropped into ``refused``."""
+        batch: list[Work] = []
+        seen: set[str] = set()
+        later: deque[Work] = deque()
+        budget = self.prefill_chunk
+        while self.ready:
+            w = self.ready.popleft()
+            n = w.rows
+            cache = w.session.cache
+            if cache.length + n > cache.max_len:
+                reason = f"{n} more tokens after {cache.length} overflow a cache of {cache.max_len}"
+                refused.append((w.session.id, w.session.request_id, reason))
+                continue
+            if w.session.id in seen or (n > 1 and n > budget and batch):
+                later.append(w)
+                continue
+            batch.append(w)
+            seen.add(w.session.id)
+            if n > 1:
+                budget -= n
+        self.ready = later
+        for s in self.sessions.values():
+            if budget <= 0:
+                break
+            if s.prompt_waiting() and s.id not in seen:
+                batch.append(self._prompt_chunk(s, budget))
+                seen.add(s.id)
+                budget -= batch[-1].rows
+        return batch
+
+    @staticmethod
+    def _prompt_chunk(s: SessionState, budget: int) -> Work:
+        """Stage 0: cut the next chunk (up to ``budget`` tokens) off a session's prompt."""
+        n = min(budget, s.prompt_left.size)
+        chunk, s.prompt_left = s.prompt_left[:n], s.prompt_left[n:]
+        final = s.prompt_left.size == 0
+        if final:
+            s.next_step = 1  # its first token comes from this forward
+        prefix = 0 if s.told else s.reused
+        s.told = True
+        return Work(s, 0, chunk, final, prefix=prefix)
