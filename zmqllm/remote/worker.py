@@ -22,7 +22,6 @@ import contextlib
 import dataclasses
 import functools
 import os
-import signal
 import threading
 from collections import deque
 from pathlib import Path
@@ -31,7 +30,7 @@ from typing import Any
 import zmq
 
 from zmqllm.bus.ask_body import AskBodyError, upstream_body
-from zmqllm.bus.keys import PeerKeys, keys_dir, load_peer_keys
+from zmqllm.bus.keys import PeerKeys
 from zmqllm.bus.messages import MAX_CONTEXT, MAX_DELTA, AskKind
 from zmqllm.bus.protocol import (
     Ask,
@@ -54,6 +53,7 @@ from zmqllm.worker.shell import (
     Handler,
     WorkerShell,
     host_name,
+    worker_keys,
 )
 
 __all__ = ["RemoteWorker", "serve"]
@@ -318,8 +318,7 @@ class _Forget:
 
 def serve(cfg: Config) -> int:
     """Run a remote worker until SIGTERM/SIGINT (its upstream model looked up first)."""
-    folder = keys_dir(cfg.security)
-    keys = load_peer_keys(folder, "worker") if folder is not None else None
+    keys = worker_keys(cfg)
     w = cfg.worker
     settings = UpstreamSettings(
         url=w.remote,
@@ -352,6 +351,5 @@ def serve(cfg: Config) -> int:
             "(1 to 255 printable ASCII characters, no spaces); set --served-name"
         )
     worker = RemoteWorker(cfg, settings, served, keys=keys)
-    signal.signal(signal.SIGTERM, worker.on_sigterm)
-    signal.signal(signal.SIGINT, worker.on_sigint)
+    worker.install_signals()
     return worker.run()

@@ -14,14 +14,13 @@ not name.
 from __future__ import annotations
 
 import dataclasses
-import signal
 import uuid
 from typing import Any
 
 import torch
 import zmq
 
-from zmqllm.bus.keys import PeerKeys, keys_dir, load_peer_keys
+from zmqllm.bus.keys import PeerKeys
 from zmqllm.bus.protocol import (
     Activation,
     Cached,
@@ -50,7 +49,7 @@ from zmqllm.worker.cpu_turns import CpuTurns
 from zmqllm.worker.peer_link import PeerLink, PeerRoute, peer_bind
 from zmqllm.worker.routing import group_tags, route_result
 from zmqllm.worker.shard_loader import Loaded, load_stage, max_frame_bytes, register_message
-from zmqllm.worker.shell import IDLE_POLL_S, Handler, WorkerShell
+from zmqllm.worker.shell import IDLE_POLL_S, Handler, WorkerShell, worker_keys
 
 __all__ = ["Worker", "load_stage", "serve"]
 
@@ -372,10 +371,7 @@ class Worker(WorkerShell):
 
 
 def serve(cfg: Config) -> int:
-    folder = keys_dir(cfg.security)  # a key problem is told before the model loads
-    keys = load_peer_keys(folder, "worker") if folder is not None else None
-    loaded = load_stage(cfg)
-    worker = Worker(cfg, loaded, keys=keys)
-    signal.signal(signal.SIGTERM, worker.on_sigterm)
-    signal.signal(signal.SIGINT, worker.on_sigint)
+    keys = worker_keys(cfg)  # a key problem is told before the model loads
+    worker = Worker(cfg, load_stage(cfg), keys=keys)
+    worker.install_signals()
     return worker.run()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import abc
 import os
 import re
+import signal
 import socket
 import time
 import uuid
@@ -31,7 +32,7 @@ from typing import Any
 
 import zmq
 
-from zmqllm.bus.keys import PeerKeys
+from zmqllm.bus.keys import PeerKeys, keys_dir, load_peer_keys
 from zmqllm.bus.protocol import (
     Cancel,
     Close,
@@ -69,6 +70,7 @@ __all__ = [
     "host_name",
     "link_settings",
     "worker_identity",
+    "worker_keys",
 ]
 
 log = get_logger("zmqllm.worker")
@@ -89,6 +91,13 @@ def worker_identity(cfg: Config, role: str) -> str:
     that a restarted worker is a new one to the broker."""
     name = cfg.worker.name or f"{socket.gethostname()}-{os.getpid()}"
     return f"w-{name}-{role}-{uuid.uuid4().hex[:6]}"
+
+
+def worker_keys(cfg: Config) -> PeerKeys | None:
+    """This worker's CURVE keys (None: the bus has none); a problem with them is told
+    now, before a model loads or an upstream is asked anything."""
+    folder = keys_dir(cfg.security)
+    return load_peer_keys(folder, "worker") if folder is not None else None
 
 
 def link_settings(
@@ -203,6 +212,11 @@ class WorkerShell(abc.ABC):
 
     def on_sigint(self, *_: Any) -> None:
         self._stop = True
+
+    def install_signals(self) -> None:
+        """(Main thread.) SIGTERM drains, SIGINT stops."""
+        signal.signal(signal.SIGTERM, self.on_sigterm)
+        signal.signal(signal.SIGINT, self.on_sigint)
 
     def run_turns(self) -> int:
         """Turn until stopped or drained; the process's exit status."""
