@@ -47,18 +47,15 @@ def route_result(
     """Where ``result`` (a token not yet ``stepped``, or an activation) goes, for a
     session whose results go to ``next_hop`` and whose peer links are ``link`` (None
     for both: the session is gone, and its result goes to the broker, which knows)."""
-    steps = isinstance(result, Token) and result.finish is None
-    if steps and next_hop == identity:
-        assert isinstance(result, Token)
-        return _stepping(result, peer="")
-    if link is None or not link.next_peer or link.via_broker:
-        return Routed(result)
+    # The peer link's endpoint, if this session's results go over it now.
+    peer = link.next_peer if link is not None and not link.via_broker else ""
     if isinstance(result, Activation):
-        return Routed(None, ahead=result, peer=link.next_peer, instead=result)
-    if steps:
-        assert isinstance(result, Token)
-        return _stepping(result, peer=link.next_peer)
-    return Routed(result)  # the last token: the broker ends the session, no step follows
+        return Routed(None, ahead=result, peer=peer, instead=result) if peer else Routed(result)
+    if result.finish is not None:
+        return Routed(result)  # the last token: the broker ends the session, no step follows
+    if next_hop == identity:
+        return _stepping(result, peer="")  # here wins over any peer link
+    return _stepping(result, peer) if peer else Routed(result)
 
 
 def _stepping(token: Token, peer: str) -> Routed:
