@@ -22,7 +22,8 @@ from zmqllm.engine.batching import COALESCE_MAX_S  # noqa: E402
 from zmqllm.engine.cache import CacheFullError  # noqa: E402
 from zmqllm.engine.generator import Generator, load_shard  # noqa: E402
 from zmqllm.engine.model import MistralShard  # noqa: E402
-from zmqllm.engine.stage import BadWork, BatchFailed, Stage  # noqa: E402
+from zmqllm.engine.runner import BatchFailed  # noqa: E402
+from zmqllm.engine.stage import BadWork, Stage  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

@@ -1,4 +1,4 @@
-"""The remote worker (zmqllm/remote_worker.py) without a broker: its messages go through
+"""The remote worker (zmqllm/remote/worker.py) without a broker: its messages go through
 a fake link, its upstream is a fake OpenAI-compatible server in this process. No torch.
 
 The broker loop's part (``handle``, ``drain_inbox``, ``flush_outbox``) runs in the test's

@@ -47,7 +47,7 @@ from zmqllm.bus.sampling_params import SamplingParams  # noqa: E402
 from zmqllm.config.settings import Config  # noqa: E402
 from zmqllm.engine.frames import payload_to_tensor  # noqa: E402
 from zmqllm.engine.generator import Generator  # noqa: E402
-from zmqllm.engine.stage import Output  # noqa: E402
+from zmqllm.engine.runner import Output  # noqa: E402
 from zmqllm.version import __version__  # noqa: E402
 from zmqllm.worker.pipeline import Worker, load_stage, max_frame_bytes  # noqa: E402
 

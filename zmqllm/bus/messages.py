@@ -106,7 +106,7 @@ MAX_TEXT = 1024  # reasons and error messages
 # MAX_HEADER_STR_LEN (16 KiB), the longest string a header may hold.
 MAX_DELTA = 4000
 MAX_ASK_BYTES = 4 << 20  # a text session's request: its messages as JSON
-# What a worker's HEARTBEAT may report (see Stage.heartbeat_figures); anything else is not carried on.
+# What a worker's HEARTBEAT may report (Stage.heartbeat_figures); nothing else is carried on.
 LOAD_KEYS = frozenset(
     {
         "sessions",

@@ -34,11 +34,10 @@ from zmqllm.engine.frames import ACTIVATION_DTYPES
 from zmqllm.engine.model import MistralShard, Segment
 from zmqllm.engine.prefix_cache import PrefixStore
 from zmqllm.engine.rules import GrammarTokenizer, SessionRules
-from zmqllm.engine.runner import BatchFailed, ModelRunner, Output, StageStats
+from zmqllm.engine.runner import ModelRunner, Output, StageStats
 from zmqllm.engine.sampling import SamplingParams
 
-# The stage's API names the types its methods take and return, wherever they live.
-__all__ = ["BadWork", "BatchFailed", "Output", "SessionState", "Stage", "StageStats"]
+__all__ = ["BadWork", "Stage"]
 
 
 class BadWork(ValueError):

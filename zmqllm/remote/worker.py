@@ -2,11 +2,11 @@
 
 ``zmqllm worker --remote URL`` registers a *text* model (no layers, no torch, no model
 files). Its sessions arrive as ASK (the request's messages or prompt and sampling fields,
-JSON) and their answers leave as DELTAs, one per upstream chunk. The process keeps the
-same two halves as a pipeline worker: the broker link (``worker_link.BrokerLink``:
-registration, heartbeats, reconnection) driven by this loop, and here, instead of the
-engine, an asyncio loop in a thread of its own that runs one upstream stream per session
-(``upstream.Upstream``).
+JSON) and their answers leave as DELTAs, one per upstream chunk. It is an application on
+the worker shell (``worker.shell``: identity, the broker link with its registration,
+heartbeats and reconnection, signals, the loop, message dispatch), as the pipeline worker
+is; here, instead of the engine, an asyncio loop in a thread of its own runs one
+upstream stream per session (``upstream.Upstream``).
 
 Messages cross between the two through ``outbox`` (the stream tasks append, the loop
 sends); CLOSE, CANCEL and a broker reset cancel the session's task, which closes its
@@ -22,11 +22,7 @@ import contextlib
 import dataclasses
 import functools
 import os
-import signal
-import socket
 import threading
-import time
-import uuid
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -34,39 +30,31 @@ from typing import Any
 import zmq
 
 from zmqllm.bus.ask_body import AskBodyError, upstream_body
-from zmqllm.bus.keys import PeerKeys, keys_dir, load_peer_keys
+from zmqllm.bus.keys import PeerKeys
 from zmqllm.bus.messages import MAX_CONTEXT, MAX_DELTA, AskKind
 from zmqllm.bus.protocol import (
     Ask,
-    Cancel,
-    Close,
     Delta,
     Error,
     ErrorCode,
     Message,
     ProtocolError,
     Register,
-    SessionMessage,
-    decode,
-    encode,
 )
 from zmqllm.config.names import NAME_RULE, is_name
 from zmqllm.config.settings import Config, ConfigError, worker_served_name
 from zmqllm.log import bind_request, get_logger
 from zmqllm.remote.upstream import Upstream, UpstreamError, UpstreamSettings, shown_url
 from zmqllm.version import __version__
-from zmqllm.worker.broker_link import (
-    DELIVER,
-    REFUSED,
-    RESET,
-    BrokerLink,
-    LinkLost,
-    LinkSettings,
-    WorkerRefused,
-    session_key,
+from zmqllm.worker.broker_link import session_key
+from zmqllm.worker.shell import (
+    IDLE_POLL_S,
+    MAX_MESSAGES_PER_TURN,
+    Handler,
+    WorkerShell,
+    host_name,
+    worker_keys,
 )
-from zmqllm.worker.faults import Faults
-from zmqllm.worker.loop import WorkerLoop
 
 __all__ = ["RemoteWorker", "serve"]
 
@@ -75,8 +63,6 @@ log = get_logger("zmqllm.worker")
 # While streams run the loop looks at the outbox this often: a delta waits at most this
 # long for the socket (the loop cannot be woken by the other thread's append).
 BUSY_POLL_S = 0.002
-IDLE_POLL_S = 0.1
-MAX_MESSAGES_PER_TURN = 1024
 MAX_KV_TOKENS = 1 << 40  # nothing to hold here: capacity is counted in sessions
 MAX_KEY_BYTES = 4096
 # ErrorCode for each UpstreamError code; anything else is an upstream error.
@@ -109,7 +95,33 @@ def read_api_key(path: str) -> str:
     return key
 
 
-class RemoteWorker(WorkerLoop):
+def register_message(upstream: UpstreamSettings, served: str, capacity: int) -> Register:
+    """What this worker tells the broker it is: never the upstream's URL nor its key."""
+    return Register(
+        start=0,
+        end=1,
+        num_layers=1,
+        capacity=capacity,
+        max_kv_tokens=MAX_KV_TOKENS,
+        context=MAX_CONTEXT,
+        version=__version__,
+        # Replicas of one upstream model agree, whatever URL each one calls.
+        fingerprint=f"remote:{upstream.model}"[:128],
+        model={"remote_model": upstream.model[:256]},
+        host=host_name(),
+        pid=os.getpid(),
+        device="remote",
+        served=served,
+        text_model=True,
+    )
+
+
+class RemoteWorker(WorkerShell):
+    """A whole text model behind an OpenAI-compatible API, on the worker shell."""
+
+    tells_unencodable = True
+    kind = "remote worker"
+
     def __init__(
         self,
         cfg: Config,
@@ -118,54 +130,37 @@ class RemoteWorker(WorkerLoop):
         context: zmq.Context[Any] | None = None,
         keys: PeerKeys | None = None,
     ) -> None:
-        self.cfg = cfg
         self.served = served
         self.capacity = cfg.worker.max_sessions
-        self.ctx = context or zmq.Context.instance()
-        name = cfg.worker.name or f"{socket.gethostname()}-{os.getpid()}"
-        self.identity = f"w-{name}-remote-{uuid.uuid4().hex[:6]}"
-        self.draining = False
-        self._stop = False
-        self.faults = Faults(log)
         self.outbox: deque[tuple[str, Message | _Forget]] = deque()
         self.tasks: dict[str, concurrent.futures.Future[None]] = {}
+        register = register_message(upstream, served, self.capacity)
+        super().__init__(cfg, "remote", register, context=context, keys=keys)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="upstream", daemon=True)
         self.upstream = Upstream(upstream)
-        settings = LinkSettings(
-            address=cfg.worker.broker,
-            identity=self.identity,
-            interval=cfg.broker.heartbeat_interval,
-            liveness=cfg.broker.heartbeat_liveness,
-            max_message_bytes=cfg.broker.max_message_bytes,
-            keys=keys,
-        )
-        self.link = BrokerLink(self.ctx, settings, self.register_message(upstream), self.faults)
-        self._published = 0.0
 
-    def register_message(self, upstream: UpstreamSettings) -> Register:
-        host = socket.gethostname()
-        return Register(
-            start=0,
-            end=1,
-            num_layers=1,
-            capacity=self.capacity,
-            max_kv_tokens=MAX_KV_TOKENS,
-            context=MAX_CONTEXT,
-            version=__version__,
-            # Replicas of one upstream model agree, whatever URL each one calls.
-            fingerprint=f"remote:{upstream.model}"[:128],
-            model={"remote_model": upstream.model[:256]},
-            host=host if is_name(host) else "unknown",
-            pid=os.getpid(),
-            device="remote",
-            served=self.served,
-            text_model=True,
-        )
+    def message_handlers(self) -> dict[type[Message], Handler]:
+        return {Ask: self.on_ask}
 
     # -- the loop ----------------------------------------------------------------------
     def sessions(self) -> int:
         return len(self.tasks)
+
+    def close_session(self, key: str) -> bool:
+        future = self.tasks.pop(key, None)
+        if future is None:
+            return False
+        future.cancel()  # the task closes its upstream stream
+        return True
+
+    def drop_sessions(self) -> None:
+        for future in self.tasks.values():
+            future.cancel()
+        self.tasks.clear()
+
+    def load(self) -> dict[str, Any]:
+        return {"sessions": len(self.tasks)}
 
     def run(self) -> int:
         self._thread.start()
@@ -182,12 +177,7 @@ class RemoteWorker(WorkerLoop):
         return self.run_turns()
 
     def _turn(self) -> None:
-        if not self.link.alive():
-            raise LinkLost("the broker link ended")
-        now = time.monotonic()
-        if now - self._published >= IDLE_POLL_S:
-            self._published = now
-            self.link.publish({"sessions": len(self.tasks)}, self.draining)
+        self.tend_link()
         with self.link.lock:
             # Pumped on every turn, without waiting when there is work: streams that keep
             # the outbox full must not keep CLOSEs unread and heartbeats unsent (the
@@ -212,48 +202,9 @@ class RemoteWorker(WorkerLoop):
         log.info("worker stopped")
 
     # -- from the broker ---------------------------------------------------------------
-    def drain_inbox(self) -> None:
-        inbox = self.link.inbox
-        for _ in range(MAX_MESSAGES_PER_TURN):
-            if not inbox:
-                return
-            kind, value = inbox.popleft()
-            if kind == DELIVER:
-                self.handle_frames(value)
-            elif kind == RESET:
-                if self.tasks:
-                    log.warning("the broker forgot this worker's sessions", reason=value)
-                for future in self.tasks.values():
-                    future.cancel()
-                self.tasks.clear()
-            elif kind == REFUSED:
-                raise WorkerRefused(value)
-
-    def handle_frames(self, frames: list[Any]) -> None:
-        """One message, in isolation: whatever goes wrong costs at most its session."""
-        try:
-            msg = decode(frames)
-        except ProtocolError as exc:
-            self.faults.report("malformed", "malformed message", exc)
-            return
-        try:
-            self.handle(msg)
-        except Exception as exc:
-            self.faults.report("internal", "error handling a message", exc, type=msg.TYPE.value)
-            self.fail(msg, ErrorCode.INTERNAL, f"{type(exc).__name__} handling it")
-
-    def handle(self, msg: Message) -> None:
-        if isinstance(msg, Ask):
-            self.on_ask(msg)
-        elif isinstance(msg, Close | Cancel):
-            future = self.tasks.pop(session_key(msg.session, msg.attempt), None)
-            if future is not None:
-                future.cancel()  # the task closes its upstream stream
-                with bind_request(msg.request_id, msg.session):
-                    log.info("session closed", reason=msg.TYPE.value)
-        else:
-            # A worker of layers' messages (OPEN, STEP, ...) mean nothing here.
-            self.fail(msg, ErrorCode.BAD_REQUEST, f"a remote worker takes no {msg.TYPE.value}")
+    def unhandled(self, msg: Message) -> None:
+        # A worker of layers' messages (OPEN, STEP, ...) mean nothing here.
+        self.fail(msg, ErrorCode.BAD_REQUEST, f"a remote worker takes no {msg.TYPE.value}")
 
     def on_ask(self, msg: Ask) -> None:
         key = session_key(msg.session, msg.attempt)
@@ -266,8 +217,7 @@ class RemoteWorker(WorkerLoop):
             try:
                 body = upstream_body(msg.kind, msg.request(), msg.max_tokens)
             except (AskBodyError, ProtocolError) as exc:
-                self.faults.report("bad_request", "request refused", why=str(exc)[:200])
-                self.fail(msg, ErrorCode.BAD_REQUEST, str(exc))
+                self.fail(msg, ErrorCode.BAD_REQUEST, str(exc), "bad_request")
                 return
             log.info("session opened", kind=msg.kind.value, max_tokens=msg.max_tokens)
             coro = self._stream(key, msg, body)
@@ -283,12 +233,6 @@ class RemoteWorker(WorkerLoop):
             self.outbox.append((key, _Forget(future)))
 
     # -- to the broker -----------------------------------------------------------------
-    def fail(self, msg: Message, code: ErrorCode, why: str) -> None:
-        if not isinstance(msg, SessionMessage):
-            return
-        err = Error.of(code, why, msg.session, attempt=msg.attempt, request_id=msg.request_id)
-        self.send(err, session_key(msg.session, msg.attempt))
-
     def flush_outbox(self) -> None:
         for _ in range(MAX_MESSAGES_PER_TURN):
             if not self.outbox:
@@ -299,25 +243,6 @@ class RemoteWorker(WorkerLoop):
                     del self.tasks[key]
             elif key in self.tasks:  # closed meanwhile: nothing more is sent for it
                 self.send(msg, key)
-
-    def send(self, msg: Message, key: str) -> None:
-        try:
-            frames = encode(msg)
-        except ProtocolError as exc:
-            self.faults.report("unsent", "message not sent; session failed", exc, session=key)
-            future = self.tasks.pop(key, None)
-            if future is not None:
-                future.cancel()
-            if isinstance(msg, SessionMessage) and not isinstance(msg, Error):
-                # The link is fine: the client hears why now, not at a deadline.
-                self.fail(msg, ErrorCode.INTERNAL, "the remote worker could not encode a reply")
-            return
-        with self.link.lock:
-            why = self.link.send(frames, key)
-        if why:
-            future = self.tasks.pop(key, None)
-            if future is not None:
-                future.cancel()
 
     # -- one session, on the upstream thread -------------------------------------------
     async def _stream(self, key: str, ask: Ask, body: dict[str, Any]) -> None:
@@ -393,8 +318,7 @@ class _Forget:
 
 def serve(cfg: Config) -> int:
     """Run a remote worker until SIGTERM/SIGINT (its upstream model looked up first)."""
-    folder = keys_dir(cfg.security)
-    keys = load_peer_keys(folder, "worker") if folder is not None else None
+    keys = worker_keys(cfg)
     w = cfg.worker
     settings = UpstreamSettings(
         url=w.remote,
@@ -427,6 +351,5 @@ def serve(cfg: Config) -> int:
             f"({NAME_RULE}); set --served-name"
         )
     worker = RemoteWorker(cfg, settings, served, keys=keys)
-    signal.signal(signal.SIGTERM, worker.on_sigterm)
-    signal.signal(signal.SIGINT, worker.on_sigint)
+    worker.install_signals()
     return worker.run()

@@ -31,6 +31,7 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,7 +82,7 @@ __all__ = [
 log = get_logger("zmqllm.worker")
 
 DELIVER, RESET, REFUSED = "deliver", "reset", "refused"
-SESSION_TYPES = (Open, Ask, Cached, Step, Activation, Close, Cancel)
+SESSION_TYPES = frozenset({Open, Ask, Cached, Step, Activation, Close, Cancel})
 
 RECONNECT_MAX_S = 30.0
 MAX_MESSAGES_PER_PUMP = 1024
@@ -158,6 +159,14 @@ class BrokerLink:
         self._backoff = settings.interval
         self._polled: tuple[Any, Any] = (None, None)
         self._poll = zmq.Poller()
+        # What the broker itself says, by type (session messages go to ``inbox``).
+        self._handlers: dict[type[Message], Callable[[Any], None]] = {
+            Heartbeat: self._on_heartbeat,
+            Registered: self._on_registered,
+            Refused: self._on_refused,
+            Disconnect: self._on_disconnect,
+            Error: self._on_error,
+        }
 
     # -- the compute loop's side ---------------------------------------------------
     def start(self) -> None:
@@ -334,7 +343,7 @@ class BrokerLink:
     def _handle(self, frames: list[zmq.Frame]) -> None:
         try:
             cls, head = decode_header(frames[0])
-            if issubclass(cls, SESSION_TYPES):
+            if cls in SESSION_TYPES:
                 # The compute loop decodes it in full (and fails the session it names
                 # if that fails): one decode per message, on the thread that uses it.
                 self._deliver(head, frames)
@@ -343,27 +352,35 @@ class BrokerLink:
         except ProtocolError as exc:
             self.faults.report("malformed", "malformed message from the broker dropped", exc)
             return
-        if isinstance(msg, Heartbeat):
-            boot = msg.boot
-            if self._registered and self._boot and boot is not None and boot != self._boot:
-                self._register_again("the broker restarted (new boot id)")
-        elif isinstance(msg, Registered):
-            self._registered = True
-            self._backoff = self.settings.interval
-            self._boot = msg.boot or None
-            log.info("registered with the broker", worker=msg.worker_id)
-        elif isinstance(msg, Refused):
-            self._refused = True
-            self.inbox.append((REFUSED, msg.reason))
-        elif isinstance(msg, Disconnect):
-            # Unregistered, it answers a message sent before our pending REGISTER (e.g.
-            # a second heartbeat in flight to a restarted broker): that REGISTER suffices.
-            if self._registered:
-                self._register_again(f"the broker asked: {msg.reason[:200]}")
-        elif isinstance(msg, Error):
-            log.debug("the broker reported an error", code=msg.code.value, session=msg.session)
-        else:
+        handler = self._handlers.get(type(msg))
+        if handler is None:
             self.faults.report("unexpected", "unexpected message dropped", type=msg.TYPE.value)
+        else:
+            handler(msg)
+
+    def _on_heartbeat(self, msg: Heartbeat) -> None:
+        boot = msg.boot
+        if self._registered and self._boot and boot is not None and boot != self._boot:
+            self._register_again("the broker restarted (new boot id)")
+
+    def _on_registered(self, msg: Registered) -> None:
+        self._registered = True
+        self._backoff = self.settings.interval
+        self._boot = msg.boot or None
+        log.info("registered with the broker", worker=msg.worker_id)
+
+    def _on_refused(self, msg: Refused) -> None:
+        self._refused = True
+        self.inbox.append((REFUSED, msg.reason))
+
+    def _on_disconnect(self, msg: Disconnect) -> None:
+        # Unregistered, it answers a message sent before our pending REGISTER (e.g. a
+        # second heartbeat in flight to a restarted broker): that REGISTER suffices.
+        if self._registered:
+            self._register_again(f"the broker asked: {msg.reason[:200]}")
+
+    def _on_error(self, msg: Error) -> None:
+        log.debug("the broker reported an error", code=msg.code.value, session=msg.session)
 
     def _deliver(self, head: dict[str, Any], frames: list[zmq.Frame]) -> None:
         if len(self.inbox) < INBOX_MAX:

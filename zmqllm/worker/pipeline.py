@@ -1,45 +1,36 @@
-"""The worker process: one pipeline :class:`Stage` behind a link to the broker.
+"""The pipeline worker: one :class:`Stage` of layers on the worker shell (``shell.py``,
+the library half: identity, broker link, signals, loop, dispatch; this is the
+application half).
 
 :class:`Worker` is the compute loop: between forwards it drives the broker link's socket
-itself (``worker_link.py``; a keeper thread beats while a forward runs), validates each
+itself (``broker_link.py``; a keeper thread beats while a forward runs), validates each
 session message before any tensor op sees it, runs one batched forward of what is ready,
-and sends the results. Each
-message is handled in isolation: one the worker cannot process answers an ERROR for its
-session and closes it here; nothing fails a session it does not name. SIGTERM drains
-(no new sessions, finish the running ones, then exit); SIGINT or a second SIGTERM exits
-at once. A refusal by the broker exits with status 3.
+and sends the results where ``routing.route_result`` says they go: queued here, over
+the peer link (``peer_link.py``) or to the broker. A message the worker cannot process
+answers an ERROR for its session and closes it here; nothing fails a session it does
+not name.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import signal
-import socket
-import time
 import uuid
-import zlib
-from collections import Counter
 from typing import Any
 
 import torch
 import zmq
 
-from zmqllm.bus.keys import PeerKeys, keys_dir, load_peer_keys
+from zmqllm.bus.keys import PeerKeys
 from zmqllm.bus.protocol import (
     Activation,
     Cached,
-    Cancel,
-    Close,
     Error,
     ErrorCode,
     Message,
     Open,
     ProtocolError,
-    SessionMessage,
     Step,
     Token,
-    decode,
     decode_header,
     encode,
 )
@@ -51,35 +42,28 @@ from zmqllm.engine.frames import (
     payload_to_tensor,
     tensor_to_payload,
 )
-from zmqllm.engine.stage import BadWork, BatchFailed, Output, SessionState
+from zmqllm.engine.runner import BatchFailed, Output
+from zmqllm.engine.stage import BadWork
 from zmqllm.log import bind_request, get_logger
-from zmqllm.worker.broker_link import (
-    DELIVER,
-    REFUSED,
-    RESET,
-    BrokerLink,
-    LinkLost,
-    LinkSettings,
-    WorkerRefused,
-    named_session,
-    session_key,
-    split_key,
-)
+from zmqllm.worker.broker_link import named_session, session_key, split_key
 from zmqllm.worker.cpu_turns import CpuTurns
-from zmqllm.worker.faults import Faults
-from zmqllm.worker.loop import WorkerLoop
 from zmqllm.worker.peer_link import PeerLink, PeerRoute, peer_bind
+from zmqllm.worker.routing import group_tags, route_result
 from zmqllm.worker.shard_loader import Loaded, load_stage, max_frame_bytes, register_message
+from zmqllm.worker.shell import IDLE_POLL_S, Handler, WorkerShell, worker_keys
 
-__all__ = ["LinkLost", "Loaded", "Worker", "WorkerRefused", "load_stage", "serve"]
+__all__ = ["Worker", "load_stage", "serve"]
 
 log = get_logger("zmqllm.worker")
 
-MAX_MESSAGES_PER_TURN = 1024
-IDLE_POLL_S = 0.1  # an idle loop still looks at signals and publishes its load this often
 
+class Worker(WorkerShell):
+    """The pipeline worker: a :class:`Stage` of layers on the worker shell."""
 
-class Worker(WorkerLoop):
+    # A message the stage refuses (bad token, shape, step) costs its session alone.
+    bad_message = (BadWork, ProtocolError)
+    refuses_undecodable = True
+
     def __init__(
         self,
         cfg: Config,
@@ -87,16 +71,20 @@ class Worker(WorkerLoop):
         context: zmq.Context[Any] | None = None,
         keys: PeerKeys | None = None,
     ) -> None:
-        self.cfg = cfg
         self.loaded = loaded
         self.stage = loaded.stage
-        self.ctx = context or zmq.Context.instance()
-        name = cfg.worker.name or f"{socket.gethostname()}-{os.getpid()}"
-        self.identity = f"w-{name}-{loaded.start}-{loaded.end}-{uuid.uuid4().hex[:6]}"
+        super().__init__(
+            cfg,
+            f"{loaded.start}-{loaded.end}",
+            register_message(cfg, loaded),
+            context=context,
+            keys=keys,
+            frame_cap=max_frame_bytes(self.stage, loaded.context),
+        )
+        # Published at least twice a heartbeat: the broker balances on this load.
+        self.publish_every = min(IDLE_POLL_S, cfg.broker.heartbeat_interval / 2)
         # Group ids name this worker's forwards: short, whatever the worker names are.
         self._group_tag = uuid.uuid4().hex[:12]
-        self.draining = False
-        self._stop = False
         self._threads = cfg.worker.threads or torch.get_num_threads()
         self._batch_threads = cfg.worker.batch_threads
         self._threads_now = torch.get_num_threads()
@@ -104,26 +92,30 @@ class Worker(WorkerLoop):
         wire = cfg.worker.wire_dtype
         # None: activations leave in the model's dtype, uncast.
         self.wire_dtype = None if wire in ("auto", cfg.model.dtype) else activation_dtype(wire)
-        self.faults = Faults(log)
-        settings = LinkSettings(
-            address=cfg.worker.broker,
-            identity=self.identity,
-            interval=cfg.broker.heartbeat_interval,
-            liveness=cfg.broker.heartbeat_liveness,
-            max_message_bytes=min(
-                cfg.broker.max_message_bytes, max_frame_bytes(self.stage, loaded.context)
-            ),
-            keys=keys,
-        )
-        self.link = BrokerLink(self.ctx, settings, register_message(cfg, loaded), self.faults)
         self.peers = PeerLink(
-            self.ctx, self.identity, settings.max_message_bytes, self.faults, keys=keys
+            self.ctx, self.identity, self.link.settings.max_message_bytes, self.faults, keys=keys
         )
-        self._published = 0.0
+
+    def message_handlers(self) -> dict[type[Message], Handler]:
+        return {
+            Step: self.on_step,
+            Activation: self.on_activation,
+            Open: self.on_open,
+            Cached: self.on_cached,
+        }
 
     # -- the loop --------------------------------------------------------------
     def sessions(self) -> int:
         return len(self.stage.sessions)
+
+    def close_session(self, key: str) -> bool:
+        return self.stage.close(key)
+
+    def drop_sessions(self) -> None:
+        self.stage.reset()
+
+    def load(self) -> dict[str, Any]:
+        return self.stage.heartbeat_figures()
 
     def run(self) -> int:
         try:
@@ -149,12 +141,8 @@ class Worker(WorkerLoop):
         self.link.register = dataclasses.replace(self.link.register, peer=endpoint)
 
     def _turn(self) -> None:
-        if not self.link.alive():
-            raise LinkLost("the broker link ended")
-        now = time.monotonic()
-        if now - self._published >= min(IDLE_POLL_S, self.cfg.broker.heartbeat_interval / 2):
-            self.publish_load(now)
-            self.peers.expire(now)
+        if self.tend_link():
+            self.peers.expire(self._published)
         busy = self.stage.has_work()
         wait = self.turns.wait() if busy and self.turns is not None else 0.0
         timeout = wait if busy else IDLE_POLL_S
@@ -168,10 +156,6 @@ class Worker(WorkerLoop):
         elif self.turns is not None and self.turns.holding and not self.stage.has_work():
             self.turns.release()  # the sessions we waited with were closed
 
-    def publish_load(self, now: float | None = None) -> None:
-        self._published = time.monotonic() if now is None else now
-        self.link.publish(self.stage.heartbeat_figures(), self.draining)
-
     def close(self) -> None:
         self.link.stop()  # once stopped, or never started, it does nothing
         self.peers.close()
@@ -179,26 +163,6 @@ class Worker(WorkerLoop):
             self.turns.close()
             self.turns = None
         log.info("worker stopped")
-
-    def drain_inbox(self) -> None:
-        """(Link lock held.) Act on what the link took in, in arrival order."""
-        inbox = self.link.inbox
-        for _ in range(MAX_MESSAGES_PER_TURN):
-            if not inbox:
-                return
-            kind, value = inbox.popleft()
-            if kind == DELIVER:
-                self.handle_frames(value)
-            elif kind == RESET:
-                if self.stage.sessions:
-                    log.warning(
-                        "the broker forgot this worker's sessions; dropping them",
-                        reason=value,
-                        sessions=len(self.stage.sessions),
-                    )
-                self.stage.reset()
-            elif kind == REFUSED:
-                raise WorkerRefused(value)
 
     def drain_peers(self) -> None:
         """Act on what the workers beside this one sent over the peer link."""
@@ -227,72 +191,23 @@ class Worker(WorkerLoop):
             self.faults.report("peer_refused", "peer message not from the session's previous stage")
 
     # -- messages ----------------------------------------------------------------
-    def handle_frames(self, frames: list[Any]) -> None:
-        """One message, in isolation: whatever goes wrong costs at most its session."""
-        try:
-            msg = decode(frames)
-        except ProtocolError as exc:
-            self.faults.report("malformed", "malformed message", exc)
-            self.refuse_undecodable(frames[0], str(exc))
-            return
-        try:
-            self.handle(msg)
-        except (BadWork, ProtocolError) as exc:
-            self.fail(msg, ErrorCode.BAD_REQUEST, str(exc), "bad_request")
-        except Exception as exc:
-            self.faults.report("internal", "error handling a message", exc, type=msg.TYPE.value)
-            self.fail(msg, ErrorCode.INTERNAL, f"{type(exc).__name__} handling it", None)
+    def on_step(self, msg: Step) -> None:
+        if self.turns is not None:
+            self.turns.note_arrival(msg.group)
+        self.stage.step(session_key(msg.session, msg.attempt), msg.step, msg.token)
 
-    def refuse_undecodable(self, header: Any, why: str) -> None:
-        """A session message that does not decode still fails the session its header
-        names (the link only delivers those whose header decodes)."""
-        try:
-            _, head = decode_header(header)
-        except ProtocolError:
-            return
-        named = named_session(head)
-        if named is None:
-            return
-        session, attempt, request_id = named
-        key = session_key(session, attempt)
-        self.stage.close(key)
-        err = Error.of(ErrorCode.BAD_REQUEST, why, session, attempt=attempt, request_id=request_id)
-        self.send(err, key)
-
-    def fail(self, msg: Message, code: ErrorCode, why: str, reason: str | None) -> None:
-        """Answer ERROR for the session a message names, and close it here."""
-        if not isinstance(msg, SessionMessage):
-            return
+    def on_activation(self, msg: Activation) -> None:
+        if self.turns is not None:
+            self.turns.note_arrival(msg.group)
+        hidden = payload_to_tensor(msg.hidden)
         key = session_key(msg.session, msg.attempt)
-        if reason is not None:
-            self.faults.report(reason, "message refused", session=key, why=why[:200])
-        self.stage.close(key)
-        err = Error.of(code, why, msg.session, attempt=msg.attempt, request_id=msg.request_id)
-        self.send(err, key)
+        self.stage.activation(key, msg.step, hidden, msg.final, msg.prefix)
 
-    def handle(self, msg: Message) -> None:
-        key = session_key(msg.session, msg.attempt) if isinstance(msg, SessionMessage) else ""
-        if isinstance(msg, Step):
-            if self.turns is not None:
-                self.turns.note_arrival(msg.group)
-            self.stage.step(key, msg.step, msg.token)
-        elif isinstance(msg, Activation):
-            if self.turns is not None:
-                self.turns.note_arrival(msg.group)
-            hidden = payload_to_tensor(msg.hidden)
-            self.stage.activation(key, msg.step, hidden, msg.final, msg.prefix)
-        elif isinstance(msg, Open):
-            self.on_open(msg, key)
-        elif isinstance(msg, Cached):
-            self.stage.cached(key, msg.tokens)
-        elif isinstance(msg, Close | Cancel):
-            if self.stage.close(key):
-                with bind_request(msg.request_id, msg.session):
-                    log.info("session closed", reason=msg.TYPE.value, attempt=msg.attempt)
-        else:
-            self.faults.report("unexpected", "unexpected message dropped", type=msg.TYPE.value)
+    def on_cached(self, msg: Cached) -> None:
+        self.stage.cached(session_key(msg.session, msg.attempt), msg.tokens)
 
-    def on_open(self, msg: Open, key: str) -> None:
+    def on_open(self, msg: Open) -> None:
+        key = session_key(msg.session, msg.attempt)
         with bind_request(msg.request_id, msg.session):
             if self.draining:
                 self.fail(msg, ErrorCode.FULL, "worker is draining", None)
@@ -354,11 +269,7 @@ class Worker(WorkerLoop):
                 continue
             s = self.stage.sessions.get(o.session)
             hops.append(s.next_hop if s is not None else "")
-        sizes = Counter(h for h in hops if h is not None)
-        gid = f"{self._group_tag}-{self.stage.stats.forwards}"
-        return [
-            None if h is None else (f"{gid}-{zlib.crc32(h.encode()):08x}", sizes[h]) for h in hops
-        ]
+        return group_tags(hops, f"{self._group_tag}-{self.stage.stats.forwards}")
 
     def _pick_threads(self) -> None:
         """One session in flight: stages take turns, so each may use every core. Several:
@@ -391,69 +302,40 @@ class Worker(WorkerLoop):
         self.stage.failed.clear()
         for o, group in zip(outputs, self._tag_groups(outputs), strict=True):
             try:
-                result = self._routed_result(o, group)
+                left = self._send_ahead(o, group)
             except Exception as exc:
                 self.faults.report("internal", "result cannot be sent", exc, session=o.session)
                 self._fail_key(o.session, f"result cannot be sent: {type(exc).__name__}")
                 continue
-            self.send(result, o.session)
+            self.send(left, o.session)
 
-    def _routed_result(self, o: Output, group: tuple[str, int] | None) -> Message | None:
-        """``o``'s message, its next step already on its way where no broker is needed:
-        queued here on a route of one stage (the broker names stage 0 as the last stage's
-        ``next``: that is us), or sent over the peer link. What is left for the broker
-        (None: nothing)."""
+    def _send_ahead(self, o: Output, group: tuple[str, int] | None) -> Message | None:
+        """Send what of ``o``'s result goes past the broker (routing.route_result says
+        where); what is left for the broker (None: nothing)."""
         s = self.stage.sessions.get(o.session)
-        steps = o.token is not None and o.finish is None
-        if steps and s is not None and s.next_hop == self.identity:
-            return self._result(o, group, self._step_here(o))
-        route = self._peer_route(s)
-        # A token whose next step goes over the peer link says so from the start (one
-        # message per token: the rare failure in _over_peer_link rebuilds it).
-        stepped = steps and route is not None
-        return self._over_peer_link(self._result(o, group, stepped), route, o.session)
-
-    def _step_here(self, o: Output) -> bool:
-        """Queue the next step of a session whose stage 0 is this worker, as the STEP from
-        the broker would be (its token then says stepped, and the broker sends none);
-        False if it cannot be queued, and the broker's STEP meets the same refusal."""
-        assert o.token is not None
-        try:
-            self.stage.step(o.session, o.step + 1, o.token)
-        except BadWork:
-            return False
-        return True
-
-    @staticmethod
-    def _peer_route(s: SessionState | None) -> PeerRoute | None:
-        """The session's peer link, if its results go over one now."""
-        route = s.link if s is not None else None
-        if not isinstance(route, PeerRoute) or not route.next_peer or route.via_broker:
-            return None
-        return route
-
-    def _over_peer_link(self, result: Message, route: PeerRoute | None, key: str) -> Message | None:
-        """Send a result over the session's peer link if it has one: an activation to
-        the next stage, or (last stage) the next step to stage 0 before its token goes
-        to the broker. What is left for the broker (None: nothing)."""
-        if route is None:
+        result = self._result(o, group)
+        if s is None:
             return result
-        if isinstance(result, Activation):
-            if self.peers.send(route.next_peer, encode(result)):
-                return None
-        elif isinstance(result, Token) and result.stepped:
-            step = Step.following(result, result.request_id)
-            if self.peers.send(route.next_peer, encode(step)):
-                return result
-            result = dataclasses.replace(result, stepped=False)  # the broker steps it
-        else:
-            return result
+        routed = route_result(result, self.identity, s.next_hop, s.link)
+        if routed.ahead is None:
+            return routed.to_broker
+        if not routed.peer:
+            # Queued here as the broker's STEP would be; one refused meets the same
+            # refusal when the broker sends it instead.
+            assert isinstance(routed.ahead, Step)
+            try:
+                self.stage.step(o.session, routed.ahead.step, routed.ahead.token)
+            except BadWork:
+                return routed.instead
+            return routed.to_broker
+        if self.peers.send(routed.peer, encode(routed.ahead)):
+            return routed.to_broker
         # The link cannot take it: this and the rest of the session go through the broker.
-        route.via_broker = True
-        log.debug("peer link not ready; session goes through the broker", session=key)
-        return result
+        s.link.via_broker = True
+        log.debug("peer link not ready; session goes through the broker", session=o.session)
+        return routed.instead
 
-    def _result(self, o: Output, group: tuple[str, int] | None, stepped: bool = False) -> Message:
+    def _result(self, o: Output, group: tuple[str, int] | None) -> Token | Activation:
         session, attempt = split_key(o.session)
         if o.token is not None:
             return Token(
@@ -466,7 +348,6 @@ class Worker(WorkerLoop):
                 group=group,
                 logprob_ids=o.logprobs[0] if o.logprobs else None,
                 logprobs=o.logprobs[1] if o.logprobs else None,
-                stepped=stepped,
             )
         assert o.hidden is not None
         return Activation(
@@ -489,28 +370,9 @@ class Worker(WorkerLoop):
         err = Error.of(ErrorCode.INTERNAL, why, session, attempt=attempt, request_id=s.request_id)
         self.send(err, key)
 
-    def send(self, msg: Message | None, key: str = "") -> None:
-        """Send a message to the broker; one that cannot be sent fails its session here
-        (the broker's inactivity deadline does the rest)."""
-        if msg is None:
-            return
-        try:
-            frames = encode(msg)
-        except ProtocolError as exc:
-            self.faults.report("unsent", "message not sent; session failed", exc, session=key)
-            why = "cannot be encoded"
-        else:
-            with self.link.lock:
-                why = self.link.send(frames, key)
-        if why and key:
-            self.stage.close(key)
-
 
 def serve(cfg: Config) -> int:
-    folder = keys_dir(cfg.security)  # a key problem is told before the model loads
-    keys = load_peer_keys(folder, "worker") if folder is not None else None
-    loaded = load_stage(cfg)
-    worker = Worker(cfg, loaded, keys=keys)
-    signal.signal(signal.SIGTERM, worker.on_sigterm)
-    signal.signal(signal.SIGINT, worker.on_sigint)
+    keys = worker_keys(cfg)  # a key problem is told before the model loads
+    worker = Worker(cfg, load_stage(cfg), keys=keys)
+    worker.install_signals()
     return worker.run()

@@ -8,7 +8,6 @@ model's fingerprint, so that a broker can refuse a worker of another model.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +16,6 @@ import torch
 
 from zmqllm.bus.protocol import MAX_HEADER_BYTES, Register
 from zmqllm.config.layers import parse_layers
-from zmqllm.config.names import is_name
 from zmqllm.config.settings import Config, resolve_model_path, worker_served_name
 from zmqllm.engine import native
 from zmqllm.engine.cache import rss_bytes
@@ -28,6 +26,7 @@ from zmqllm.engine.weights import model_fingerprint, resolve_checkpoint
 from zmqllm.log import get_logger
 from zmqllm.models.model_args import ModelArgs
 from zmqllm.version import __version__
+from zmqllm.worker.shell import host_name
 
 __all__ = ["Loaded", "load_stage", "max_frame_bytes", "register_message"]
 
@@ -112,7 +111,6 @@ def register_message(cfg: Config, ld: Loaded) -> Register:
     """What this worker tells the broker it is."""
     # The summary's scalars (a model without a sliding window has None there).
     model = {k: v for k, v in ld.fingerprint.items() if isinstance(v, int | float | str | bool)}
-    host = socket.gethostname()
     return Register(
         start=ld.start,
         end=ld.end,
@@ -123,7 +121,7 @@ def register_message(cfg: Config, ld: Loaded) -> Register:
         version=__version__,
         fingerprint=str(ld.fingerprint["digest"]),
         model=model,
-        host=host if is_name(host) else "unknown",
+        host=host_name(),
         pid=os.getpid(),
         dtype=cfg.model.dtype,
         device=cfg.model.device,
