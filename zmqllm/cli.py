@@ -41,7 +41,20 @@ def _model_dir(spec: str, prepare: bool = True) -> Path:
 def cmd_prepare_model(ns: argparse.Namespace) -> int:
     from zmqllm.models.prepare import prepare_default_model, prepare_tiny_model
 
-    if ns.tiny:
+    if ns.random:
+        from zmqllm.models.random_model import prepare_random_model
+
+        if not ns.output:
+            print("zmqllm prepare-model: --random needs --output DIR", file=sys.stderr)
+            return 2
+        try:
+            path = prepare_random_model(
+                Path(ns.output), ns.random, ns.layers, ns.seed, gguf=not ns.no_gguf
+            )
+        except ValueError as exc:
+            print(f"zmqllm prepare-model: {exc}", file=sys.stderr)
+            return 2
+    elif ns.tiny:
         path = prepare_tiny_model(Path(ns.tiny), seed=ns.seed, sharded=ns.sharded)
     else:
         path = prepare_default_model(Path(ns.output) if ns.output else default_model_dir())
@@ -151,8 +164,17 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--tiny", metavar="DIR", help="write a tiny random test model to DIR instead")
     p.add_argument("--sharded", action="store_true", help="tiny: split weights over files")
-    p.add_argument("--seed", type=int, default=0, help="tiny: random seed")
-    p.add_argument("--output", metavar="DIR", help="default model: write here instead")
+    p.add_argument(
+        "--random",
+        metavar="KIND",
+        choices=["mistral-7b"],
+        help="write random weights of a real geometry (mistral-7b) to --output, "
+        "as bf16 safetensors and as Q4_1 and BF16 GGUF files",
+    )
+    p.add_argument("--layers", type=int, help="random: this many of the geometry's layers")
+    p.add_argument("--no-gguf", action="store_true", help="random: no GGUF files")
+    p.add_argument("--seed", type=int, default=0, help="tiny and random: random seed")
+    p.add_argument("--output", metavar="DIR", help="write here (default model: instead)")
     p.set_defaults(func=cmd_prepare_model)
 
 
@@ -197,11 +219,19 @@ def cmd_worker(ns: argparse.Namespace) -> int:
     worker_served_name(cfg)  # a name the bus cannot carry is told before the model loads
     for key, value in WORKER_THREAD_ENV.items():
         os.environ.setdefault(key, value)  # before torch (and its OpenMP) loads
+    from zmqllm.engine.memory_plan import StageDoesNotFit
+    from zmqllm.log import get_logger
     from zmqllm.worker.pipeline import serve
 
     if resolve_model_path(cfg.model.path) == str(default_model_dir()):
         _model_dir(cfg.model.path)  # convert the default model on first use
-    return serve(cfg)
+    try:
+        return serve(cfg)
+    except StageDoesNotFit as exc:
+        # Refused before the weights load: said once in the log, once on stderr.
+        get_logger("zmqllm.worker").error("stage does not fit", reason=str(exc))
+        print(f"zmqllm worker: {exc}", file=sys.stderr)
+        return 2
 
 
 def cmd_gateway(ns: argparse.Namespace) -> int:

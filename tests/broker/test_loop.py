@@ -60,6 +60,9 @@ HIDDEN = 64
 M = TypeVar("M", bound=Message)
 
 
+SEND_TIMEOUT_MS = 5000
+
+
 @dataclass
 class Peer:
     """A DEALER playing a worker or a client."""
@@ -141,6 +144,9 @@ class Harness:
     ) -> Peer:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        # A DEALER with no completed connection (a refused handshake) blocks on send:
+        # a test then fails with zmq.Again instead of hanging.
+        sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         sock.setsockopt(zmq.IDENTITY, name.encode())
         if curve is not None:
             as_client(sock, curve)

@@ -41,7 +41,7 @@ def test_gguf_blocks_are_the_converted_weights(default_model_dir: Path) -> None:
     exactly the float32 checkpoint (q and k rows back in transformers' order), and
     only that shard's tensors are read."""
     args = ModelArgs.from_dir(default_model_dir)
-    source = gguf_source(default_model_dir)
+    source = gguf_source(default_model_dir, "int4")
     assert source is not None and source.suffix == ".gguf"
     reader = GGUFShardReader(source, args)
     names = shard_tensor_names(args, 29, 30)  # last layer, norm, tied head

@@ -211,8 +211,10 @@ class WorkerSettings:
     )
     max_memory_mb: int = setting(
         0,
-        "refuse a new session when this process's memory (RSS on cpu, allocated GPU memory "
-        "on cuda) plus its KV cache would pass this many MiB; 0 = no limit",
+        "the memory given to this stage: it refuses to start when its weights and "
+        "max_kv_tokens of KV cache would not fit, and refuses a new session when its "
+        "memory (RSS on cpu, allocated GPU memory on cuda) plus that session's KV cache "
+        "would pass it; 0 = what the machine (or cgroup, or GPU) has free at start",
     )
     # As llama.cpp's server: a burst of short prompts prefills in one forward, while a long
     # prompt stalls the other sessions' decode steps only one chunk at a time.

