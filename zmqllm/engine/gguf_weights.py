@@ -11,6 +11,7 @@ the same way). The file is memory-mapped: only this shard's tensors are read.
 from __future__ import annotations
 
 import json
+import mmap
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -111,7 +112,16 @@ class GGUFShardReader:
                 raise CheckpointError(f"{self.path.name} has no tensor for {name}")
             out[name] = self._tensor(name, self.by_name[name])
             self.names_read.append(name)
+        self._release_pages()
         return out
+
+    def _release_pages(self) -> None:
+        """Drop the file's pages read so far from this process (they stay in the page
+        cache): the whole file is mapped, and every page a read touched would otherwise
+        count in the resident set until the reader is gone, doubling a 7B load's peak."""
+        mapping = getattr(self.reader.data, "_mmap", None)
+        if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+            mapping.madvise(mmap.MADV_DONTNEED)
 
     def _tensor(self, name: str, t: Any) -> Loaded:
         kind = t.tensor_type.name

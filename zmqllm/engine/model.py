@@ -203,6 +203,8 @@ class MistralShard(nn.Module):
             raise KeyError(f"checkpoint tensor {name!r} missing for this shard") from None
         if isinstance(t, QuantTensor):
             return t
+        if self.quant != "none" and t.dim() == 2:
+            return t  # quantized as it is, a chunk of rows at a time (engine.quant)
         return t.to(device=self.device, dtype=self.dtype)
 
     def _tensor(self, tensors: MutableMapping[str, Tensors], name: str) -> torch.Tensor:

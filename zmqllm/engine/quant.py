@@ -106,12 +106,21 @@ def quantize_int4(w: torch.Tensor) -> QuantTensor:
     return QuantTensor("int4", packed.reshape(out, cols // 2).contiguous(), d, lo.contiguous())
 
 
+# Rows quantized at a time: a large tensor's float32 copy and codes never exist whole
+# (the peak of a load stays near the shard plus one tensor).
+CHUNK_ELEMENTS = 1 << 23
+
+
 def quantize(w: torch.Tensor, kind: str) -> QuantTensor:
-    if kind == "int8":
-        return quantize_int8(w)
-    if kind == "int4":
-        return quantize_int4(w)
-    raise ValueError(f"quant {kind!r} is not one of int8, int4")
+    """``w`` [out, in] of any float dtype as ``kind``, a chunk of rows at a time."""
+    if kind not in ("int8", "int4"):
+        raise ValueError(f"quant {kind!r} is not one of int8, int4")
+    one = quantize_int8 if kind == "int8" else quantize_int4
+    if w.dim() != 2 or w.numel() <= CHUNK_ELEMENTS:
+        return one(w)
+    step = max(1, CHUNK_ELEMENTS // w.shape[1])
+    parts = [one(w[r : r + step]) for r in range(0, w.shape[0], step)]
+    return cat(parts)
 
 
 def dequantize(t: QuantTensor) -> torch.Tensor:

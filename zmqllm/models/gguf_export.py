@@ -186,19 +186,17 @@ def copy_tokenizer_fields(writer: Any, donor: Path) -> int:
 
 
 def _tensors(directory: Path, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors ``names`` in that order, each file opened (mapped) while it is read."""
+    """The tensors ``names`` in that order. Each file is mapped for one tensor only: a
+    mapping kept open while the whole file is read would hold all its pages resident."""
     from safetensors import safe_open
 
     from zmqllm.models.checkpoint import weight_map
 
     wmap = weight_map(directory)
-    i = 0
-    while i < len(names):
-        fname = wmap[names[i]]
-        with safe_open(str(directory / fname), framework="pt") as f:
-            while i < len(names) and wmap[names[i]] == fname:
-                yield names[i], f.get_tensor(names[i])
-                i += 1
+    for name in names:
+        with safe_open(str(directory / wmap[name]), framework="pt") as f:
+            tensor = f.get_tensor(name)
+        yield name, tensor
 
 
 def export_gguf(
