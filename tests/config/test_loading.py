@@ -44,7 +44,9 @@ def test_empty_file_gives_defaults(tmp_path: Path) -> None:
     assert load_config(write(tmp_path, "")) == Config()
 
 
-@pytest.mark.parametrize("name", ["local.toml", "tiny.toml", "mistral-7b-instruct.toml"])
+@pytest.mark.parametrize(
+    "name", ["local.toml", "tiny.toml", "mistral-7b-instruct.toml", "mistral-7b-cpu.toml"]
+)
 def test_shipped_configs_load(name: str) -> None:
     cfg = load_config(CONFIGS / name)
     assert cfg.stages, "the launcher needs stages"
@@ -87,6 +89,37 @@ def test_mistral_config() -> None:
     assert cfg.model.path == "mistralai/Mistral-7B-Instruct-v0.3"
     assert (cfg.model.dtype, cfg.model.device) == ("bfloat16", "cuda")
     assert [s.layers for s in cfg.stages] == ["1/4", "2/4", "3/4", "4/4"]
+
+
+def test_mistral_cpu_config_fits_two_16_gb_machines() -> None:
+    """The int4 stages, their KV budget and runtime within the memory each is given,
+    by the same plan a worker checks before it loads (at Mistral-7B's geometry)."""
+    from zmqllm.engine.memory_plan import plan_stage
+    from zmqllm.models.model_args import ModelArgs
+
+    cfg = load_config(CONFIGS / "mistral-7b-cpu.toml")
+    assert (cfg.model.quant, cfg.model.device) == ("int4", "cpu")
+    assert cfg.worker.max_memory_mb <= 16 * 1024
+    args = ModelArgs.from_dict(
+        {
+            "model_type": "mistral",
+            "vocab_size": 32768,
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+        }
+    )
+    for stage in cfg.stages:
+        start, end = parse_layers(stage.layers, 32)
+        plan = plan_stage(
+            args, start, end, cfg.model.dtype, cfg.model.quant,
+            cfg.worker.max_kv_tokens, cfg.worker.max_memory_mb,
+        )  # fmt: skip
+        assert plan.fits(), plan.refusal()
+        assert plan.given_bytes - plan.need_bytes > 1 << 30  # room to spare
 
 
 def test_file_values_and_stages(tmp_path: Path) -> None:

@@ -69,6 +69,11 @@ def load_shard(
     return shard.eval()
 
 
+def gguf_serves(directory: Path, args: ModelArgs, start: int, end: int, quant: str) -> bool:
+    """Whether load_shard would read this range's blocks from a GGUF file as they are."""
+    return _gguf_reader(directory, args, start, end, quant) is not None
+
+
 def _gguf_reader(
     directory: Path, args: ModelArgs, start: int, end: int, quant: str
 ) -> GGUFShardReader | None:

@@ -142,8 +142,9 @@ class GGUFShardReader:
 
 
 def _fp16(raw: np.ndarray) -> torch.Tensor:
-    """[rows, blocks, 2] bytes holding float16 -> float32 [rows, blocks] (exact)."""
-    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32))
+    """[rows, blocks, 2] bytes holding float16 -> float16 [rows, blocks], kept narrow:
+    the kernel widens them a row at a time (csrc/matrix.h), and reads 2 bytes, not 4."""
+    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16)[..., 0].copy())
 
 
 def _q4_1(data: np.ndarray) -> QuantTensor:

@@ -25,6 +25,9 @@ BYTES_PER_WEIGHT = {
     "int8": 1 + 8 / GROUP,
     "int4": 0.5 + 8 / GROUP,
 }
+# A GGUF file's blocks, loaded as they are: Q4_1 (20 bytes a block of 32) and Q8_0 (34),
+# whose head and embedding are Q8_0 too.
+GGUF_BYTES_PER_WEIGHT = {"int4": 20 / GROUP, "int8": 34 / GROUP}
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 # The interpreter, torch and its thread pools, the tokenizer, activations: measured
 # as a worker's RSS less its weights on the default model, with room to spare.
@@ -82,14 +85,18 @@ def layer_matmul_weights(args: ModelArgs) -> int:
     return h * (q + 2 * kv) + q * h + 3 * h * f
 
 
-def weight_bytes(args: ModelArgs, start: int, end: int, dtype: str, quant: str) -> int:
+def weight_bytes(
+    args: ModelArgs, start: int, end: int, dtype: str, quant: str, gguf: bool = False
+) -> int:
     """Bytes of the weights a stage of layers [start, end) holds (engine/model.py):
     layer matmuls in ``quant`` (or ``dtype``), embedding and head at 8 bits when
-    quantized, norms in ``dtype``."""
+    quantized, norms in ``dtype``; ``gguf``: the quantized ones as a GGUF file's blocks."""
     h = args.hidden_size
     per_layer = layer_matmul_weights(args)
     matmul = BYTES_PER_WEIGHT[dtype if quant == "none" else quant]
     ends = BYTES_PER_WEIGHT[dtype if quant == "none" else "int8"]
+    if gguf and quant != "none":
+        matmul, ends = GGUF_BYTES_PER_WEIGHT[quant], GGUF_BYTES_PER_WEIGHT["int8"]
     total = (end - start) * (per_layer * matmul + 2 * h * ITEMSIZE[dtype])
     table = args.vocab_size * h
     first, last = start == 0, end == args.num_layers
@@ -134,10 +141,12 @@ def plan_stage(
     max_memory_mb: int = 0,
     packed: bool = False,
     available: tuple[int, str] | None = None,
+    gguf: bool = False,
 ) -> StagePlan:
     """The stage's figures against the memory given to it (see module doc);
-    ``available``: what the device has free, where it is not this machine's memory."""
-    weights = weight_bytes(args, start, end, dtype, quant)
+    ``available``: what the device has free, where it is not this machine's memory;
+    ``gguf``: the weights come as a GGUF file's blocks."""
+    weights = weight_bytes(args, start, end, dtype, quant, gguf)
     packed_bytes = 0
     if packed and quant == "none" and dtype == "float32":
         # Every float32 matmul (the layers' and the head's) gets a packed copy.

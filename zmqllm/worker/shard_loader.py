@@ -19,7 +19,7 @@ from zmqllm.config.layers import parse_layers
 from zmqllm.config.settings import Config, resolve_model_path, worker_served_name
 from zmqllm.engine import native
 from zmqllm.engine.cache import rss_bytes
-from zmqllm.engine.generator import load_shard
+from zmqllm.engine.generator import gguf_serves, load_shard
 from zmqllm.engine.linear import PACK_MIN_ROWS
 from zmqllm.engine.memory_plan import StageDoesNotFit, plan_stage
 from zmqllm.engine.rules import GrammarTokenizer
@@ -70,6 +70,7 @@ def load_stage(cfg: Config) -> Loaded:
         w.max_memory_mb,
         packed=w.packed_rows >= PACK_MIN_ROWS and m.device == "cpu",
         available=_device_free(m.device),
+        gguf=gguf_serves(directory, args, start, end, m.quant),
     )
     if not plan.fits():
         raise StageDoesNotFit(plan.refusal())

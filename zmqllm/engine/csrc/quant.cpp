@@ -11,6 +11,10 @@
 // float32 buffer and multiply it with PyTorch's GEMM.
 #include "matrix.h"
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -39,8 +43,9 @@ constexpr float kXSteps = 32767.0f;
 struct View {
   MatrixKind kind;
   const uint8_t* q;
-  const float* d;
-  const float* m;  // null without offsets
+  const void* d;
+  const void* m;  // null without offsets
+  bool half;      // d and m are float16
   int64_t in;
   int64_t groups;
   int64_t qstride;  // bytes per weight row
@@ -48,17 +53,53 @@ struct View {
   explicit View(const Matrix& w)
       : kind(w.kind),
         q(static_cast<const uint8_t*>(w.q.data_ptr())),
-        d(w.d.data_ptr<float>()),
-        m(w.has_min() ? w.m.data_ptr<float>() : nullptr),
+        d(w.d.data_ptr()),
+        m(w.has_min() ? w.m.data_ptr() : nullptr),
+        half(w.half_scales()),
         in(w.in),
         groups(w.in / kGroup),
         qstride(w.kind == MatrixKind::kInt8 ? w.in : w.in / 2) {}
 };
 
+// n float16 values as float32.
+inline void widen_half(const uint16_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(c10::Half(src[i], c10::Half::from_bits()));
+}
+
+// One weight row's scales and offsets as float32: pointers into the Matrix when it holds
+// float32, else widened into buffers of the caller's (``groups`` floats each).
+struct RowScales {
+  const float* d;
+  const float* m;  // null without offsets
+
+  RowScales(const View& w, int64_t row, float* dbuf, float* mbuf) {
+    const int64_t at = row * w.groups;
+    if (!w.half) {
+      d = static_cast<const float*>(w.d) + at;
+      m = w.m != nullptr ? static_cast<const float*>(w.m) + at : nullptr;
+      return;
+    }
+    widen_half(static_cast<const uint16_t*>(w.d) + at, w.groups, dbuf);
+    d = dbuf;
+    m = nullptr;
+    if (w.m != nullptr) {
+      widen_half(static_cast<const uint16_t*>(w.m) + at, w.groups, mbuf);
+      m = mbuf;
+    }
+  }
+};
+
 // One block of weights as 32 floats (the portable path and dequantize).
-inline void widen_block(const View& w, int64_t row, int64_t b, float* out) {
-  const float d = w.d[row * w.groups + b];
-  const float m = w.m != nullptr ? w.m[row * w.groups + b] : 0.0f;
+inline void widen_block(const View& w, const RowScales& s, int64_t row, int64_t b, float* out) {
+  const float d = s.d[b];
+  const float m = s.m != nullptr ? s.m[b] : 0.0f;
   if (w.kind == MatrixKind::kInt8) {
     const int8_t* q = reinterpret_cast<const int8_t*>(w.q) + row * w.in + b * kGroup;
     for (int64_t j = 0; j < kGroup; ++j) out[j] = d * static_cast<float>(q[j]) + m;
@@ -100,11 +141,10 @@ inline __m256i block_products(const __m256i v[2], const int16_t* xb) {
 // the offset's share left to the caller. xq holds the rows ``in`` apart, sx theirs
 // ``groups`` apart. The block products are exact in int32: |q| <= 255, |xq| <= 32767.
 template <int R>
-inline void dot_rows(const View& w, int64_t row, const int16_t* xq, const float* sx,
-                     float* sums) {
+inline void dot_rows(const View& w, int64_t row, const float* drow, const int16_t* xq,
+                     const float* sx, float* sums) {
   const int64_t groups = w.groups;
   const uint8_t* qrow = w.q + row * w.qstride;
-  const float* drow = w.d + row * groups;
   // Two accumulators per row, even and odd blocks: one would make every block wait
   // for the previous block's FMA.
   __m256 acc[R][2];
@@ -227,11 +267,10 @@ inline __m512i pair_products(const __m512i v[2], const int16_t* xp) {
 // As dot_rows below, two blocks per step: the pair's scales d_b * sx_b spread over
 // lanes 0-7 and 8-15.
 template <int R>
-inline void dot_rows512(const View& w, int64_t row, const int16_t* xq, const float* sx,
-                        float* sums) {
+inline void dot_rows512(const View& w, int64_t row, const float* drow, const int16_t* xq,
+                        const float* sx, float* sums) {
   const int64_t groups = w.groups;
   const uint8_t* qrow = w.q + row * w.qstride;
-  const float* drow = w.d + row * groups;
   const __m512i spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -278,12 +317,12 @@ inline float dot_short512(const float* a, const float* b, int64_t n) {
 #endif
 
 // The portable row: the same sums from widened blocks.
-inline void dot_rows_portable(const View& w, int64_t row, const float* x, int64_t rows,
-                              float* sums) {
+inline void dot_rows_portable(const View& w, const RowScales& s, int64_t row, const float* x,
+                              int64_t rows, float* sums) {
   float block[kGroup];
   for (int64_t r = 0; r < rows; ++r) sums[r] = 0.0f;
   for (int64_t b = 0; b < w.groups; ++b) {
-    widen_block(w, row, b, block);
+    widen_block(w, s, row, b, block);
     for (int64_t r = 0; r < rows; ++r) {
       const float* xb = x + r * w.in + b * kGroup;
       float s = 0.0f;
@@ -335,32 +374,34 @@ torch::Tensor matmul_direct(const torch::Tensor& x, const Matrix& matrix) {
 #endif
   at::parallel_for(0, out, kGrainRows, [&](int64_t r0, int64_t r1) {
     float sums[kDirectRows];
+    std::vector<float> dbuf(w.half ? groups : 0), mbuf(w.half ? groups : 0);
     for (int64_t row = r0; row < r1; ++row) {
+      const RowScales rs(w, row, dbuf.data(), mbuf.data());
 #if defined(__AVX2__) && defined(__FMA__)
       for (int64_t r = 0; r < rows; r += 4) {
         const int16_t* xr = xqp + r * w.in;
         const float* sr = sxp + r * groups;
 #if defined(ZMQLLM_AVX512)
         switch (std::min<int64_t>(4, rows - r)) {
-          case 1: dot_rows512<1>(w, row, xr, sr, sums + r); break;
-          case 2: dot_rows512<2>(w, row, xr, sr, sums + r); break;
-          case 3: dot_rows512<3>(w, row, xr, sr, sums + r); break;
-          default: dot_rows512<4>(w, row, xr, sr, sums + r); break;
+          case 1: dot_rows512<1>(w, row, rs.d, xr, sr, sums + r); break;
+          case 2: dot_rows512<2>(w, row, rs.d, xr, sr, sums + r); break;
+          case 3: dot_rows512<3>(w, row, rs.d, xr, sr, sums + r); break;
+          default: dot_rows512<4>(w, row, rs.d, xr, sr, sums + r); break;
         }
 #else
         switch (std::min<int64_t>(4, rows - r)) {
-          case 1: dot_rows<1>(w, row, xr, sr, sums + r); break;
-          case 2: dot_rows<2>(w, row, xr, sr, sums + r); break;
-          case 3: dot_rows<3>(w, row, xr, sr, sums + r); break;
-          default: dot_rows<4>(w, row, xr, sr, sums + r); break;
+          case 1: dot_rows<1>(w, row, rs.d, xr, sr, sums + r); break;
+          case 2: dot_rows<2>(w, row, rs.d, xr, sr, sums + r); break;
+          case 3: dot_rows<3>(w, row, rs.d, xr, sr, sums + r); break;
+          default: dot_rows<4>(w, row, rs.d, xr, sr, sums + r); break;
         }
 #endif
       }
 #else
-      dot_rows_portable(w, row, xp, rows, sums);
+      dot_rows_portable(w, rs, row, xp, rows, sums);
 #endif
-      if (w.m != nullptr) {
-        const float* mrow = w.m + row * groups;
+      if (rs.m != nullptr) {
+        const float* mrow = rs.m;
         for (int64_t r = 0; r < rows; ++r) {
 #if defined(__AVX2__) && defined(__FMA__)
 #if defined(ZMQLLM_AVX512)
@@ -384,9 +425,11 @@ torch::Tensor matmul_direct(const torch::Tensor& x, const Matrix& matrix) {
 void dequantize_rows(const Matrix& matrix, int64_t r0, int64_t r1, float* out) {
   const View w(matrix);
   at::parallel_for(r0, r1, kGrainRows, [&](int64_t a, int64_t b) {
+    std::vector<float> dbuf(w.half ? w.groups : 0), mbuf(w.half ? w.groups : 0);
     for (int64_t row = a; row < b; ++row) {
+      const RowScales rs(w, row, dbuf.data(), mbuf.data());
       for (int64_t g = 0; g < w.in / kGroup; ++g) {
-        widen_block(w, row, g, out + (row - r0) * w.in + g * kGroup);
+        widen_block(w, rs, row, g, out + (row - r0) * w.in + g * kGroup);
       }
     }
   });
@@ -410,12 +453,14 @@ Matrix::Matrix(int64_t kind_, torch::Tensor q_, torch::Tensor d_, torch::Tensor 
               "Matrix: int8 weights as int8, int4 weights as uint8 (two per byte)");
   TORCH_CHECK(in % kGroup == 0, "Matrix: the input dimension must be a multiple of 32");
   const auto groups = std::vector<int64_t>{out, in / kGroup};
-  TORCH_CHECK(d.scalar_type() == torch::kFloat && d.is_contiguous() && d.sizes() == groups,
-              "Matrix: one float32 scale per block of 32 weights, [out, in / 32]");
+  const auto scale = d.scalar_type();
+  TORCH_CHECK((scale == torch::kFloat || scale == torch::kHalf) && d.is_contiguous() &&
+                  d.sizes() == groups,
+              "Matrix: one float32 or float16 scale per block of 32 weights, [out, in / 32]");
   TORCH_CHECK(kind == MatrixKind::kInt8 || m.numel() > 0, "Matrix: int4 needs its minimums");
   if (m.numel() > 0) {
-    TORCH_CHECK(m.scalar_type() == torch::kFloat && m.is_contiguous() && m.sizes() == groups,
-                "Matrix: one float32 minimum per block of 32 weights, [out, in / 32]");
+    TORCH_CHECK(m.scalar_type() == scale && m.is_contiguous() && m.sizes() == groups,
+                "Matrix: one minimum per block of 32 weights, [out, in / 32], of the scales' dtype");
   }
 }
 
@@ -441,7 +486,7 @@ torch::Tensor matmul(const torch::Tensor& x_, const Matrix& w) {
 
 torch::Tensor dequantize(const Matrix& w) {
   if (w.kind == MatrixKind::kFloat32) return w.q.clone();
-  torch::Tensor out = torch::empty({w.out, w.in}, w.d.options());
+  torch::Tensor out = torch::empty({w.out, w.in}, w.d.options().dtype(torch::kFloat));
   dequantize_rows(w, 0, w.out, out.data_ptr<float>());
   return out;
 }
