@@ -15,8 +15,7 @@ default model's), so both runtimes tokenize alike.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,8 +24,7 @@ import numpy as np
 import torch
 
 from zmqllm.models.model_args import ModelArgs
-
-Progress = Callable[[str], None]
+from zmqllm.models.prepare import Progress, ProgressMeter
 
 BLOCK = 32  # weights per Q4_1 / Q8_0 block
 # Bytes per block: Q4_1 d, m (f16) + 16 bytes of nibbles; Q8_0 d (f16) + 32 int8.
@@ -226,18 +224,19 @@ def export_gguf(
         _llama_metadata(w, args, ft, name)
         copy_tokenizer_fields(w, donor)
         for p in plans[ft]:
-            raw = gguf.GGMLQuantizationType[p.kind]
-            byte_shape = (*p.shape[:-1], p.nbytes // max(1, int(np.prod(p.shape[:-1]))))
             if p.kind == "F32":
                 w.add_tensor_info(gguf_name(p.hf), p.shape, np.dtype(np.float32), p.nbytes)
-            else:
-                w.add_tensor_info(gguf_name(p.hf), byte_shape, np.dtype(np.uint8), p.nbytes, raw)
+                continue
+            # Blocks as raw bytes: [rows, bytes per row]; gguf-py derives the weights' shape.
+            byte_shape = (*p.shape[:-1], p.nbytes // int(np.prod(p.shape[:-1])))
+            raw = gguf.GGMLQuantizationType[p.kind]
+            w.add_tensor_info(gguf_name(p.hf), byte_shape, np.dtype(np.uint8), p.nbytes, raw)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         writers[ft] = w
     total = sum(p.nbytes for ps in plans.values() for p in ps)
-    done, t0, last = 0, time.monotonic(), 0.0
+    meter = ProgressMeter(progress, "gguf", total, len(names))
     try:
         for i, (hf, t) in enumerate(_tensors(directory, names)):
             if hf.endswith("q_proj.weight"):
@@ -245,18 +244,9 @@ def export_gguf(
             elif hf.endswith("k_proj.weight"):
                 t = permute_rows(t, args.num_kv_heads)
             for ft, w in writers.items():
-                p = plans[ft][i]
-                data = convert(t, p.kind)
-                w.write_tensor_data(data)
-                done += p.nbytes
+                w.write_tensor_data(convert(t, plans[ft][i].kind))
+            meter.advance(sum(plans[ft][i].nbytes for ft in writers))
             del t
-            now = time.monotonic()
-            if now - last > 5 or i + 1 == len(names):
-                last = now
-                progress(
-                    f"gguf: {done / 2**30:.1f} of {total / 2**30:.1f} GiB written "
-                    f"({i + 1}/{len(names)} tensors, {now - t0:.0f} s)"
-                )
     finally:
         for w in writers.values():
             w.close()

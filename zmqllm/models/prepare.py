@@ -11,13 +11,15 @@ Progress goes to stderr; callers print the resulting directory.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +67,41 @@ def find_default_gguf(install: bool = True, progress: Progress = _stderr) -> Pat
     if not gguf.exists():
         raise RuntimeError(f"{gguf} not found in the {DEFAULT_MODEL_PACKAGE} package")
     return gguf
+
+
+@contextlib.contextmanager
+def building(target: Path) -> Iterator[Path]:
+    """A private directory beside ``target`` to write a model into: published as
+    ``target`` when the block ends, removed if it fails."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".prepare-", dir=target.parent))
+    try:
+        yield tmp
+        _publish(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+class ProgressMeter:
+    """Says how far a long write of ``count`` tensors is: every few seconds and at the end."""
+
+    def __init__(self, progress: Progress, what: str, total_bytes: int, count: int) -> None:
+        self.progress, self.what = progress, what
+        self.total, self.count = total_bytes, count
+        self.done = self.n = 0
+        self.t0 = self.last = time.monotonic()
+
+    def advance(self, nbytes: int) -> None:
+        self.done += nbytes
+        self.n += 1
+        now = time.monotonic()
+        if now - self.last > 5 or self.n == self.count:
+            self.last = now
+            self.progress(
+                f"{self.what}: {self.done / 2**30:.1f} of {self.total / 2**30:.1f} GiB written "
+                f"({self.n}/{self.count} tensors, {now - self.t0:.0f} s)"
+            )
 
 
 def _publish(tmp: Path, target: Path) -> None:
@@ -140,9 +177,7 @@ def prepare_default_model(target: Path, progress: Progress = _stderr) -> Path:
     if unexpected or [m for m in missing if m != "lm_head.weight"]:
         raise RuntimeError(f"conversion mismatch: missing={missing} unexpected={unexpected}")
     model.tie_weights()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".prepare-", dir=target.parent))
-    try:
+    with building(target) as tmp:
         model.save_pretrained(tmp)
         _add_legacy_rope_theta(tmp / "config.json", rope_theta)
         tok.save_pretrained(tmp)
@@ -154,10 +189,6 @@ def prepare_default_model(target: Path, progress: Progress = _stderr) -> Path:
         (tmp / SOURCE_FILE).write_text(
             json.dumps({"package": DEFAULT_MODEL_PACKAGE, "gguf": gguf.name}, indent=2) + "\n"
         )
-        _publish(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     progress(f"default model ready at {target}")
     return target
 
@@ -182,9 +213,7 @@ def prepare_tiny_model(
 
     from zmqllm.models.tiny_tokenizer import write_tiny_tokenizer
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".prepare-", dir=target.parent))
-    try:
+    with building(target) as tmp:
         write_tiny_tokenizer(tmp)
         vocab = len(json.loads((tmp / "tokenizer.json").read_text())["model"]["vocab"])
         vocab += 8  # room for the added special tokens, as real checkpoints leave
@@ -214,9 +243,5 @@ def prepare_tiny_model(
         model.save_pretrained(tmp, max_shard_size="200KB" if sharded else "2GB")
         _add_legacy_rope_theta(tmp / "config.json", 10000.0)
         GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(tmp)
-        _publish(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     progress(f"tiny model ready at {target}")
     return target

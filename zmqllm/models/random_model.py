@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -27,11 +26,11 @@ import torch
 from zmqllm.models.checkpoint import CheckpointWriter, TensorSpec
 from zmqllm.models.model_args import ModelArgs
 from zmqllm.models.prepare import (
-    COMPLETE_MARKER,
     SOURCE_FILE,
     Progress,
-    _publish,
+    ProgressMeter,
     _stderr,
+    building,
     is_prepared,
 )
 
@@ -170,9 +169,8 @@ def prepare_random_model(
     args = ModelArgs.from_dict(config)
     specs = tensor_specs(args)
     total = sum(s.nbytes for s in specs)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".prepare-", dir=target.parent))
-    try:
+    t0 = time.monotonic()
+    with building(target) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         generation = {k: v for k, v in special.items() if v is not None}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
@@ -184,19 +182,11 @@ def prepare_random_model(
             f"to {target}"
         )
         writer = CheckpointWriter(tmp, specs)
-        t0 = last = time.monotonic()
-        done = 0
-        for i, spec in enumerate(specs):
+        meter = ProgressMeter(progress, "safetensors", total, len(specs))
+        for spec in specs:
             chunks = random_tensor_chunks(spec, seed)
             writer.write(spec.name, (c.view(torch.uint8).numpy().data for c in chunks))
-            done += spec.nbytes
-            now = time.monotonic()
-            if now - last > 5 or i + 1 == len(specs):
-                last = now
-                progress(
-                    f"safetensors: {done / 2**30:.1f} of {total / 2**30:.1f} GiB "
-                    f"({i + 1}/{len(specs)} tensors, {now - t0:.0f} s)"
-                )
+            meter.advance(spec.nbytes)
         writer.close()
         if gguf:
             from zmqllm.models.gguf_export import export_gguf
@@ -205,12 +195,8 @@ def prepare_random_model(
             export_gguf(tmp, outputs, donor, progress, name=f"zmqllm random {kind}")
             record["gguf"] = GGUF_FOR_QUANT
         (tmp / SOURCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
-        _publish(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     progress(f"random {kind} ready at {target} ({time.monotonic() - t0:.0f} s)")
     return target
 
 
-__all__ = ["COMPLETE_MARKER", "GEOMETRIES", "prepare_random_model", "random_config"]
+__all__ = ["GEOMETRIES", "prepare_random_model", "random_config"]
