@@ -5,7 +5,6 @@ files, and its errors."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,22 +28,34 @@ def _prepare(*args: str) -> tuple[int, str, str]:
     return done.returncode, done.stdout, done.stderr
 
 
-def _prepare_measured(*args: str, out_dir: Path) -> tuple[int, str, str, int]:
-    """As _prepare, and the peak RSS of that process alone (from its own wait4)."""
-    cmd = [sys.executable, "-m", "zmqllm.cli", "prepare-model", *args]
-    stdout, stderr = out_dir / "stdout", out_dir / "stderr"
-    with stdout.open("w") as o, stderr.open("w") as e:
-        proc = subprocess.Popen(cmd, stdout=o, stderr=e)
-        _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, stdout.read_text(), stderr.read_text(), usage.ru_maxrss * 1024
+# Runs the command in this interpreter and says its own peak RSS (VmHWM, of the process
+# after exec) on the last line of stderr. wait4's ru_maxrss would not do: exec records the
+# forked copy of the caller's memory as the child's peak, and pytest may hold gigabytes.
+MEASURED = """
+import sys
+from zmqllm.cli import main
+try:
+    code = main(sys.argv[1:])
+finally:
+    hwm = [ln for ln in open("/proc/self/status") if ln.startswith("VmHWM:")][0]
+    print("peak-rss-kb", hwm.split()[1], file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def _prepare_measured(*args: str) -> tuple[int, str, str, int]:
+    """As _prepare, and the peak RSS of that process alone."""
+    cmd = [sys.executable, "-c", MEASURED, "prepare-model", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    *rest, last = done.stderr.rstrip("\n").split("\n")
+    assert last.startswith("peak-rss-kb "), done.stderr[-3000:]
+    return done.returncode, done.stdout, "\n".join(rest), int(last.split()[1]) * 1024
 
 
 def test_one_layer_streams_within_2_gb_and_is_complete(tmp_path: Path) -> None:
     target = tmp_path / "m"
     rc, out, err, peak = _prepare_measured(
-        "--random", "mistral-7b", "--layers", "1", "--seed", "3", "--output", str(target),
-        out_dir=tmp_path,
+        "--random", "mistral-7b", "--layers", "1", "--seed", "3", "--output", str(target)
     )  # fmt: skip
     assert rc == 0, err[-3000:]
     assert out.strip().splitlines()[-1] == str(target)
