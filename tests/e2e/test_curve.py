@@ -193,6 +193,15 @@ def start_keyed(c: Cluster, first: str, second: str) -> None:
     c.wait_ready()
 
 
+def term_within(ctx: zmq.Context, seconds: float = 10.0) -> None:
+    """ctx.term(), given up on after ``seconds``: libzmq may keep a context whose sockets
+    were closed mid CURVE handshake (once in CI, 50 minutes in term() past pytest's
+    timeout). What the test checks comes after; a context left behind costs nothing else."""
+    done = threading.Thread(target=ctx.term, daemon=True)
+    done.start()
+    done.join(seconds)
+
+
 def send_as_strangers(
     ctx: zmq.Context, address: str, pairs: list[PeerKeys | None], msgs: list[Any]
 ) -> list[zmq.Socket]:
@@ -244,7 +253,7 @@ def test_strangers_reach_nothing_of_a_live_broker(keyed_cluster: Cluster) -> Non
     finally:
         for s in socks:
             s.close(linger=0)
-        ctx.term()
+        term_within(ctx)
     after = c.status()
     assert after["dropped"] == before["dropped"]  # no handler saw them
     assert after["counters"] == before["counters"]
@@ -314,5 +323,5 @@ def test_peer_links_are_curve_and_admit_only_the_named_stage(
     finally:
         for s in socks:
             s.close(linger=0)
-        ctx.term()
+        term_within(ctx)
         c.stop()
