@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch.test_plan import CONFIGS, free_port, ns, write_config
+from testbed.cluster import free_port
+from tests.launch.test_plan import CONFIGS, ns, write_config
 from zmqllm.config.settings import Config
 from zmqllm.launch import launcher
 from zmqllm.launch.launcher import Cluster

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import argparse
 import re
-import socket
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from testbed.cluster import free_port
 from zmqllm.cli import _load as cli_load
 from zmqllm.cli import build_parser
 from zmqllm.config.settings import Config, ConfigError
@@ -41,12 +41,6 @@ def ns(**kw: object) -> argparse.Namespace:
     )
     fields["ready_timeout"] = 600.0
     return argparse.Namespace(**{**fields, **kw})
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def write_config(tmp_path: Path, body: str) -> Path:
