@@ -221,10 +221,19 @@ def link_sweep(model_dir: Path, a: argparse.Namespace) -> None:
     delays = sorted(a.link_delay_ms)
     itl: dict[float, list[float]] = {d: [] for d in delays}
     ttft: dict[float, list[float]] = {d: [] for d in delays}
+    flags = ("--quant", a.quant) if a.quant != "none" else ()
     hosts = across_hosts(
-        model_dir, (f"{a0}:{b0}", f"{a1}:{b1}"), rate=a.link_rate, threads=a.threads
+        model_dir,
+        (f"{a0}:{b0}", f"{a1}:{b1}"),
+        rate=a.link_rate,
+        threads=a.threads,
+        worker_flags=flags,
     )
     body = completion(a.new_tokens)
+    # The engine in this process (the root host), measured each round beside the hosts.
+    gen = Generator(model_dir, quant=a.quant)
+    ids = Tokenizer.from_dir(model_dir).encode(PROMPT)
+    engine: list[float] = []
     with hosts as c:
 
         def once() -> list[float]:
@@ -236,7 +245,13 @@ def link_sweep(model_dir: Path, a: argparse.Namespace) -> None:
                 got = measure(once, a.requests)
                 itl[d].append(got["itl_ms_p50"])
                 ttft[d].append(got["ttft_ms_p50"])
-            print(f"  round {r + 1}: " + ", ".join(f"{d:g} ms {itl[d][-1]:.2f}" for d in delays))
+            engine.append(
+                measure(lambda: engine_stamps(gen, ids, a.new_tokens), a.requests)["itl_ms_p50"]
+            )
+            print(
+                f"  round {r + 1}: engine {engine[-1]:.2f}, "
+                + ", ".join(f"{d:g} ms {itl[d][-1]:.2f}" for d in delays)
+            )
     base = statistics.median(itl[delays[0]])  # compute + the path's own cost, at the least delay
     rows = []
     for d in delays:
@@ -249,6 +264,10 @@ def link_sweep(model_dir: Path, a: argparse.Namespace) -> None:
                 "ttft_ms_p50": spread(ttft[d]),
                 "model_ms": base + CROSSINGS * extra,
                 "crossings": (mid - base) / extra if extra else None,
+                # Against the engine in the same rounds: ITL / (engine + crossings x delay).
+                "vs_engine_plus_links": spread(
+                    [q / (e + CROSSINGS * d) for q, e in zip(itl[d], engine, strict=True)]
+                ),
             }
         )
     # Crossings per token from every round: the least-squares slope of ITL on delay.
@@ -268,10 +287,19 @@ def link_sweep(model_dir: Path, a: argparse.Namespace) -> None:
             f" {row['model_ms']:9.2f} {crossings:>9} {t['median']:8.1f}"
         )
     print(f"model: ITL at {delays[0]:g} ms + {CROSSINGS} crossings x added delay; fit: {slope:.2f}")
-    out = Path(a.out).with_name("per_token_latency_links.json")
+    e = spread(engine)
+    print(
+        f"engine ITL p50 {e['median']:.2f} ({e['min']:.2f}-{e['max']:.2f}) ms; ITL over engine + "
+        f"{CROSSINGS} x delay: "
+        + ", ".join(f"{r['delay_ms']:g} ms {r['vs_engine_plus_links']['median']:.3f}" for r in rows)
+    )
+    out = Path(a.out).with_name(Path(a.out).stem + "_links.json")
     meta = {k: getattr(a, k) for k in ("threads", "new_tokens", "requests", "rounds")}
-    meta.update(model=model_dir.name, link_rate=a.link_rate, crossings_model=CROSSINGS)
-    write_json(out, {"meta": meta, "rows": rows, "crossings_fit": slope, "itl_ms_p50": itl})
+    meta.update(
+        model=model_dir.name, quant=a.quant, link_rate=a.link_rate, crossings_model=CROSSINGS
+    )
+    payload = {"meta": meta, "rows": rows, "crossings_fit": slope, "itl_ms_p50": itl}
+    write_json(out, {**payload, "engine_itl_ms_p50": e})
 
     def draw(plt: Any) -> Any:
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -383,9 +411,14 @@ def main() -> None:
     ap.add_argument(
         "--link-rate", metavar="RATE", help="with --link-delay-ms: every link's rate (100mbit)"
     )
+    ap.add_argument(
+        "--model",
+        type=Path,
+        help="a model directory instead of the default model (e.g. prepare-model --random)",
+    )
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    model_dir = prepare_default_model(default_model_dir())
+    model_dir = a.model or prepare_default_model(default_model_dir())
     tok = Tokenizer.from_dir(model_dir)
     ids = tok.encode(PROMPT)  # raw completion prompt, as /v1/completions sends it
     n = a.new_tokens

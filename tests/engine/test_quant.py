@@ -98,14 +98,15 @@ def test_fusing_keeps_rows_in_order_and_refuses_mixed_kinds() -> None:
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16, 17, 40, 130])
 @pytest.mark.parametrize(("out", "cols"), [(13, 64), (300, 576), (576, 1536), (7, 96), (5, 32)])
 def test_kernel_product_matches_pytorch_on_the_dequantized_weight(
     kernel: ModuleType, kind: str, rows: int, out: int, cols: int
 ) -> None:
-    """Few rows take the widening loop, more than 8 the dequantized slices; row counts
-    off the 4-row chunks and output counts off the task grain take the tails, and an odd
-    number of blocks per row the last block alone (AVX-512 meets blocks in pairs)."""
+    """Up to 16 rows take the widening loop in one pass, up to 127 that loop 16 at a
+    time, more the dequantized slices; row counts off the 4-row chunks and output counts
+    off the task grain take the tails, and an odd number of blocks per row the last block
+    alone (the AVX2 loop steps two blocks; AVX-512 meets blocks in pairs)."""
     g = torch.Generator().manual_seed(rows * out + cols)
     t = quant.quantize(torch.randn(out, cols, generator=g), kind)
     x = torch.randn(rows, cols, generator=g)
