@@ -162,8 +162,10 @@ def streams(c: Cluster, level: int, n: int) -> dict[str, Any]:
         t.start()
     for t in threads:
         t.join()
-    if any(len(s) != n + 1 for s in stamps):
-        raise RuntimeError(f"a stream ended early: {[len(s) - 1 for s in stamps]} tokens")
+    # An event per token with text: a token that ends inside a UTF-8 character comes with
+    # the next one, so a stream may count a few less than n (never more).
+    if any(len(s) < 2 for s in stamps):
+        raise RuntimeError(f"a stream made no text: {[len(s) - 1 for s in stamps]} events")
     start, end = min(s[0] for s in stamps), max(s[-1] for s in stamps)
     all_in = max(s[1] for s in stamps)  # every stream past its prompt from here on
     decoded = sum(1 for s in stamps for t in s[1:] if t > all_in)

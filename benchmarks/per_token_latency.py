@@ -133,7 +133,12 @@ def completion(n: int) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def running_cluster(
-    model_dir: Path, stages: int, threads: int, keys: Path | None = None, quant: str = "none"
+    model_dir: Path,
+    stages: int,
+    threads: int,
+    keys: Path | None = None,
+    quant: str = "none",
+    cpu_lock: bool = False,
 ) -> Iterator[Any]:
     """A local cluster of ``stages`` workers, ready, stopped on the way out."""
     # Imported here, not at the top: compare_revisions.py loads this module's stream_once
@@ -151,7 +156,9 @@ def running_cluster(
             model_dir,
             heartbeat=1.0,
             threads=threads,
-            batch_threads=max(1, (os.cpu_count() or 1) // stages),
+            # Taking turns, every forward has all threads; else a share of the cores each.
+            batch_threads=threads if cpu_lock else max(1, (os.cpu_count() or 1) // stages),
+            cpu_lock=cpu_lock,
             keys=keys,
             quant=quant,
         )
@@ -333,7 +340,7 @@ def per_token_rows(model_dir: Path, ids: list[int], a: argparse.Namespace) -> di
     gen = Generator(model_dir, quant=a.quant)
     engine_runs: list[dict[str, float]] = []
     for k in a.stages:
-        with running_cluster(model_dir, k, a.threads, quant=a.quant) as c:
+        with running_cluster(model_dir, k, a.threads, quant=a.quant, cpu_lock=a.cpu_lock) as c:
             runs: dict[str, list[dict[str, float]]] = {"engine": [], "cluster": []}
             usage = Usage()
 
@@ -410,6 +417,11 @@ def main() -> None:
     )
     ap.add_argument(
         "--link-rate", metavar="RATE", help="with --link-delay-ms: every link's rate (100mbit)"
+    )
+    ap.add_argument(
+        "--cpu-lock",
+        action="store_true",
+        help="the cluster's workers take turns on the cores, as `zmqllm up` runs them",
     )
     ap.add_argument(
         "--model",
