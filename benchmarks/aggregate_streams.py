@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ import numpy as np
 import repo_root  # noqa: F401  (testbed is imported from the checkout)
 from paired import spread
 from report import write_json, write_plot
-from throughput import PROMPTS, stage_stats, stream
+from throughput import PROMPTS, burst
 
 from testbed.cluster import Cluster
 from zmqllm.config.settings import default_model_dir
@@ -151,36 +150,23 @@ def zmqllm_levels(model_dir: Path, a: argparse.Namespace) -> dict[int, dict[str,
 
 
 def streams(c: Cluster, level: int, n: int) -> dict[str, Any]:
-    """``level`` streamed requests at once: decode and wall tokens/s, rows per forward."""
-    before = stage_stats(c)
-    stamps: list[list[float]] = [[] for _ in range(level)]
-    threads = [
-        threading.Thread(target=stream, args=(c.http_port, PROMPTS[i % len(PROMPTS)], n, stamps[i]))
-        for i in range(level)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    """throughput.py's burst of ``level`` streams: decode and wall tokens/s, rows per forward."""
+    got = burst(c, level, n)
+    stamps = got["stamps"]
     # An event per token with text: a token that ends inside a UTF-8 character comes with
     # the next one, so a stream may count a few less than n (never more).
     if any(len(s) < 2 for s in stamps):
         raise RuntimeError(f"a stream made no text: {[len(s) - 1 for s in stamps]} events")
-    start, end = min(s[0] for s in stamps), max(s[-1] for s in stamps)
+    end = max(s[-1] for s in stamps)
     all_in = max(s[1] for s in stamps)  # every stream past its prompt from here on
     decoded = sum(1 for s in stamps for t in s[1:] if t > all_in)
-    time.sleep(1.2)  # one heartbeat, so the worker's figures reach the broker
-    after = stage_stats(c)
-    stages = {}
-    for name, x in after.items():
-        b = before.get(name, {})
-        fw = x.get("forwards", 0) - b.get("forwards", 0)
-        rows = x.get("tokens", 0) - b.get("tokens", 0)
-        stages[name] = {"forwards": fw, "rows_per_forward": round(rows / fw, 2) if fw else 0}
     return {
         "decode": decoded / (end - all_in) if end > all_in else float("nan"),
-        "wall": level * n / (end - start),
-        "stages": stages,
+        "wall": level * n / got["wall_s"],
+        "stages": {
+            name: {"forwards": st["forwards"], "rows_per_forward": st["mean_batch"]}
+            for name, st in got["stages"].items()
+        },
     }
 
 

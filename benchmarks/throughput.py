@@ -165,6 +165,7 @@ def burst(c: Cluster, level: int, n: int) -> dict[str, Any]:
         "tokens": tokens,
         "wall_s": wall,
         "stages": stages,
+        "stamps": stamps,  # per stream: its start, then each token event's arrival
         # Where the CPU went: core-milliseconds per generated token, per process.
         "cpu_ms_per_token": {
             k: round((cpu_after[k] - cpu_before[k]) * 1e3 / max(1, tokens), 2) for k in cpu_after
@@ -238,6 +239,7 @@ def run_levels(
             burst(c, 2, 8)  # warm-up
             for level in a.levels:
                 rows[level] = burst(c, level, a.new_tokens)
+                del rows[level]["stamps"]  # the summary above is what the JSON keeps
                 print(f"  concurrency {level}: {rows[level]['tokens_per_s']:.1f} tok/s", flush=True)
         finally:
             c.stop()
