@@ -146,10 +146,9 @@ def running_cluster(
     import repo_root  # noqa: F401
 
     from testbed.cluster import Cluster
-    from zmqllm.config.layers import split_layers
     from zmqllm.models.model_args import ModelArgs
 
-    layers = split_layers(ModelArgs.from_dir(model_dir).num_layers, stages)
+    layers = ModelArgs.from_dir(model_dir).stage_ranges(stages)
     with tempfile.TemporaryDirectory() as tmp:
         c = Cluster(
             Path(tmp),
@@ -221,10 +220,9 @@ def link_sweep(model_dir: Path, a: argparse.Namespace) -> None:
     alternating rounds, beside compute + CROSSINGS x delay."""
     from paired import spread
 
-    from zmqllm.config.layers import split_layers
     from zmqllm.models.model_args import ModelArgs
 
-    (a0, b0), (a1, b1) = split_layers(ModelArgs.from_dir(model_dir).num_layers, 2)
+    (a0, b0), (a1, b1) = ModelArgs.from_dir(model_dir).stage_ranges(2)
     delays = sorted(a.link_delay_ms)
     itl: dict[float, list[float]] = {d: [] for d in delays}
     ttft: dict[float, list[float]] = {d: [] for d in delays}

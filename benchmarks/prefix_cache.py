@@ -30,7 +30,6 @@ import repo_root  # noqa: F401
 from report import write_json, write_plot
 
 from testbed.cluster import Cluster
-from zmqllm.config.layers import split_layers
 from zmqllm.config.settings import default_model_dir
 from zmqllm.models.model_args import ModelArgs
 from zmqllm.models.prepare import prepare_default_model
@@ -89,7 +88,7 @@ def chat(port: int, messages: list[dict[str, str]], max_tokens: int) -> tuple[fl
 
 
 def cluster(root: Path, model: Path, threads: int, flags: tuple[str, ...]) -> Cluster:
-    layers = split_layers(ModelArgs.from_dir(model).num_layers, 2)
+    layers = ModelArgs.from_dir(model).stage_ranges(2)
     c = Cluster(root, model, heartbeat=1.0, threads=threads, worker_flags=flags)
     c.start_all(tuple(f"{a}:{b}" for a, b in layers))
     return c

@@ -4,6 +4,7 @@ the top-level module ``report``)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -31,3 +32,12 @@ def write_plot(out: Path, draw: Callable[[Any], Any]) -> None:
     png = out.with_suffix(".png")
     fig.savefig(png, dpi=120)
     print(f"wrote {png}")
+
+
+def cpu_name() -> str:
+    """The CPU's model name, which every figure names (machines of one kind differ)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "unknown"

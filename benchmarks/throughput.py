@@ -23,8 +23,9 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import repo_root  # noqa: F401  (testbed is imported from the checkout)
@@ -32,8 +33,8 @@ import torch
 from report import write_json, write_plot
 
 from testbed.cluster import Cluster
-from zmqllm.config.layers import split_layers
 from zmqllm.config.settings import default_model_dir
+from zmqllm.launch.child_process import ChildProcess
 from zmqllm.models.model_args import ModelArgs
 from zmqllm.models.prepare import prepare_default_model
 from zmqllm.models.tokenizer import Tokenizer
@@ -79,7 +80,15 @@ def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q)) * 1e3 if xs else float("nan")
 
 
-def stream(port: int, prompt: str, n: int, out: list[float]) -> None:
+Connect = Callable[[], http.client.HTTPConnection]
+
+
+def local(port: int) -> Connect:
+    """Connections to a gateway on this host's loopback."""
+    return lambda: http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+
+
+def stream(connect: Connect, prompt: str, n: int, out: list[float]) -> None:
     """One streamed chat completion; appends the arrival time of each token event."""
     body = json.dumps(
         {
@@ -90,7 +99,7 @@ def stream(port: int, prompt: str, n: int, out: list[float]) -> None:
             "temperature": 0,
         }
     )
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn = connect()
     out.append(time.perf_counter())
     conn.request(
         "POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"}
@@ -115,7 +124,15 @@ def stream(port: int, prompt: str, n: int, out: list[float]) -> None:
     conn.close()
 
 
-def stage_stats(c: Cluster) -> dict[str, dict[str, float]]:
+class ClusterLike(Protocol):
+    """A local Cluster or one across test hosts (testbed.hosts.HostCluster)."""
+
+    procs: list[ChildProcess]
+
+    def status(self) -> dict[str, Any]: ...
+
+
+def stage_stats(c: ClusterLike) -> dict[str, dict[str, float]]:
     return {f"{w['layers'][0]}:{w['layers'][1]}": w.get("stats", {}) for w in c.status()["workers"]}
 
 
@@ -125,12 +142,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def burst(c: Cluster, level: int, n: int) -> dict[str, Any]:
+def burst(c: ClusterLike, level: int, n: int, connect: Connect | None = None) -> dict[str, Any]:
+    """``level`` streams at once (to a local Cluster's gateway, or through ``connect``)."""
+    if connect is None:
+        assert isinstance(c, Cluster)
+        connect = local(c.http_port)
     before = stage_stats(c)
     cpu_before = {p.name: cpu_seconds(p.popen.pid) for p in c.procs if p.alive()}
     stamps: list[list[float]] = [[] for _ in range(level)]
     threads = [
-        threading.Thread(target=stream, args=(c.http_port, PROMPTS[i % len(PROMPTS)], n, stamps[i]))
+        threading.Thread(target=stream, args=(connect, PROMPTS[i % len(PROMPTS)], n, stamps[i]))
         for i in range(level)
     ]
     t0 = time.perf_counter()
@@ -233,6 +254,7 @@ def run_levels(
             batch_threads=batch_threads,
             cpu_lock=a.cpu_lock,
             keys=keys,
+            worker_flags=() if a.micro_batches < 0 else ("--micro-batches", str(a.micro_batches)),
         )
         try:
             c.start_all(tuple(f"{x}:{y}" for x, y in layers))
@@ -302,7 +324,7 @@ def main() -> None:
         "--layers",
         nargs="+",
         metavar="A:B",
-        help="explicit stage ranges instead of an even split, e.g. 0:17 17:30",
+        help='explicit stage ranges instead of the split of "k/n", e.g. 0:17 17:30',
     )
     ap.add_argument("--threads", type=int, default=2, help="per worker, one stream in flight")
     ap.add_argument(
@@ -310,6 +332,13 @@ def main() -> None:
         type=int,
         default=0,
         help="per worker while several streams are in flight (default: cores / stages)",
+    )
+    ap.add_argument(
+        "--micro-batches",
+        type=int,
+        default=-1,
+        help="the workers' --micro-batches (0: one group per stage, or 1 with the cpu lock; "
+        "1: one group; N: at most N; default: theirs, 0)",
     )
     ap.add_argument("--out", default="benchmarks/results/throughput.json")
     ap.add_argument(
@@ -329,7 +358,7 @@ def main() -> None:
         layers = [(int(r.split(":")[0]), int(r.split(":")[1])) for r in a.layers]
         a.stages = len(layers)
     else:
-        layers = split_layers(ModelArgs.from_dir(model_dir).num_layers, a.stages)
+        layers = ModelArgs.from_dir(model_dir).stage_ranges(a.stages)
     if not a.native:
         os.environ["ZMQLLM_NATIVE"] = "0"  # inherited by the workers
     if a.curve:

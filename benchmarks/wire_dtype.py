@@ -34,7 +34,6 @@ from testbed.cluster import Cluster
 from tests.e2e.test_cluster import PROMPTS
 from zmqllm.bus.sampling_params import SamplingParams
 from zmqllm.client.broker_client import BrokerClient
-from zmqllm.config.layers import split_layers
 from zmqllm.config.settings import default_model_dir
 from zmqllm.launch.child_process import ChildProcess
 from zmqllm.models.model_args import ModelArgs
@@ -59,7 +58,7 @@ class WireCluster(Cluster):
 
 
 def stages(model_dir: Path) -> tuple[str, str]:
-    (a0, b0), (a1, b1) = split_layers(ModelArgs.from_dir(model_dir).num_layers, 2)
+    (a0, b0), (a1, b1) = ModelArgs.from_dir(model_dir).stage_ranges(2)
     return f"{a0}:{b0}", f"{a1}:{b1}"
 
 

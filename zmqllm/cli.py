@@ -67,7 +67,6 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     import torch
 
     from zmqllm.bus.sampling_params import SamplingParams
-    from zmqllm.config.layers import split_layers
     from zmqllm.engine.generator import GenerationStats, Generator
     from zmqllm.models.tokenizer import Tokenizer
 
@@ -95,7 +94,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     if ns.stages > 1:
         from zmqllm.models.model_args import ModelArgs
 
-        bounds = split_layers(ModelArgs.from_dir(model_dir).num_layers, ns.stages)
+        args = ModelArgs.from_dir(model_dir)
+        bounds = args.stage_ranges(ns.stages)
     if ns.quant != "none" and (ns.dtype != "float32" or ns.device != "cpu"):
         print("zmqllm generate: --quant needs --dtype float32 on the cpu", file=sys.stderr)
         return 2
@@ -288,7 +288,7 @@ def _add_roles(sub: argparse._SubParsersAction) -> None:
         cmd_worker,
     )
     p.add_argument(
-        "--stage", metavar="K/N", help='stage K of N, layers split evenly (--layers "K/N")'
+        "--stage", metavar="K/N", help='stage K of N, of about equal cost (--layers "K/N")'
     )
 
     _role(sub, "gateway", "the HTTP API (/chat, OpenAI-compatible /v1)", cmd_gateway)

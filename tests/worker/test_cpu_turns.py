@@ -16,11 +16,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import zmqllm.engine.batching as batching_module  # noqa: E402
+import zmqllm.engine.micro_batches as micro_module  # noqa: E402
 import zmqllm.worker.cpu_turns as turns_module  # noqa: E402
 from zmqllm.bus.sampling_params import SamplingParams  # noqa: E402
 from zmqllm.engine.generator import load_shard  # noqa: E402
 from zmqllm.engine.stage import Stage  # noqa: E402
-from zmqllm.worker.cpu_turns import LOCK_POLL_S, MAX_GROUPS, CpuTurns  # noqa: E402
+from zmqllm.worker.cpu_turns import LOCK_POLL_S, CpuTurns  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -30,6 +31,7 @@ def slow_waits(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     t = SimpleNamespace(hop=1.0, group=5.0, bound=30.0, lock_max=300.0)
     monkeypatch.setattr(turns_module, "HOP_GRACE_S", t.hop)
     monkeypatch.setattr(turns_module, "GROUP_WAIT_S", t.group)
+    monkeypatch.setattr(micro_module, "GROUP_WAIT_S", t.group)
     monkeypatch.setattr(turns_module, "LOCK_WAIT_MAX_S", t.lock_max)
     monkeypatch.setattr(batching_module, "COALESCE_MAX_S", t.bound)
     return t
@@ -139,22 +141,16 @@ def test_waits_for_the_rest_of_a_group_it_has_seen_part_of(
     turns = CpuTurns(lock_path, stage)
     stage.step("a", 1, 9)  # b, c, d are elsewhere
     assert turns.wait() == 0.0  # nothing says they are coming
-    turns.note_arrival(("g7", 3))
+    stage.note_arrival(("g7", 3))
     assert t.hop < turns.wait() <= t.group  # 2 more of group 7
-    turns.note_arrival(("g7", 3))
+    stage.note_arrival(("g7", 3))
     assert turns.wait() > t.hop
-    turns.note_arrival(("g7", 3))
-    assert turns.groups == {}
+    stage.note_arrival(("g7", 3))
+    assert stage.scheduler.arrivals.groups == {}
     assert turns.wait() == 0.0  # the group is complete: run now
-    turns.note_arrival(("g8", 2))
-    turns.groups["g8"].last -= t.group  # the rest never came (cancelled)
+    stage.note_arrival(("g8", 2))
+    stage.scheduler.arrivals.groups["g8"].last -= t.group  # the rest never came (cancelled)
     assert turns.wait() == 0.0
-    # Groups that never complete do not pile up, however many a peer makes up.
-    for i in range(3 * MAX_GROUPS):
-        turns.note_arrival((f"x{i}", 2))
-        if i % 2:
-            turns.groups[f"x{i}"].last -= t.group
-    assert len(turns.groups) <= MAX_GROUPS
     turns.close()
 
 

@@ -1,10 +1,10 @@
 """Layer specs: which half-open range of a model's decoder layers a worker serves.
 
 A spec is a range ``"start:end"`` (either side may be left out), a stage ``"k/n"`` (the
-k-th of n contiguous, even shares, 1-based) or ``""`` (all layers). ``check_layer_spec``
-checks what can be checked without the model (for flags and config files);
+k-th of n contiguous shares of about equal cost, 1-based) or ``""`` (all layers).
+``check_layer_spec`` checks what can be checked without the model (for flags and config files);
 ``parse_layers`` turns a spec into the range for a model's layer count, and
-``split_layers`` is the even split behind ``"k/n"``. Mistakes raise ``ConfigError``.
+``split_layers`` is the split behind ``"k/n"``. Mistakes raise ``ConfigError``.
 
 Torch-free: every process checks the layer specs in its config (config_load.py).
 """
@@ -21,20 +21,30 @@ _RANGE_RE = re.compile(r"([0-9]*)\s*:\s*([0-9]*)")
 _STAGE_RE = re.compile(r"([0-9]+)\s*/\s*([0-9]+)")
 
 
-def split_layers(num_layers: int, stages: int) -> list[tuple[int, int]]:
-    """Contiguous half-open ranges covering ``[0, num_layers)``; earlier stages take the
-    remainder (30 layers in 4 stages -> 8, 8, 7, 7)."""
+def split_layers(num_layers: int, stages: int, head_cost: float = 0.0) -> list[tuple[int, int]]:
+    """Contiguous half-open ranges covering ``[0, num_layers)``, each stage of about equal
+    cost. The last stage also runs the output layer, which costs ``head_cost`` layers
+    (ModelArgs.head_cost: 8 for the default model, whose 49,152-token vocabulary makes
+    the head as big as 8 of its layers), so it takes that many fewer; the others share
+    the rest evenly, earlier ones taking the remainder (30 layers in 4 stages with no
+    head cost -> 8, 8, 7, 7; with a head of 8 -> 10, 9, 9, 2)."""
     if num_layers < 1:
         raise ConfigError(f"a model needs at least one layer, got {num_layers}")
     if not 1 <= stages <= num_layers:
         raise ConfigError(f"cannot split {num_layers} layers into {stages} stages")
-    base, extra = divmod(num_layers, stages)
+    if head_cost > 0 and stages > 1:
+        # Round half up, the same on every machine (round() goes to even).
+        last = int((num_layers + head_cost) / stages - head_cost + 0.5)
+        last = min(max(last, 1), num_layers - stages + 1)
+    else:
+        last = num_layers // stages
+    base, extra = divmod(num_layers - last, stages - 1) if stages > 1 else (0, 0)
+    sizes = [base + (1 if i < extra else 0) for i in range(stages - 1)] + [last]
     ranges = []
     start = 0
-    for index in range(stages):
-        end = start + base + (1 if index < extra else 0)
-        ranges.append((start, end))
-        start = end
+    for size in sizes:
+        ranges.append((start, start + size))
+        start += size
     return ranges
 
 
@@ -74,8 +84,9 @@ def check_layer_spec(spec: str) -> None:
     _parse_layer_form(spec)
 
 
-def parse_layers(spec: str, num_layers: int) -> tuple[int, int]:
-    """The half-open layer range ``(start, end)`` a layer spec selects in a model."""
+def parse_layers(spec: str, num_layers: int, head_cost: float = 0.0) -> tuple[int, int]:
+    """The half-open layer range ``(start, end)`` a layer spec selects in a model
+    (``head_cost``: see split_layers)."""
     if num_layers < 1:
         raise ConfigError(f"layer spec {spec!r}: a model needs at least one layer")
     kind, a, b = _parse_layer_form(spec)
@@ -87,7 +98,7 @@ def parse_layers(spec: str, num_layers: int) -> tuple[int, int]:
             raise ConfigError(
                 f"layer spec {spec!r}: {b} stages but the model has only {num_layers} layers"
             )
-        return split_layers(num_layers, b)[a - 1]
+        return split_layers(num_layers, b, head_cost)[a - 1]
     start = 0 if a is None else a
     end = num_layers if b is None else b
     if not 0 <= start < end <= num_layers:

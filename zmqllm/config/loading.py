@@ -174,7 +174,10 @@ def _check_worker(s: WorkerSettings, where: str) -> WorkerSettings:
     _check_endpoint("broker", s.broker, where)
     _check_layers("layers", s.layers, where)
     _check_positive(
-        s, ("threads", "batch_threads", "max_memory_mb", "packed_rows"), where, minimum=0
+        s,
+        ("threads", "batch_threads", "max_memory_mb", "packed_rows", "micro_batches"),
+        where,
+        minimum=0,
     )
     _check_positive(s, ("max_sessions", "max_kv_tokens", "prefill_chunk"), where)
     if s.peer not in ("auto", "off") and not s.peer.startswith("tcp://"):

@@ -178,7 +178,8 @@ class WorkerSettings:
     )
     layers: str = setting(
         "",
-        'half-open layer range "0:15", stage "1/2" (split evenly) or "" for all layers',
+        'half-open layer range "0:15", stage "1/2" (stages of about equal cost: the last '
+        'one also runs the output layer) or "" for all layers',
         metavar="SPEC",
     )
     threads: int = setting(0, "torch CPU threads; 0 = torch's default")
@@ -193,6 +194,14 @@ class WorkerSettings:
         "",
         "lock file shared by the workers of one machine, held by each forward; empty = off",
         metavar="FILE",
+    )
+    # Stage 0 splits each route's sessions so that every stage computes one group while
+    # the others compute the rest. Stages taking turns on shared cores gain nothing from
+    # that, and one batch of all rows costs less than two of half (docs/pipeline.md).
+    micro_batches: int = setting(
+        0,
+        "groups of sessions in flight on each route, formed by stage 0: 0 = one per stage "
+        "of the route, or 1 with cpu_lock; N = at most N (1: all sessions in one group)",
     )
     native_attention: bool = setting(
         True,

@@ -9,6 +9,11 @@ cut into chunks (stage 0). It decides, without running anything:
 - whether ready work should wait for sessions that are on another stage
   (:meth:`Scheduler.coalesce_wait`), so that groups of sessions merge into one batch.
 
+On stage 0 of a pipeline route, :class:`~zmqllm.engine.micro_batches.MicroBatches`
+says which ready sessions each forward takes, so that the route's sessions move in as
+many groups as it has stages; every stage waits for the rest of a group it has seen
+part of (:class:`~zmqllm.engine.micro_batches.Arrivals`).
+
 It never touches a tensor's values: work carries its inputs (token ids or hidden
 states) as they came, and :mod:`zmqllm.engine.runner` turns a batch into one forward.
 Admission (which sessions and steps are valid at all) is :mod:`zmqllm.engine.stage`'s.
@@ -24,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from zmqllm.engine.micro_batches import Arrivals, Member, MicroBatches
 
 if TYPE_CHECKING:
     import torch
@@ -67,6 +74,9 @@ class SessionState:
     reused: int = 0  # prompt tokens not computed (the first chunk tells later stages)
     told: bool = False  # stage 0: the first prompt chunk has left
     rules: SessionRules | None = None  # last stage: penalties and a grammar, if asked for
+    stages: int = 1  # stages on the session's route (stage 0 groups its sessions by it)
+    opened_at: float = field(default_factory=time.monotonic)
+    group: int = -1  # stage 0: the forward it last went in (its micro-batch)
 
     def prompt_waiting(self) -> bool:
         """Stage 0: prompt tokens are left and no later stage's word is awaited."""
@@ -95,12 +105,24 @@ class Scheduler:
 
     ``sessions`` is the stage's own table (shared, not copied): prompts are cut from
     the sessions in it, in the order they opened. ``prefill_chunk`` is the token budget
-    of the prompt chunks in one forward."""
+    of the prompt chunks in one forward. ``first``: stage 0, which forms the routes'
+    micro-batches by ``micro``'s policy."""
 
-    def __init__(self, sessions: dict[str, SessionState], prefill_chunk: int) -> None:
+    def __init__(
+        self,
+        sessions: dict[str, SessionState],
+        prefill_chunk: int,
+        first: bool = False,
+        micro: MicroBatches | None = None,
+    ) -> None:
         self.sessions = sessions
         self.prefill_chunk = prefill_chunk
         self.ready: deque[Work] = deque()
+        self.first = first
+        self.micro = micro or MicroBatches()
+        self.arrivals = Arrivals()
+        self.forwards = 0  # forwards taken: stage 0 names its micro-batches by them
+        self.last_forward_s = 0.0  # the stage's last forward (bounds a left-over's wait)
 
     def add(self, work: Work) -> None:
         self.ready.append(work)
@@ -147,10 +169,53 @@ class Scheduler:
         start = max(self.oldest_ready(), since)
         return max(0.0, start + COALESCE_MAX_S - now)
 
-    def take_batch(self, refused: list[Refusal]) -> list[Work]:
+    # -- micro-batches ------------------------------------------------------------
+    def note_arrival(self, group: tuple[str, int] | None, now: float | None = None) -> None:
+        """A STEP or ACTIVATION came (valid or not): count it towards its group."""
+        self.arrivals.note(group, time.monotonic() if now is None else now)
+
+    def plan(self, now: float) -> tuple[frozenset[str] | None, float]:
+        """The sessions the next forward may take (None: any, off stage 0 or with one
+        group) and, when it may take none, how long the ready work waits for the group
+        it is to join."""
+        if not self.first or self.micro.groups == 1:
+            return None, 0.0
+        arrived: dict[str, float] = {}
+        for w in self.ready:
+            arrived.setdefault(w.session.id, w.ready_at)
+        routes: dict[str, list[Member]] = {}
+        stages: dict[str, int] = {}
+        for s in self.sessions.values():
+            if s.acks:
+                continue  # not started: waiting for the later stages' word
+            prompt = s.prompt_waiting()
+            member = Member(s.id, s.group, s.opened_at if prompt else arrived.get(s.id), prompt)
+            routes.setdefault(s.next_hop, []).append(member)
+            stages[s.next_hop] = max(stages.get(s.next_hop, 1), s.stages)
+        limit = self.micro.hold_limit(self.last_forward_s)
+        allowed: set[str] = set()
+        waits: list[float] = []
+        for hop, members in routes.items():
+            share = self.micro.share(members, stages[hop], now, limit)
+            allowed.update(share.run)
+            if share.wait:
+                waits.append(share.wait)
+        return frozenset(allowed), (min(waits) if waits and not allowed else 0.0)
+
+    def wait(self, now: float) -> float:
+        """Seconds the ready work should wait before a forward (0: run now): for the
+        rest of a group seen in part, or (stage 0) for the group a left-over joins."""
+        if not self.has_work():
+            return 0.0
+        return self.arrivals.wait(now) or self.plan(now)[1]
+
+    # -- batches --------------------------------------------------------------------
+    def take_batch(self, refused: list[Refusal], now: float | None = None) -> list[Work]:
         """The next forward's work: decode work first, then prefill chunks within the
         token budget; at most one segment per session (a cache advances once per
-        forward). Work that would overflow its cache is dropped into ``refused``."""
+        forward), and on stage 0 only the sessions of this forward's micro-batch. Work
+        that would overflow its cache is dropped into ``refused``."""
+        allowed, _ = self.plan(time.monotonic() if now is None else now)
         batch: list[Work] = []
         seen: set[str] = set()
         later: deque[Work] = deque()
@@ -163,7 +228,8 @@ class Scheduler:
                 reason = f"{n} more tokens after {cache.length} overflow a cache of {cache.max_len}"
                 refused.append((w.session.id, w.session.request_id, reason))
                 continue
-            if w.session.id in seen or (n > 1 and n > budget and batch):
+            held = allowed is not None and w.session.id not in allowed
+            if held or w.session.id in seen or (n > 1 and n > budget and batch):
                 later.append(w)
                 continue
             batch.append(w)
@@ -174,10 +240,16 @@ class Scheduler:
         for s in self.sessions.values():
             if budget <= 0:
                 break
+            if allowed is not None and s.id not in allowed:
+                continue
             if s.prompt_waiting() and s.id not in seen:
                 batch.append(self._prompt_chunk(s, budget))
                 seen.add(s.id)
                 budget -= batch[-1].rows
+        if batch:
+            self.forwards += 1
+            for w in batch:
+                w.session.group = self.forwards
         return batch
 
     @staticmethod

@@ -31,6 +31,7 @@ from zmqllm.engine.cache import (
     rss_bytes,
 )
 from zmqllm.engine.frames import ACTIVATION_DTYPES
+from zmqllm.engine.micro_batches import MicroBatches
 from zmqllm.engine.model import MistralShard, Segment
 from zmqllm.engine.prefix_cache import PrefixStore
 from zmqllm.engine.rules import GrammarTokenizer, SessionRules
@@ -54,6 +55,7 @@ class Stage:
         max_memory_mb: int = 0,
         prefix_cache: bool = True,
         grammar_tokenizer: GrammarTokenizer | None = None,
+        micro_batches: int = 0,
     ) -> None:
         self.pool = CachePool(
             shard.args,
@@ -67,7 +69,10 @@ class Stage:
         self.prefixes = PrefixStore() if prefix_cache else None
         self.grammar_tokenizer = grammar_tokenizer
         self.sessions: dict[str, SessionState] = {}
-        self.scheduler = Scheduler(self.sessions, prefill_chunk)
+        # micro_batches: groups of sessions in flight per route (0: one per stage).
+        self.scheduler = Scheduler(
+            self.sessions, prefill_chunk, shard.is_first, MicroBatches(micro_batches)
+        )
         self.runner = ModelRunner(shard, self.pool, self.prefixes)
         # Sessions whose work was refused before or after a forward; the socket side
         # reports and closes them. One bad session must not fail a whole batch.
@@ -142,6 +147,7 @@ class Stage:
         cache = self.pool.allocate(session, max_len)
         s = SessionState(session, request_id, max_tokens, sampling, stop_ids, cache)
         s.rules = rules
+        s.stages = stages
         if prompt is not None:
             # Copied out of the receive frame: it must outlive this turn.
             s.prompt_left = np.array(prompt, dtype=np.int64)
@@ -294,14 +300,30 @@ class Stage:
         (see Scheduler.coalesce_wait)."""
         return self.scheduler.coalesce_wait(now, since)
 
+    def note_arrival(self, group: tuple[str, int] | None, now: float | None = None) -> None:
+        """A STEP or ACTIVATION of ``group`` came, whether or not it is valid."""
+        self.scheduler.note_arrival(group, now)
+
+    def wait(self, now: float) -> float:
+        """Seconds the ready work waits for the rest of its micro-batch (0: run now)."""
+        return self.scheduler.wait(now)
+
+    def group_wait(self, now: float) -> float:
+        """Seconds until every group seen in part here is complete or given up."""
+        return self.scheduler.arrivals.wait(now)
+
     def run(self) -> list[Output]:
-        """One batched forward of the ready work. Raises BatchFailed if the forward
-        does (its sessions must fail; the others are untouched). A row that cannot be
-        sampled fails its own session (see ``failed``)."""
+        """One batched forward of the ready work (on stage 0, of one micro-batch per
+        route). Raises BatchFailed if the forward does (its sessions must fail; the
+        others are untouched). A row that cannot be sampled fails its own session (see
+        ``failed``)."""
         batch = self.scheduler.take_batch(self.failed)
         if not batch:
             return []
-        return self.runner.run(batch, self.failed)
+        try:
+            return self.runner.run(batch, self.failed)
+        finally:
+            self.scheduler.last_forward_s = self.stats.last_forward_ms / 1e3
 
     def warmup(self) -> None:
         """One small forward through the shard, so the first request is not slow."""

@@ -41,6 +41,27 @@ class ModelArgs:
         """Query heads that share one key/value head (grouped-query attention)."""
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def layer_params(self) -> int:
+        """Matmul weights of one decoder layer (attention and MLP)."""
+        q_o = 2 * self.hidden_size * self.num_heads * self.head_dim
+        k_v = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
+        return q_o + k_v + 3 * self.hidden_size * self.intermediate_size
+
+    @property
+    def head_cost(self) -> float:
+        """The output layer's matmul work in decoder layers (each row's cost is its
+        weights'), to one decimal so every process splits alike: what "k/n" gives the
+        last stage less."""
+        return round(self.vocab_size * self.hidden_size / self.layer_params, 1)
+
+    def stage_ranges(self, stages: int) -> list[tuple[int, int]]:
+        """The layer ranges of "1/n" ... "n/n" for this model (stages of about equal
+        cost)."""
+        from zmqllm.config.layers import split_layers
+
+        return split_layers(self.num_layers, stages, self.head_cost)
+
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelArgs:
         model_type = cfg.get("model_type", "")

@@ -12,46 +12,24 @@ from __future__ import annotations
 import fcntl
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
+from zmqllm.engine.micro_batches import GROUP_WAIT_S
 from zmqllm.engine.stage import Stage
 
-__all__ = [
-    "GROUP_WAIT_S",
-    "HOP_GRACE_S",
-    "LOCK_POLL_S",
-    "LOCK_WAIT_MAX_S",
-    "MAX_GROUPS",
-    "CpuTurns",
-    "Group",
-]
+__all__ = ["HOP_GRACE_S", "LOCK_POLL_S", "LOCK_WAIT_MAX_S", "CpuTurns"]
 
 # How often a waiting stage looks at the lock, and the quiet time after which no more
-# results of another stage's forward are on their way (they come worker -> broker ->
-# worker, one message per session).
+# untagged results of another stage's forward are on their way (they come worker ->
+# broker -> worker, one message per session). Tagged ones say how many of their group
+# come: the stage counts them (engine.micro_batches.Arrivals).
 LOCK_POLL_S = 0.001
 HOP_GRACE_S = 0.003
-# The results of one forward bound for the same next worker form a group, and each of
-# their messages says so (group = (id, size)); a stage waits for the rest of a group it
-# has seen part of for at most this long after the last one came (a broker or gateway
-# descheduled for a few ms must not split the batch).
-GROUP_WAIT_S = 0.025
-MAX_GROUPS = 64
 # A stage polling the lock for its turn might never see it free if others let go only for
 # an instant between forwards: past this, it blocks on the lock instead. (Past its own
 # wait bound it keeps the lock as soon as it sees it free, so this is only the last
 # resort.)
 LOCK_WAIT_MAX_S = 2.0
-
-
-@dataclass
-class Group:
-    """The results of one forward of another stage bound for this one, seen in part."""
-
-    size: int  # how many messages the group has
-    arrived: int = 0  # how many of them came
-    last: float = 0.0  # when the last of them came (monotonic)
 
 
 class CpuTurns:
@@ -65,8 +43,6 @@ class CpuTurns:
         self.lock_busy_at = 0.0  # when another stage was last seen holding the lock
         self.held_at: float | None = None  # we hold the lock while results come in
         self.last_work_at = 0.0  # when the last untagged STEP or ACTIVATION arrived
-        # Groups seen in part, by id (see GROUP_WAIT_S).
-        self.groups: dict[str, Group] = {}
 
     def close(self) -> None:
         os.close(self.fd)  # drops the lock if we hold it
@@ -76,24 +52,10 @@ class CpuTurns:
         return self.held_at is not None
 
     def note_arrival(self, group: tuple[str, int] | None) -> None:
-        """Count a STEP or ACTIVATION towards its group; untagged ones restart the quiet
-        time (HOP_GRACE_S) instead."""
-        now = time.monotonic()
+        """An untagged STEP or ACTIVATION restarts the quiet time (HOP_GRACE_S); the
+        stage counts tagged ones towards their group."""
         if group is None:
-            self.last_work_at = now
-            return
-        gid, size = group
-        g = self.groups.get(gid)
-        if g is None:
-            if len(self.groups) >= MAX_GROUPS:  # groups that never completed (cancels)
-                self.groups = {k: v for k, v in self.groups.items() if v.last + GROUP_WAIT_S > now}
-                if len(self.groups) >= MAX_GROUPS:  # a flood of live ones: forget them all
-                    self.groups.clear()
-            g = self.groups[gid] = Group(size)
-        g.arrived += 1
-        g.last = now
-        if g.arrived >= g.size:
-            del self.groups[gid]
+            self.last_work_at = time.monotonic()
 
     def wait(self) -> float:
         """Seconds the ready work should wait for more sessions (0: run it now).
@@ -103,13 +65,13 @@ class CpuTurns:
         prefill elsewhere would make us run a fraction of the sessions just before the
         rest come back). Once it lets go, its results for our missing sessions are one
         hop through the broker away, one message per session: wait HOP_GRACE_S for the
-        first, then for the rest of every group seen in part (GROUP_WAIT_S after the last
-        arrival at most), or, for untagged messages, until none has come for
-        HOP_GRACE_S. Within the stage's own bound that wait leaves the lock free (the
-        other stage may need a turn to send us its sessions); past it, the stage keeps
-        the lock while it waits (GROUP_WAIT_S at most), or a third worker sharing the
-        cores could take it back before every grace ends, again and again. Two stages
-        waiting for each other's sessions both run once that is over.
+        first, then for the rest of every group seen in part (the stage's group_wait),
+        or, for untagged messages, until none has come for HOP_GRACE_S. Within the
+        stage's own bound that wait leaves the lock free (the other stage may need a
+        turn to send us its sessions); past it, the stage keeps the lock while it waits
+        (GROUP_WAIT_S at most), or a third worker sharing the cores could take it back
+        before every grace ends, again and again. Two stages waiting for each other's
+        sessions both run once that is over.
         """
         if not self.stage.others_pending():
             return 0.0
@@ -130,9 +92,7 @@ class CpuTurns:
         if self.held_at is not None:
             limit = min(limit, self.held_at + GROUP_WAIT_S - now)
         wait = max(self.lock_busy_at, self.last_work_at) + HOP_GRACE_S - now
-        for g in self.groups.values():
-            if g.arrived < g.size:
-                wait = max(wait, g.last + GROUP_WAIT_S - now)
+        wait = max(wait, self.stage.group_wait(now))
         return min(limit, wait) if wait > 0 and limit > 0 else 0.0
 
     def take(self) -> None:

@@ -14,6 +14,7 @@ not name.
 from __future__ import annotations
 
 import dataclasses
+import time
 import uuid
 from typing import Any
 
@@ -144,17 +145,23 @@ class Worker(WorkerShell):
         if self.tend_link():
             self.peers.expire(self._published)
         busy = self.stage.has_work()
-        wait = self.turns.wait() if busy and self.turns is not None else 0.0
-        timeout = wait if busy else IDLE_POLL_S
+        timeout = self._wait() if busy else IDLE_POLL_S
         with self.link.lock:
             if not self.link.inbox:  # what the keeper took in during a forward comes first
                 self.link.pump(timeout, self.peers.sock)
             self.drain_inbox()
         self.drain_peers()
-        if self.stage.has_work() and not (self.turns is not None and self.turns.wait()):
+        if self.stage.has_work() and not self._wait():
             self.run_batch()
         elif self.turns is not None and self.turns.holding and not self.stage.has_work():
             self.turns.release()  # the sessions we waited with were closed
+
+    def _wait(self) -> float:
+        """Seconds the ready work waits (0: forward now): for a turn on shared cores
+        (cpu_lock), else for the rest of its micro-batch (engine.micro_batches)."""
+        if self.turns is not None:
+            return self.turns.wait()
+        return self.stage.wait(time.monotonic())
 
     def close(self) -> None:
         self.link.stop()  # once stopped, or never started, it does nothing
@@ -192,16 +199,20 @@ class Worker(WorkerShell):
 
     # -- messages ----------------------------------------------------------------
     def on_step(self, msg: Step) -> None:
-        if self.turns is not None:
-            self.turns.note_arrival(msg.group)
+        self._arrived(msg.group)
         self.stage.step(session_key(msg.session, msg.attempt), msg.step, msg.token)
 
     def on_activation(self, msg: Activation) -> None:
-        if self.turns is not None:
-            self.turns.note_arrival(msg.group)
+        self._arrived(msg.group)
         hidden = payload_to_tensor(msg.hidden)
         key = session_key(msg.session, msg.attempt)
         self.stage.activation(key, msg.step, hidden, msg.final, msg.prefix)
+
+    def _arrived(self, group: tuple[str, int] | None) -> None:
+        """Counted before the message is validated: a refused member still came."""
+        self.stage.note_arrival(group)
+        if self.turns is not None:
+            self.turns.note_arrival(group)
 
     def on_cached(self, msg: Cached) -> None:
         self.stage.cached(session_key(msg.session, msg.attempt), msg.tokens)

@@ -53,7 +53,7 @@ def load_stage(cfg: Config) -> Loaded:
     spec = resolve_model_path(cfg.model.path)
 
     def layer_range(args: ModelArgs) -> tuple[int, int]:
-        return parse_layers(w.layers, args.num_layers)
+        return parse_layers(w.layers, args.num_layers, args.head_cost)
 
     # From the Hub: config first, then only the files holding this range's tensors.
     directory = resolve_checkpoint(spec, layer_range, cfg.model.revision)
@@ -95,6 +95,7 @@ def load_stage(cfg: Config) -> Loaded:
         w.max_memory_mb,
         w.prefix_cache,
         grammars,
+        micro_batches=w.micro_batches or (1 if w.cpu_lock else 0),
     )
     stage.warmup()
     log.info(
