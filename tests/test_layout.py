@@ -29,9 +29,11 @@ ALLOWED: dict[str, set[str]] = {
     "remote": {"worker", "bus", "config", "log", "version"},
     # The launcher starts the roles as processes: it imports none of them.
     "launch": {"client", "bus", "config", "log", "models", "version"},
+    # The roles as Ray actors: command lines as the launcher makes them (launch.plan).
+    "onray": {"launch", "config", "log", "version"},
     # The command line starts every role, in the process it runs in.
     "cli": {"broker", "bus", "client", "config", "engine", "gateway", "launch"}
-    | {"log", "models", "remote", "version", "worker"},
+    | {"log", "models", "onray", "remote", "version", "worker"},
     "__init__": set(),
     "__main__": {"cli"},
 }
@@ -44,9 +46,14 @@ FORBIDDEN: dict[str, set[str]] = {
     "client": ML_STACK,
     "gateway": ML_STACK | {"zmq"},
     "launch": ML_STACK,
+    "onray": ML_STACK,
     "remote": ML_STACK,
     "log": ML_STACK | {"zmq"},
 }
+# Ray is an optional extra that only zmqllm/onray/ uses: no role depends on it.
+for _package in ALLOWED:
+    if _package != "onray":
+        FORBIDDEN[_package] = FORBIDDEN.get(_package, set()) | {"ray"}
 # Never imported from the runtime package: test and benchmark code.
 NEVER = {"testbed", "tests", "benchmarks"}
 

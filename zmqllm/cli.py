@@ -297,10 +297,34 @@ def _add_roles(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--timeout", type=float, default=3.0, metavar="S", help="wait for an answer")
 
+    _add_ray(sub)
+
     p = _role(sub, "up", "start broker, workers and gateway on this machine", cmd_up)
     p.add_argument(
         "--ready-timeout", type=float, default=600.0, metavar="S", help="wait for /ready"
     )
+
+
+def cmd_ray(ns: argparse.Namespace) -> int:
+    from zmqllm.onray.commands import run_ray
+
+    return run_ray(ns)
+
+
+def _add_ray(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("ray", help="run the roles as actors on a Ray cluster (zmqllm[ray])")
+    ray_sub = p.add_subparsers(dest="ray_command", required=True, metavar="RAY_COMMAND")
+    for name, help in (
+        ("up", "start broker, workers and gateway as detached actors; return once ready"),
+        ("status", "every actor of this cluster: state, node, pid, restarts"),
+        ("down", "stop every actor and remove the stages' placement group"),
+    ):
+        q = ray_sub.add_parser(name, help=help)
+        q.add_argument("--config", metavar="FILE", help="TOML config file (see configs/)")
+        add_setting_flags(q, "ray")
+        q.set_defaults(func=cmd_ray, command="ray")
+        if name == "status":
+            q.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def build_parser() -> argparse.ArgumentParser:

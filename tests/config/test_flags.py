@@ -48,6 +48,13 @@ EXPECTED: dict[str, dict[str, set[str] | None]] = {
         "security": ALL,
         "log": {"level", "format", "dir"},
     },
+    "ray": {
+        "ray": ALL,
+        "model": {"path", "quant"},
+        "gateway": {"port"},
+        "security": ALL,
+        "log": {"level"},
+    },
 }
 
 # Flags users and scripts already type; they must keep working.
@@ -62,6 +69,7 @@ KEPT = {
     "--heartbeat-liveness",
     "status": "--broker --json --timeout",
     "up": "--port --model --log-dir --ready-timeout",
+    "ray": "",
 }
 NEW = {
     "broker": "--keys --insecure --no-insecure --max-message-bytes --session-timeout",
@@ -71,18 +79,23 @@ NEW = {
     "--request-timeout --max-body-bytes --default-max-tokens",
     "status": "--keys --insecure",
     "up": "--keys --insecure --api-key-file --ssl-certfile --ssl-keyfile --quant",
+    "ray": "--address --namespace --strategy --front-resource --ready-timeout --model --port",
 }
+
+# `zmqllm ray` has commands of its own; each takes the role's flags (here: `ray up`).
+COMMAND = {"ray": ("ray", "up")}
 
 
 def role_parser(role: str) -> argparse.ArgumentParser:
-    parser = cli.build_parser()
-    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    found: argparse.ArgumentParser = sub.choices[role]
+    found: argparse.ArgumentParser = cli.build_parser()
+    for word in COMMAND.get(role, (role,)):
+        (sub,) = [a for a in found._actions if isinstance(a, argparse._SubParsersAction)]
+        found = sub.choices[word]
     return found
 
 
-def parse(*argv: str) -> argparse.Namespace:
-    return cli.build_parser().parse_args(list(argv))
+def parse(role: str, *argv: str) -> argparse.Namespace:
+    return cli.build_parser().parse_args([*COMMAND.get(role, (role,)), *argv])
 
 
 def sample(kind: type, choices: tuple[str, ...] | None) -> tuple[list[str], object]:
@@ -132,7 +145,7 @@ def test_existing_and_new_flag_names(role: str) -> None:
 
 
 def test_every_section_field_is_declared_with_help() -> None:
-    assert set(SECTIONS) == {"model", "broker", "worker", "gateway", "log", "security"}
+    assert set(SECTIONS) == {"model", "broker", "worker", "gateway", "log", "security", "ray"}
     for section in SECTIONS:
         for setting in section_settings(section):
             assert setting.help and setting.flag.startswith("--")

@@ -102,6 +102,14 @@ ROLES: dict[str, tuple[Take, ...]] = {
         Take("security"),
         Take("log", only=("level", "format", "dir")),
     ),
+    # `zmqllm ray up|status|down` (zmqllm/onray/): the Ray cluster, and what `up` takes.
+    "ray": (
+        Take("ray"),
+        Take("model", only=("path", "quant")),
+        Take("gateway", only=("port",)),
+        Take("security"),
+        Take("log", only=("level",)),
+    ),
 }
 
 # How a value is named in --help when the field names nothing better. Every float

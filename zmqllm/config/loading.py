@@ -25,6 +25,7 @@ from zmqllm.config.layers import check_layer_spec
 from zmqllm.config.names import NAME_RULE, is_name
 from zmqllm.config.settings import (
     DTYPES,
+    PLACEMENT_STRATEGIES,
     QUANTS,
     WIRE_DTYPE_CHOICES,
     BrokerSettings,
@@ -33,6 +34,7 @@ from zmqllm.config.settings import (
     GatewaySettings,
     LogSettings,
     ModelSettings,
+    RaySettings,
     RemoteSpec,
     SecuritySettings,
     StageSpec,
@@ -48,7 +50,7 @@ else:  # tomllib joined the standard library in 3.11; tomli is the same parser
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-__all__ = ["load_config", "with_overrides"]
+__all__ = ["load_config", "parse_size", "with_overrides"]
 
 # --- type checks ------------------------------------------------------------------------
 
@@ -234,6 +236,38 @@ def _check_security(s: SecuritySettings, where: str) -> SecuritySettings:
     return s
 
 
+_SIZE_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size as people write it: "16GiB", "512MiB", "32GB", "4096" (bytes);
+    ValueError otherwise."""
+    m = _SIZE_RE.fullmatch(text)
+    if not m:
+        raise ValueError(f"{text!r} is not a size like '16GiB'")
+    number, unit = float(m[1]), (m[2] or "").lower()
+    if unit.endswith("ib") or (len(unit) == 2 and unit[1] == "i"):
+        factor = 1024 ** ("kmgt".index(unit[0]) + 1)
+    else:
+        factor = _SIZE_UNITS[unit[:1]]
+    return int(number * factor)
+
+
+def _check_ray(s: RaySettings, where: str) -> RaySettings:
+    if s.address and not re.fullmatch(r"[A-Za-z0-9.\-\[\]:]+:[0-9]+|auto", s.address):
+        raise _fail("address", where, "HOST:PORT of the Ray head (or 'auto')", s.address)
+    if not is_name(s.namespace):
+        raise _fail("namespace", where, NAME_RULE, s.namespace)
+    strategy = s.strategy.upper()
+    if strategy not in PLACEMENT_STRATEGIES:
+        raise _fail("strategy", where, f"one of {', '.join(PLACEMENT_STRATEGIES)}", s.strategy)
+    if s.front_resource and not is_name(s.front_resource):
+        raise _fail("front_resource", where, NAME_RULE, s.front_resource)
+    _check_positive(s, ("ready_timeout",), where)
+    return dataclasses.replace(s, strategy=strategy)
+
+
 def _check_log(s: LogSettings, where: str) -> LogSettings:
     level, fmt = s.level.lower(), s.format.lower()
     if level not in LOG_LEVELS:
@@ -251,6 +285,7 @@ _SECTIONS: dict[str, Callable[[Any, str], Any]] = {
     "gateway": _check_gateway,
     "log": _check_log,
     "security": _check_security,
+    "ray": _check_ray,
 }
 
 
@@ -308,6 +343,15 @@ def _load_stages(raw: object, origin: str) -> list[StageSpec]:
         raise
     for stage, where in tables:
         _check_layers("layers", stage.layers, where)
+        if not (math.isfinite(stage.cpus) and stage.cpus > 0):
+            raise _fail("cpus", where, "a positive number of CPUs", stage.cpus)
+        for key in ("memory", "disk"):
+            value = getattr(stage, key)
+            if value:
+                try:
+                    parse_size(value)
+                except ValueError:
+                    raise _fail(key, where, "a size like '16GiB'", value) from None
         stages.append(stage)
     return stages
 

@@ -33,6 +33,7 @@ __all__ = [
     "GatewaySettings",
     "LogSettings",
     "ModelSettings",
+    "RaySettings",
     "RemoteSpec",
     "SecuritySettings",
     "StageSpec",
@@ -355,10 +356,39 @@ class SecuritySettings:
     insecure: bool = setting(False, "run without CURVE even where keys exist")
 
 
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's
+
+
+@dataclass
+class RaySettings:
+    """`zmqllm ray up|status|down`: the roles as detached actors on a running Ray cluster."""
+
+    address: str = setting(
+        "", "the Ray cluster (HOST:PORT of its head); empty = RAY_ADDRESS", metavar="HOST:PORT"
+    )
+    namespace: str = setting("zmqllm", "the Ray namespace of this cluster's actors")
+    strategy: str = setting(
+        "PACK",
+        "how the stages' bundles are placed: STRICT_SPREAD = each worker on a node of its own",
+        choices=PLACEMENT_STRATEGIES,
+    )
+    front_resource: str = setting(
+        "",
+        "a custom resource the broker's and gateway's node has; empty = the head node",
+        metavar="NAME",
+    )
+    ready_timeout: float = setting(900.0, "seconds `ray up` waits for a warm-up answer")
+
+
 @dataclass
 class StageSpec:
     layers: str  # same forms as WorkerSettings.layers
     count: int = 1  # replicas of this stage the launcher starts
+    # What one replica asks of its node under `zmqllm ray up` (zmqllm/onray/): Ray's CPUs
+    # and memory, and disk as the custom resource "disk_bytes" (Ray has none).
+    cpus: float = 1.0
+    memory: str = ""  # e.g. "16GiB"; "" = nothing asked
+    disk: str = ""
 
 
 @dataclass
@@ -395,6 +425,7 @@ class Config:
     gateway: GatewaySettings = field(default_factory=GatewaySettings)
     log: LogSettings = field(default_factory=LogSettings)
     security: SecuritySettings = field(default_factory=SecuritySettings)
+    ray: RaySettings = field(default_factory=RaySettings)
     stages: list[StageSpec] = field(default_factory=list)
     remotes: list[RemoteSpec] = field(default_factory=list)
 
