@@ -119,6 +119,14 @@ def ray_up(ns: argparse.Namespace) -> int:
     except Unplaceable as exc:
         print(f"zmqllm ray up: {exc}", file=sys.stderr)
         return 2
+    with contextlib.suppress(ValueError):
+        ray.get_actor(specs[0].name, namespace=cfg.ray.namespace)
+        print(
+            f"zmqllm ray up: a cluster is already up in namespace {cfg.ray.namespace!r} "
+            "(`zmqllm ray status`; `zmqllm ray down` first)",
+            file=sys.stderr,
+        )
+        return 1
     begun = time.monotonic()
     bundles = [dict(s.resources) for s in workers]
     pg = placement_group(

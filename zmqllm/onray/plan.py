@@ -33,8 +33,9 @@ __all__ = [
 DISK = "disk_bytes"  # the custom resource a node declares for its disk (Ray has none)
 NODE_IP = "{node_ip}"
 BROKER_IP = "{broker_ip}"
-# The broker and the gateway ask for a sliver of a CPU: they must fit beside a stage.
-FRONT_CPUS = 0.1
+# The broker and the gateway ask for no CPU: they fit beside a stage, and on a head node
+# started with --num-cpus 0 (which then runs nothing else).
+FRONT_CPUS = 0.0
 
 
 class Unplaceable(ValueError):
