@@ -14,6 +14,7 @@ import contextlib
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -85,6 +86,29 @@ class RayNodes:
         )
         self.procs[host.index] = proc
         return proc
+
+    def alive(self) -> int:
+        """How many nodes the head counts alive (asked from inside the head's host)."""
+        code = (
+            f"import ray; ray.init(address={self.address!r}, logging_level='ERROR'); "
+            "print(sum(1 for n in ray.nodes() if n['Alive']))"
+        )
+        done = subprocess.run(
+            self.hosts[0].command(sys.executable, "-c", code),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=self.environment(self.hosts[0].index),
+        )
+        lines = done.stdout.strip().splitlines()
+        return int(lines[-1]) if done.returncode == 0 and lines and lines[-1].isdigit() else 0
+
+    def wait_alive(self, count: int, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while (n := self.alive()) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{n} of {count} Ray nodes alive after {timeout:g} s")
+            time.sleep(1.0)
 
     def kill_node(self, host: Host) -> None:
         """A host dies: every process in its namespace gets SIGKILL."""

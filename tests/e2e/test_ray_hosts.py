@@ -65,8 +65,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, e2e_model: Path) -> Iterat
     root = tmp_path_factory.mktemp("ray-hosts")
     bed = Testbed(4)
     home = {h.index: root / f"host{h.index}" for h in bed.hosts}
+    from zmqllm.config.settings import zmqllm_home
+
     for path in home.values():
         path.mkdir()
+        # The compiled kernels e2e_model built, as a node's image would carry them (each
+        # node builds its own otherwise: 1-2 minutes on these cores).
+        if (zmqllm_home() / "kernels").is_dir():
+            shutil.copytree(zmqllm_home() / "kernels", path / "kernels")
     config = root / "ray.toml"
     config.write_text(
         f'[model]\npath = "{e2e_model}"\n'
@@ -97,9 +103,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, e2e_model: Path) -> Iterat
             assert done.returncode == 0, done.stderr
             shutil.copytree(keys / "issued" / f"host-{i}", home[i] / "keys")
         nodes.start(head, head=True, cpus=0)
-        time.sleep(3)
-        for i in (2, 3, 4):
+        nodes.wait_alive(1)
+        for i in (2, 3, 4):  # one at a time: nodes joining at once can time out on 2 cores
             nodes.start(bed.host(i))
+            nodes.wait_alive(i)
+        for h in bed.hosts:  # what Ray itself costs a node, idle (nothing of ours yet)
+            print(f"idle Ray node on host {h.index}: {rss_mib(h.pids()):.0f} MiB RSS")
         yield {
             "bed": bed,
             "nodes": nodes,
@@ -115,6 +124,41 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, e2e_model: Path) -> Iterat
                 print(f"--- {log}\n{log.read_text()[-2000:]}")
         nodes.stop()
         bed.close()
+
+
+def rss_mib(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            continue
+    return total / 1024
+
+
+def children(pid: int) -> list[int]:
+    done = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in done.stdout.split()]
+
+
+def alive(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists()
+
+
+def wait_until(check: Any, timeout: float, what: str) -> float:
+    """Seconds until ``check()`` is true."""
+    begun = time.monotonic()
+    while not check():
+        if time.monotonic() - begun > timeout:
+            raise AssertionError(f"not {what} after {timeout:g} s")
+        time.sleep(0.25)
+    return time.monotonic() - begun
+
+
+def actor(c: dict[str, Any], name: str) -> dict[str, Any] | None:
+    return next((r for r in ray_status(c) if r["name"] == name), None)
 
 
 def ray_status(c: dict[str, Any]) -> list[dict[str, Any]]:
@@ -152,6 +196,32 @@ def test_ray_up_serves_restarts_a_dead_host_and_comes_down(
     assert sorted(placed) == ["worker-0-2-0", "worker-2-4-0"]
     assert len(set(placed.values())) == 2, placed  # two different nodes
     assert c["bed"].host(1).address not in placed.values()
+
+    # The worker's own process killed: its actor ends too, and Ray starts both again on
+    # the same node; it registers again and serves exactly.
+    before = actor(c, "worker-2-4-0")
+    assert before is not None
+    (role_pid,) = children(before["pid"])
+    killed = time.monotonic()
+    subprocess.run(["kill", "-9", str(role_pid)], check=True)
+
+    def restarted(old: dict[str, Any]) -> bool:
+        now = actor(c, old["name"])
+        return now is not None and now["restarts"] > old["restarts"] and now["state"] == "ALIVE"
+
+    wait_until(lambda: restarted(before), 120, "restarted")
+    # A request waits in the gateway's queue for a complete route: served once the
+    # restarted worker has registered.
+    assert gw.chat(PROMPTS[1], 24) == reference.body(PROMPTS[1], 24)
+    print(f"worker SIGKILL -> served again in {time.monotonic() - killed:.1f} s")
+    assert actor(c, "worker-2-4-0")["node_ip"] == before["node_ip"]
+    # The actor's process killed instead: its role process goes with it (no orphan).
+    before = actor(c, "worker-2-4-0")
+    (role_pid,) = children(before["pid"])
+    subprocess.run(["kill", "-9", str(before["pid"])], check=True)
+    wait_until(lambda: not alive(role_pid), 30, "the orphaned worker gone")
+    wait_until(lambda: restarted(before), 120, "restarted")
+    assert gw.chat(PROMPTS[0], 24) == reference.body(PROMPTS[0], 24)
 
     # A stream in flight; then the host of its first stage dies.
     stream = SseStream(gw)  # type: ignore[arg-type]

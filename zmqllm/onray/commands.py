@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import sys
 import time
 import urllib.error
@@ -48,7 +49,7 @@ def _connect(cfg: Config) -> Any:
         address=cfg.ray.address or None,
         namespace=cfg.ray.namespace,
         log_to_driver=False,
-        logging_level="ERROR",
+        logging_level=logging.ERROR,
     )
     return ray
 
@@ -145,7 +146,7 @@ def ray_up(ns: argparse.Namespace) -> int:
     _say(f"broker on {broker_ip}")
     for spec in workers:
         strategy = PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=spec.bundle
+            placement_group=pg, placement_group_bundle_index=spec.bundle or 0
         )
         _start(ray, spec, {"scheduling_strategy": strategy}, with_broker(spec.args, broker_ip))
     gateway_spec = specs[-1]
