@@ -28,7 +28,7 @@ from testbed.hosts import NetnsHTTPConnection, zmqllm_command
 from testbed.netns import Host, Testbed, unusable_reason
 from testbed.raynodes import RayNodes
 from tests.e2e.expected import sent_text
-from tests.e2e.test_hosts import SseStream
+from tests.e2e.test_hosts import SseStream, chat
 
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 
@@ -46,14 +46,7 @@ class Gateway:
         return NetnsHTTPConnection(self.host, self.address, PORT, timeout)
 
     def chat(self, prompt: str, max_tokens: int) -> str:
-        conn = self.http()
-        try:
-            conn.request("POST", f"/chat?max_tokens={max_tokens}", prompt.encode())
-            resp = conn.getresponse()
-            assert resp.status == 200
-            return resp.read().decode()
-        finally:
-            conn.close()
+        return chat(self, prompt, max_tokens)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
