@@ -2,9 +2,9 @@
 
 Every node is started with explicit CPUs and memory, a small object store, the memory
 monitor off, no dashboard, and its own ``ZMQLLM_HOME`` (the host's disk: its keys, its
-model cache, its logs). Nodes are stopped by their process ids only, never with
-``ray stop``, which ends every Ray process on the machine (CI's included); whatever a
-node left behind in its namespace goes when the testbed closes. Ray's files go to a
+model cache, its logs). Nodes are stopped by their process ids only, never by
+Ray's own stop command, which ends every Ray process on the machine (CI's included);
+whatever a node left behind in its namespace goes when the testbed closes. Ray's files go to a
 short folder of the run's own (socket paths are limited to 107 characters).
 """
 

@@ -17,14 +17,13 @@ import json
 import logging
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from zmqllm.config.flags import apply_flags
 from zmqllm.config.loading import load_config
 from zmqllm.config.settings import Config
+from zmqllm.launch.launcher import http_status
 from zmqllm.onray.plan import ActorSpec, Unplaceable, check_fits, plan_actors, with_broker
 
 __all__ = ["run_ray"]
@@ -91,16 +90,6 @@ def _wait_placed(pg: Any, timeout: float) -> bool:
     return True
 
 
-def _http_status(url: str) -> int | None:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return int(r.status)
-    except urllib.error.HTTPError as exc:
-        return int(exc.code)
-    except (OSError, ValueError):
-        return None
-
-
 def ray_up(ns: argparse.Namespace) -> int:
     cfg, path = _config(ns)
     specs = plan_actors(cfg, path)
@@ -156,7 +145,7 @@ def ray_up(ns: argparse.Namespace) -> int:
     gateway_ip = ray.get(gateway.info.remote())["node_ip"]
     url = f"http://{gateway_ip}:{cfg.gateway.port}"
     deadline = begun + cfg.ray.ready_timeout
-    while _http_status(f"{url}/ready") != 200:
+    while http_status(f"{url}/ready") != 200:
         if time.monotonic() > deadline:
             print(
                 f"zmqllm ray up: not ready after {cfg.ray.ready_timeout:g}s; "

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from zmqllm.config.loading import parse_size
 from zmqllm.config.settings import Config, StageSpec
+from zmqllm.launch.plan import DEFAULT_STAGES, layer_flags, stage_slug
 
 __all__ = [
     "BROKER_IP",
@@ -54,8 +55,6 @@ class ActorSpec:
 
 
 def actor_name(layers: str, replica: int) -> str:
-    from zmqllm.launch.plan import stage_slug
-
     return f"worker-{stage_slug(layers)}-{replica}"
 
 
@@ -75,8 +74,6 @@ def plan_actors(cfg: Config, config_path: Path | None) -> list[ActorSpec]:
     workers' peer links ("auto" binds on the address towards the broker), the gateway's
     HTTP port. Workers connect to ``{broker_ip}``, which the driver fills in once the
     broker's actor has said where it runs."""
-    from zmqllm.launch.plan import DEFAULT_STAGES, layer_flags
-
     head = ["--config", str(config_path)] if config_path else []
     last = ["--log-format", "json", "--log-level", cfg.log.level]
     model = ["--model", cfg.model.path] + (
