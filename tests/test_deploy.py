@@ -1,0 +1,112 @@
+"""deploy/ kept true: the RayCluster manifest's config loads, its stages fit the pods it
+declares, and the key Secrets it mounts give each role the files it reads."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from zmqllm.config.loading import load_config, parse_size
+
+yaml = pytest.importorskip("yaml")
+
+ROOT = Path(__file__).resolve().parents[1]
+MANIFEST = ROOT / "deploy" / "raycluster.yaml"
+
+
+def documents() -> dict[str, Any]:
+    return {d["kind"]: d for d in yaml.safe_load_all(MANIFEST.read_text())}
+
+
+def test_the_config_loads_and_names_the_stage_sizes(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.toml"
+    path.write_text(documents()["ConfigMap"]["data"]["cluster.toml"])
+    cfg = load_config(path)
+    assert [s.layers for s in cfg.stages] == ["1/2", "2/2"]
+    assert cfg.ray.strategy == "STRICT_SPREAD"
+    assert all(s.cpus and s.memory and s.disk for s in cfg.stages)
+
+
+def test_each_stage_fits_a_worker_pod_with_a_spare(tmp_path: Path) -> None:
+    pytest.importorskip("zmq")
+    from zmqllm.onray.plan import DISK, check_fits, plan_actors
+
+    docs = documents()
+    path = tmp_path / "cluster.toml"
+    path.write_text(docs["ConfigMap"]["data"]["cluster.toml"])
+    cfg = load_config(path)
+    (group,) = docs["RayCluster"]["spec"]["workerGroupSpecs"]
+    params = group["rayStartParams"]
+    custom = yaml.safe_load(yaml.safe_load(params["resources"]))
+    node = {"CPU": float(params["num-cpus"]), "memory": float(params["memory"])}
+    node[DISK] = float(custom[DISK])
+    head = {"CPU": float(docs["RayCluster"]["spec"]["headGroupSpec"]["rayStartParams"]["num-cpus"])}
+    check_fits(plan_actors(cfg, path), [head, *[node] * group["replicas"]])
+    # STRICT_SPREAD puts each stage on a pod of its own; one more is the spare.
+    assert group["replicas"] >= len(cfg.stages) + 1
+    # What Ray is told a pod has is within what Kubernetes gives the pod.
+    (container,) = group["template"]["spec"]["containers"]
+    limits = container["resources"]["limits"]
+    assert float(params["num-cpus"]) <= float(limits["cpu"])
+    assert node["memory"] <= parse_size(limits["memory"])
+    assert node[DISK] <= parse_size(limits["ephemeral-storage"])
+    assert (limits["cpu"], limits["memory"], limits["ephemeral-storage"]) == ("4", "16Gi", "32Gi")
+
+
+def secret_items(volume: dict[str, Any]) -> dict[str, str]:
+    """Secret key -> path in the mounted folder (every key at its own name without items)."""
+    return {i["key"]: i["path"] for i in volume["secret"].get("items", [])}
+
+
+def mounted(folder: Path, keys: Path, from_files: dict[str, str], items: dict[str, str]) -> None:
+    """``folder`` as the pod sees it: each Secret key (its file under ``keys``) at its path."""
+    for key, source in from_files.items():
+        target = folder / items.get(key, key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes((keys / source).read_bytes())
+
+
+def kubectl_from_files(secret: str) -> dict[str, str]:
+    """The ``--from-file`` keys of the header's ``kubectl create secret`` for ``secret``."""
+    text = MANIFEST.read_text()
+    command = re.search(rf"create secret generic {secret}((?:[^\n]*\\\n)*[^\n]*)", text)
+    assert command is not None, secret
+    words = shlex.split(command.group(1).replace("#", "").replace("\\\n", " "))
+    out = {}
+    for word in words:
+        if word.startswith("--from-file="):
+            key, _, source = word.removeprefix("--from-file=").rpartition("=")
+            out[key or Path(source).name] = source.removeprefix("keys/")
+    return out
+
+
+def test_the_secrets_give_each_role_its_keys(tmp_path: Path) -> None:
+    pytest.importorskip("zmq")
+    from zmqllm.bus.keys import add_key, allowed_keys, init_keys, load_broker_keys, load_peer_keys
+
+    keys = tmp_path / "keys"
+    init_keys(keys)
+    add_key(keys, "worker", "k8s-workers")
+    spec = documents()["RayCluster"]["spec"]
+    head_volumes = {v["name"]: v for v in spec["headGroupSpec"]["template"]["spec"]["volumes"]}
+    head = tmp_path / "head"
+    mounted(head, keys, kubectl_from_files("zmqllm-head-keys"), secret_items(head_volumes["keys"]))
+    load_broker_keys(head)
+    gateway = load_peer_keys(head, "client")
+    assert allowed_keys(head / "clients") == {gateway.public}
+
+    worker_spec = spec["workerGroupSpecs"][0]["template"]["spec"]
+    worker_volumes = {v["name"]: v for v in worker_spec["volumes"]}
+    pod = tmp_path / "pod"
+    from_files = {
+        p.name: str(p.relative_to(keys)) for p in (keys / "issued" / "k8s-workers").iterdir()
+    }
+    assert kubectl_from_files("zmqllm-worker-keys") == {"k8s-workers": "issued/k8s-workers/"}
+    mounted(pod, keys, from_files, secret_items(worker_volumes["keys"]))
+    worker = load_peer_keys(pod, "worker")
+    assert worker.public in (allowed_keys(head / "workers") or set())
+    assert not (pod / "broker.key_secret").exists()
