@@ -226,6 +226,7 @@ def _check_gateway(s: GatewaySettings, where: str) -> GatewaySettings:
             "request_timeout",
             "header_timeout",
             "body_timeout",
+            "write_timeout",
         ),
         where,
     )

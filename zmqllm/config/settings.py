@@ -331,6 +331,12 @@ class GatewaySettings:
         10.0, "seconds for a request's line and headers to arrive; then the connection closes"
     )
     body_timeout: float = setting(30.0, "seconds to read a request's whole body; then 408")
+    # Against clients that stop reading a stream: each would hold its slots for good.
+    write_timeout: float = setting(
+        30.0,
+        "seconds a response may wait for a client that reads nothing; then the connection "
+        "is closed and its generation cancelled",
+    )
     api_keys_file: str = setting(
         "",
         "file of API keys, one a line ('#' starts a comment): /chat, /v1/* and /metrics then "

@@ -1,4 +1,4 @@
-"""The gateway's uvicorn settings (TLS included), and a deadline on request headers.
+"""The gateway's uvicorn settings (TLS included), and deadlines on slow clients.
 
 uvicorn bounds an idle keep-alive connection but not one that sends its request line and
 headers a byte at a time: every such connection holds a socket, and enough of them stop
@@ -6,6 +6,12 @@ the server from accepting anyone else. The protocol class below closes a connect
 whose request line and headers are not complete ``header_timeout`` seconds after it
 opened, or after the previous response on it ended. (The body has its own deadline,
 checked where it is read: ``zmqllm.gateway.body``.)
+
+Nor does uvicorn bound a response's writes: once a client stops reading, its socket's
+buffers fill, the transport pauses writing, and every ``send`` of the response waits for
+it to resume, forever, holding the request's generation slots and sessions. The protocol
+aborts a connection whose writing stays paused for ``write_timeout`` seconds; the
+application then sees the client gone (``http.disconnect``) and cancels the generation.
 
 TLS files are checked before uvicorn sees them: uvicorn would fail on a missing or bad
 file with a traceback from deep inside its startup, and prompt on the terminal for the
@@ -26,13 +32,14 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from zmqllm.config.settings import ConfigError, GatewaySettings
+from zmqllm.gateway.request_context import record_in
 from zmqllm.gateway.responses import INCOMPLETE_RESPONSE_LOG
 from zmqllm.log import get_logger
 
 __all__ = [
-    "HeaderDeadlineProtocol",
+    "DeadlineProtocol",
     "base_url",
-    "header_deadline_protocol",
+    "deadline_protocol",
     "tls_files",
     "uvicorn_config",
 ]
@@ -44,14 +51,18 @@ GRACEFUL_SHUTDOWN_S = 5
 log = get_logger("zmqllm.gateway")
 
 
-class HeaderDeadlineProtocol(H11Protocol):
-    """uvicorn's h11 protocol with a deadline on each request's line and headers."""
+class DeadlineProtocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each request's line and headers, and one
+    on a response's writes while the client reads nothing."""
 
-    header_timeout = 10.0  # seconds; header_deadline_protocol makes a class with another
+    # seconds; deadline_protocol makes a class with others
+    header_timeout = 10.0
+    write_timeout = 30.0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -65,7 +76,40 @@ class HeaderDeadlineProtocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_deadline()
+        self._disarm_write_deadline()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.write_timeout, self._write_deadline)
+
+    def resume_writing(self) -> None:
+        self._disarm_write_deadline()
+        super().resume_writing()
+
+    def _disarm_write_deadline(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _write_deadline(self) -> None:
+        self._write_timer = None
+        if not self.flow.write_paused:
+            return
+        record = record_in(self.cycle.scope) if self.cycle is not None else None
+        request_id = None
+        if record is not None:
+            request_id = record.request_id
+            if record.error is None:
+                record.error = record.finish_reason = "write_timeout"
+        log.warning(
+            "client read nothing for write_timeout: connection aborted",
+            request_id=request_id,
+            write_timeout=self.write_timeout,
+        )
+        # close() would wait for the buffered bytes to be read, which they never are.
+        self.transport.abort()
 
     def _arm_header_deadline(self) -> None:
         self._disarm_header_deadline()
@@ -88,13 +132,14 @@ class HeaderDeadlineProtocol(H11Protocol):
         self.transport.close()
 
 
-def header_deadline_protocol(header_timeout: float) -> type[HeaderDeadlineProtocol]:
-    """The protocol class with ``header_timeout`` seconds as its deadline."""
+def deadline_protocol(header_timeout: float, write_timeout: float) -> type[DeadlineProtocol]:
+    """The protocol class with these deadlines (seconds)."""
 
-    class Protocol(HeaderDeadlineProtocol):
+    class Protocol(DeadlineProtocol):
         pass
 
     Protocol.header_timeout = header_timeout
+    Protocol.write_timeout = write_timeout
     return Protocol
 
 
@@ -173,7 +218,7 @@ def uvicorn_config(app: Any, settings: GatewaySettings) -> uvicorn.Config:
         log_config=None,  # keep configure_logging's JSON lines
         access_log=False,  # the gateway logs one richer line per request itself
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        http=header_deadline_protocol(settings.header_timeout),
+        http=deadline_protocol(settings.header_timeout, settings.write_timeout),
         # Past this many connections plus requests in progress, uvicorn answers 503 at
         # once instead of letting memory and file descriptors run out.
         limit_concurrency=settings.limit_concurrency,

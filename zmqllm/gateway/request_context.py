@@ -20,7 +20,13 @@ from zmqllm.gateway.errors import APIError
 from zmqllm.gateway.streaming import TextStream
 from zmqllm.log import bind_request, get_logger, new_request_id
 
-__all__ = ["REQUEST_ID_HEADER", "RequestContextMiddleware", "RequestRecord", "record_of"]
+__all__ = [
+    "REQUEST_ID_HEADER",
+    "RequestContextMiddleware",
+    "RequestRecord",
+    "record_in",
+    "record_of",
+]
 
 REQUEST_ID_HEADER = "X-Request-ID"
 _STATE_KEY = "zmqllm_record"
@@ -97,6 +103,12 @@ class RequestRecord:
         if self.error:
             out["error"] = self.error
         return out
+
+
+def record_in(scope: Scope) -> RequestRecord | None:
+    """The record of the request ``scope`` is for, once the middleware has made it."""
+    record = scope.get("state", {}).get(_STATE_KEY)
+    return record if isinstance(record, RequestRecord) else None
 
 
 def record_of(request: Request) -> RequestRecord:

@@ -1,0 +1,139 @@
+"""Issue 29 ("Operations"), end to end: what one client, one node or one page can do to
+a live cluster, and what the operator sees.
+
+Real processes on 127.0.0.1 (broker, workers for layers 0:2 and 2:4 of the tiny model,
+gateway) with short deadlines so the tests are quick.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.conftest import ConfiguredCluster
+from tests.e2e.test_cluster import post_chat
+from tests.e2e.test_hardening import leftovers
+
+pytestmark = [pytest.mark.e2e, pytest.mark.torch]
+
+WRITE_TIMEOUT = 3.0
+# How long past a deadline a test waits to see its effect: generous, the machine is shared.
+SLACK = 30.0
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory, e2e_model: Path
+) -> Iterator[ConfiguredCluster]:
+    config = (
+        "[gateway]\n"
+        f"write_timeout = {WRITE_TIMEOUT}\n"
+        # Longer than the test waits: a request held in the queue shows as a failure, not 503.
+        "queue_timeout = 120\n"
+    )
+    c = ConfiguredCluster(tmp_path_factory.mktemp("operations"), e2e_model, config=config)
+    try:
+        c.start_all()
+        yield c
+    finally:
+        c.stop()
+
+
+def wait_clean(c: ConfiguredCluster, timeout: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = c.status()
+        if not leftovers(st) or time.monotonic() > deadline:
+            return st
+        time.sleep(0.2)
+
+
+def gateway_state(c: ConfiguredCluster) -> dict[str, int]:
+    with urllib.request.urlopen(f"{c.url}/cluster/status", timeout=10) as resp:
+        state: dict[str, int] = json.loads(resp.read())["gateway"]
+        return state
+
+
+def non_reader(port: int, body: dict[str, Any]) -> socket.socket:
+    """A client that sends its request and then reads nothing, with a small receive buffer
+    (set before connecting, so the window it offers stays small)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    data = json.dumps(body).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+def closed_by_server(sock: socket.socket, timeout: float) -> bool:
+    """Read (at last) whatever the server sent; True once it ends in EOF or a reset."""
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(1 << 20):
+            pass
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+    return True
+
+
+def test_clients_that_stop_reading_free_their_slots(cluster: ConfiguredCluster, reference) -> None:
+    """Eight streams of n=8 hold all 64 generation slots; their clients read nothing. Each
+    is cut off at write_timeout, its sessions cancelled, and a normal /chat is served."""
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "n": 8,
+        "max_tokens": 900,
+        "ignore_eos": True,
+        "stream": True,
+        # ~2 KB an event: more than the kernel buffers of a connection hold (up to 4 MB
+        # for the server's end), so the writes do stop.
+        "logprobs": True,
+        "top_logprobs": 20,
+    }
+    stalled = [non_reader(cluster.http_port, body) for _ in range(8)]
+    try:
+        # Every slot taken before the normal request comes (else it would simply go first).
+        deadline = time.monotonic() + SLACK
+        while gateway_state(cluster)["in_flight"] < 64:
+            assert time.monotonic() < deadline, gateway_state(cluster)
+            time.sleep(0.1)
+        status, chunks, _ = post_chat(cluster, "Why is the sky blue?", "max_tokens=24")
+        assert status == 200
+        assert b"".join(c for _, c in chunks).decode() == reference.body("Why is the sky blue?", 24)
+        for sock in stalled:
+            assert closed_by_server(sock, SLACK), "a stalled stream's connection stayed open"
+        st = wait_clean(cluster, SLACK)
+        assert leftovers(st) == {}
+    finally:
+        for sock in stalled:
+            with contextlib.suppress(OSError):
+                sock.close()
+    (path,) = cluster.root.glob("*-gateway.log")
+    log = path.read_text()
+    aborted = [
+        json.loads(line)
+        for line in log.splitlines()
+        if "client read nothing for write_timeout" in line
+    ]
+    assert len(aborted) == 8 and all(x["request_id"] for x in aborted)
+    finished = [
+        json.loads(line)
+        for line in log.splitlines()
+        if '"request finished"' in line and '"write_timeout"' in line
+    ]
+    assert len(finished) == 8 and all(x["status"] == 200 for x in finished)
