@@ -46,7 +46,7 @@ def stream(c: Cluster, prompt: str, tokens: int, kill_after: int, kill: Any) -> 
     body = {"prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "stream": True}
     conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=300)
     started = time.perf_counter()
-    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "x/json"})
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     resp = conn.getresponse()
     stamps: list[float] = []
     text: list[str] = []

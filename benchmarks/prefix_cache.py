@@ -63,7 +63,9 @@ def chat(port: int, messages: list[dict[str, str]], max_tokens: int) -> tuple[fl
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     t0 = time.perf_counter()
-    conn.request("POST", "/v1/chat/completions", json.dumps(body))
+    conn.request(
+        "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+    )
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:500]!r}")

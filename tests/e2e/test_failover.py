@@ -57,7 +57,9 @@ def completion(
     body = {"prompt": PROMPT, "max_tokens": TOKENS, "ignore_eos": True, "stream": True, **fields}
     conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=120)
     try:
-        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "x/json"})
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
         resp = conn.getresponse()
         assert resp.status == 200, resp.read()
         text, finish, raw, events = [], None, [], 0
@@ -210,7 +212,7 @@ def test_non_streamed_answer_survives_its_worker(replicas: Cluster, greedy_ids) 
 def post_whole(c: Cluster, out: dict[str, Any]) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=120)
     body = {"prompt": PROMPT, "max_tokens": WHOLE_TOKENS, "ignore_eos": True}
-    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "x/json"})
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     resp = conn.getresponse()
     out["status"], out["body"] = resp.status, json.loads(resp.read())
     conn.close()
@@ -272,7 +274,7 @@ def test_no_replica_left_is_a_clear_error_within_the_failover_timeout(
 
     body = {"prompt": PROMPT, "max_tokens": TOKENS, "ignore_eos": True, "stream": True}
     conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=120)
-    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "x/json"})
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     resp = conn.getresponse()
     events: list[dict[str, Any]] = []
     while line := resp.readline():

@@ -8,6 +8,7 @@ gateway) with short deadlines so the tests are quick.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import socket
 import time
@@ -137,3 +138,43 @@ def test_clients_that_stop_reading_free_their_slots(cluster: ConfiguredCluster, 
         if '"request finished"' in line and '"write_timeout"' in line
     ]
     assert len(finished) == 8 and all(x["status"] == 200 for x in finished)
+
+
+def raw_request(
+    c: ConfiguredCluster, method: str, path: str, headers: dict[str, str], body: bytes = b""
+) -> tuple[int, dict[str, Any]]:
+    conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=30)
+    try:
+        # skip_host: the Host header is the test's to give.
+        conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
+        for name, value in {**headers, "Content-Length": str(len(body))}.items():
+            conn.putheader(name, value)
+        conn.endheaders(body)
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"{}")
+    finally:
+        conn.close()
+
+
+def test_pages_elsewhere_cannot_use_a_local_gateway(cluster: ConfiguredCluster) -> None:
+    """DNS rebinding (a foreign Host), a cross-site POST (a foreign Origin) and a JSON body
+    sent as text/plain: 400, 403, 415, and no session reaches the broker."""
+    before = cluster.status()["counters"]
+    chat = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}).encode()
+    rebound = {"Host": f"attacker.example:{cluster.http_port}"}
+    for path in ("/cluster/status", "/metrics", "/v1/models"):
+        status, body = raw_request(cluster, "GET", path, rebound)
+        assert (status, body["error"]["code"]) == (400, "host_not_allowed"), path
+    own = {"Host": f"127.0.0.1:{cluster.http_port}"}
+    cross = {**own, "Origin": "https://evil.example", "Content-Type": "text/plain"}
+    status, body = raw_request(cluster, "POST", "/chat", cross, b"Hi")
+    assert (status, body["error"]["code"]) == (403, "origin_not_allowed")
+    as_text = {**own, "Content-Type": "text/plain"}
+    status, body = raw_request(cluster, "POST", "/v1/chat/completions", as_text, chat)
+    assert (status, body["error"]["code"]) == (415, "unsupported_media_type")
+    assert cluster.status()["counters"]["sessions_opened"] == before["sessions_opened"]
+    # The gateway's own host is served as before.
+    status, body = raw_request(
+        cluster, "POST", "/v1/chat/completions", {**own, "Content-Type": "application/json"}, chat
+    )
+    assert status == 200 and body["choices"][0]["message"]["content"]

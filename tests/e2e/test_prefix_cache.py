@@ -49,7 +49,9 @@ def chat(c: Cluster, messages: list[dict[str, str]]) -> dict[str, Any]:
     conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=60)
     try:
         body = {"messages": messages, "max_tokens": TOKENS, "temperature": 0}
-        conn.request("POST", "/v1/chat/completions", json.dumps(body))
+        conn.request(
+            "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
         resp = conn.getresponse()
         out = json.loads(resp.read())
         assert resp.status == 200, out

@@ -110,7 +110,9 @@ def test_a_stream_survives_a_broker_killed_mid_way(up: UpRun, greedy_ids) -> Non
     conn = http.client.HTTPConnection("127.0.0.1", up.port, timeout=120)
     killed, events, text = False, 0, []
     try:
-        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "x/json"})
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
         resp = conn.getresponse()
         assert resp.status == 200
         while line := resp.readline():

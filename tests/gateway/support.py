@@ -50,6 +50,11 @@ def answer_script(tok: Tokenizer, text: str = ANSWER, delay: float = 0.0) -> Scr
     return Script([*tok.encode(text), eos_id(tok)], delay=delay)
 
 
+# The tests' requests name the gateway "gw" (httpx's base_url, post_raw); served ones
+# reach it at 127.0.0.1.
+TEST_HOSTS = "gw, 127.0.0.1, localhost"
+
+
 def make_app(
     fake: FakeBrokerClient,
     tok: Tokenizer,
@@ -61,6 +66,7 @@ def make_app(
     the fake scripts is then the stream's end, as the error tests expect (tests of the
     replay give ``failover_retries``)."""
     settings.setdefault("failover_retries", 0)
+    settings.setdefault("allowed_hosts", TEST_HOSTS)
     return create_app(
         fake,
         GatewaySettings(**settings),

@@ -22,6 +22,7 @@ from tests.fake_broker_client import FakeBrokerClient
 from tests.gateway.support import (
     ANSWER,
     MODEL,
+    TEST_HOSTS,
     answer_script,
     make_app,
     serving,
@@ -73,7 +74,7 @@ async def client(fake: FakeBrokerClient, tok: Tokenizer) -> AsyncIterator[Any]:
 def make_app_with_keys(fake: FakeBrokerClient, tok: Tokenizer) -> Any:
     return create_app(
         fake,
-        GatewaySettings(),
+        GatewaySettings(allowed_hosts=TEST_HOSTS),
         tok,
         MODEL,
         2048,

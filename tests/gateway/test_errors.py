@@ -22,6 +22,7 @@ pytestmark = pytest.mark.anyio
 CONTEXT = 64
 MAX_BODY = 2000
 CHAT = "/v1/chat/completions"
+JSON = {"Content-Type": "application/json"}
 COMPLETIONS = "/v1/completions"
 HI = [{"role": "user", "content": "Hi"}]
 
@@ -125,7 +126,7 @@ async def test_body_over_the_limit_when_streamed_without_length(client: Any) -> 
         for _ in range(5):
             yield b"y" * 600
 
-    response = await client.post(CHAT, content=chunks())
+    response = await client.post(CHAT, content=chunks(), headers=JSON)
     await expect_error(client, response, 413, code="request_too_large")
 
 
@@ -150,7 +151,7 @@ async def test_unknown_route_and_method(client: Any) -> None:
 async def test_unparsable_bodies(
     client: Any, path: str, content: bytes, status: int, code: str, says: str
 ) -> None:
-    response = await client.post(path, content=content)
+    response = await client.post(path, content=content, headers=JSON)
     await expect_error(client, response, status, code=code, says=says)
 
 
@@ -320,7 +321,7 @@ async def test_the_same_features_left_off_are_fine(client: Any, off: dict[str, A
 
 async def test_unknown_fields_are_ignored(client: Any) -> None:
     payload = {"messages": HI, "user": "u", "logprobs": False, "frequency_penalty": 0, "x": {}}
-    response = await client.post(CHAT, content=json.dumps(payload).encode())
+    response = await client.post(CHAT, content=json.dumps(payload).encode(), headers=JSON)
     assert response.status_code == 200
     assert response.json()["choices"][0]["message"]["content"] == ANSWER
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tests.fake_broker_client import FakeBrokerClient
-from tests.gateway.support import MODEL, answer_script, make_app, tiny_tokenizer
+from tests.gateway.support import MODEL, TEST_HOSTS, answer_script, make_app, tiny_tokenizer
 from zmqllm.config.settings import GatewaySettings
 from zmqllm.gateway.api_keys import ApiKeys
 from zmqllm.gateway.app import create_app
@@ -124,7 +124,9 @@ async def test_cluster_status_with_the_broker_down(client: Any, fake: FakeBroker
 async def test_with_api_keys_the_pages_open_and_their_data_needs_the_key(
     fake: FakeBrokerClient, tok: Tokenizer
 ) -> None:
-    app = create_app(fake, GatewaySettings(), tok, MODEL, 2048, api_keys=ApiKeys([KEY]))
+    app = create_app(
+        fake, GatewaySettings(allowed_hosts=TEST_HOSTS), tok, MODEL, 2048, api_keys=ApiKeys([KEY])
+    )
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
         for path in ("/", "/cluster", "/static/chat.js", "/static/style.css"):
             assert (await c.get(path)).status_code == 200, path

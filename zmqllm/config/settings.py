@@ -331,6 +331,20 @@ class GatewaySettings:
         10.0, "seconds for a request's line and headers to arrive; then the connection closes"
     )
     body_timeout: float = setting(30.0, "seconds to read a request's whole body; then 408")
+    # Against DNS rebinding and cross-site pages (zmqllm/gateway/browser_guard.py).
+    allowed_hosts: str = setting(
+        "",
+        "comma-separated Host names the gateway answers as ('*' = any); empty = the bind "
+        "address, localhost, 127.0.0.1 and ::1 (bound to every interface: also any IP "
+        "address and this machine's names); others get 400",
+        metavar="HOSTS",
+    )
+    cors_origins: str = setting(
+        "",
+        "comma-separated origins (https://app.example.com) whose pages may call the API "
+        "from a browser ('*' = any); empty = none: a cross-origin request gets 403",
+        metavar="ORIGINS",
+    )
     # Against clients that stop reading a stream: each would hold its slots for good.
     write_timeout: float = setting(
         30.0,

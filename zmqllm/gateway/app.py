@@ -17,6 +17,7 @@ from zmqllm.config.settings import GatewaySettings
 from zmqllm.gateway import openai_routes, pages, plain_routes
 from zmqllm.gateway.api_keys import ApiKeyMiddleware, ApiKeys
 from zmqllm.gateway.backend import BrokerClientLike
+from zmqllm.gateway.browser_guard import BrowserGuardMiddleware
 from zmqllm.gateway.errors import RETRY_AFTER_S, install_error_handlers
 from zmqllm.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from zmqllm.gateway.metrics import GatewayMetrics, StatusCache
@@ -110,6 +111,8 @@ def create_app(
         # Added first, so it runs inside RequestContextMiddleware (the last added is the
         # outermost): a refused request still has its id, log line and metrics.
         app.add_middleware(ApiKeyMiddleware, keys=api_keys, metrics=app.state.metrics)
+    # Outside the key check (a preflight has no key), inside the request context.
+    app.add_middleware(BrowserGuardMiddleware, settings=settings)
     app.add_middleware(RequestContextMiddleware)
     app.include_router(pages.router)
     app.include_router(plain_routes.router)

@@ -16,7 +16,7 @@ from starlette.requests import Request
 
 from zmqllm.gateway.errors import APIError
 
-__all__ = ["read_body", "read_json_object", "read_text"]
+__all__ = ["check_json_type", "read_body", "read_json_object", "read_text"]
 
 
 def _too_large(size: str, limit: int) -> APIError:
@@ -77,9 +77,30 @@ async def read_text(request: Request, limit: int, timeout: float | None = None) 
     return _decode_utf8(await read_body(request, limit, timeout))
 
 
+JSON_TYPES = ("application/json",)
+
+
+def check_json_type(request: Request) -> None:
+    """415 unless the body is labelled JSON: a page elsewhere can send text/plain (or no
+    type) to any origin without asking first, but not application/json."""
+    given = request.headers.get("content-type")
+    kind = (given or "").partition(";")[0].strip().lower()
+    if kind in JSON_TYPES or (kind.startswith("application/") and kind.endswith("+json")):
+        return
+    shown = repr(given[:100]) if given is not None else "none"
+    raise APIError(
+        415,
+        f"the request body must be sent as JSON (Content-Type: application/json); the "
+        f"Content-Type was {shown}",
+        code="unsupported_media_type",
+    )
+
+
 async def read_json_object(
     request: Request, limit: int, timeout: float | None = None
 ) -> dict[str, Any]:
+    """The body as a JSON object, after its Content-Type says it is JSON (else 415)."""
+    check_json_type(request)
     text = _decode_utf8(await read_body(request, limit, timeout))
     if not text.strip():
         raise APIError(
