@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import itertools
 import json
 import socket
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -178,3 +180,57 @@ def test_pages_elsewhere_cannot_use_a_local_gateway(cluster: ConfiguredCluster) 
         cluster, "POST", "/v1/chat/completions", {**own, "Content-Type": "application/json"}, chat
     )
     assert status == 200 and body["choices"][0]["message"]["content"]
+
+
+def test_megabyte_prompts_do_not_stall_a_live_stream(
+    cluster: ConfiguredCluster, e2e_model: Path
+) -> None:
+    """Eight 1 MB prompts while a stream runs: each is refused by its size (400) without
+    being tokenized, and the stream's tokens keep coming meanwhile. Tokenizing one on the
+    event loop (what the gateway did) would stop every stream for as long as it takes."""
+    from zmqllm.models.tokenizer import Tokenizer
+
+    text = "The quick brown fox jumps over the lazy dog. " * 22_000  # ~0.97 MB
+    started = time.perf_counter()
+    Tokenizer.from_dir(e2e_model).encode(text)
+    one_encode = time.perf_counter() - started
+
+    arrivals: list[float] = []
+    outcome: dict[str, Any] = {}
+
+    def stream() -> None:
+        body = {"prompt": "Once", "max_tokens": 300, "ignore_eos": True, "stream": True}
+        conn = http.client.HTTPConnection("127.0.0.1", cluster.http_port, timeout=120)
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        resp = conn.getresponse()
+        while line := resp.readline():
+            if line.startswith(b"data: {"):
+                arrivals.append(time.perf_counter())
+                choice = json.loads(line[6:])["choices"][0]
+                outcome["finish"] = choice.get("finish_reason") or outcome.get("finish")
+        conn.close()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    deadline = time.monotonic() + SLACK
+    while len(arrivals) < 10:
+        assert time.monotonic() < deadline and reader.is_alive(), "the stream did not start"
+        time.sleep(0.01)
+    sent_at = time.perf_counter()
+    big = [("/chat", text.encode(), "text/plain")]
+    big.append(("/v1/completions", json.dumps({"prompt": text}).encode(), "application/json"))
+    for path, body, kind in big * 4:
+        conn = http.client.HTTPConnection("127.0.0.1", cluster.http_port, timeout=60)
+        conn.request("POST", path, body, {"Content-Type": kind})
+        resp = conn.getresponse()
+        error = json.loads(resp.read())["error"]
+        conn.close()
+        assert (resp.status, error["code"]) == (400, "context_length_exceeded"), path
+    done_at = time.perf_counter()
+    reader.join(timeout=120)
+    assert outcome.get("finish") == "length"
+    during = [t for t in arrivals if sent_at <= t <= done_at + 1.0]
+    gaps = [b - a for a, b in itertools.pairwise(during)]
+    assert during and max(gaps, default=0.0) < one_encode / 2, (max(gaps), one_encode)

@@ -452,3 +452,61 @@ def test_front_end_modules_do_not_import_the_ml_stack() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+LONG_TEXTS = [
+    " " * 5000,
+    "\n" * 3000 + "x",
+    "\n" + " " * 4000,
+    "aaaa" * 2000,
+    "héllo wörld ✓ " * 500,
+    "<|im_start|>" * 300,
+    "def f():\n        return 1\n" * 300,
+]
+
+
+def test_max_token_bytes_bounds_any_text(tiny: Tokenizer) -> None:
+    """No token stands for more bytes than max_token_bytes: the gateway refuses a prompt
+    by its size on that promise. Checked on the runs of one character the longest tokens
+    are made of, and on the default model's tokenizer where this machine has it."""
+    tokenizers = [tiny]
+    default = Path.home() / ".cache" / "zmqllm" / "models" / "smollm2-135m-instruct"
+    if (default / "tokenizer.json").is_file():
+        tokenizers.append(Tokenizer.from_dir(default))
+    for tok in tokenizers:
+        assert tok.max_token_bytes >= 2
+        for text in LONG_TEXTS:
+            ids = tok.encode(text)
+            assert len(text.encode("utf-8")) <= len(ids) * tok.max_token_bytes, text[:20]
+
+
+def test_encode_leaves_other_threads_running(tiny: Tokenizer) -> None:
+    """A long prompt encoded in a thread does not hold the GIL: the gateway's event loop
+    (here a thread counting its own wake-ups) keeps running meanwhile."""
+    import threading
+    import time
+
+    text = "The quick brown fox jumps over the lazy dog. " * 40_000  # 1.8 MB
+    started = time.perf_counter()
+    tiny.encode(text)
+    alone = time.perf_counter() - started
+    gaps: list[float] = []
+    done = threading.Event()
+
+    def tick() -> None:
+        last = time.perf_counter()
+        while not done.is_set():
+            time.sleep(0.005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        tiny.encode(text)
+    finally:
+        done.set()
+        ticker.join()
+    # Holding the GIL, the ticker would stop for the whole encode.
+    assert max(gaps) < alone / 3, (max(gaps), alone)

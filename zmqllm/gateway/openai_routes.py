@@ -331,7 +331,7 @@ async def chat_completions(request: Request) -> Response:
         return await _remote_answer(
             request, model, body, AskKind.CHAT, {"messages": messages}, shapes, chat=True
         )
-    plans = _plans(service, body, service.encode_chat(messages), "messages")
+    plans = _plans(service, body, await service.encode_chat(messages), "messages")
     return await _own_answer(request, plans, body, shapes, chat=True)
 
 
@@ -346,7 +346,7 @@ async def completions(request: Request) -> Response:
         return await _remote_answer(
             request, model, body, AskKind.COMPLETION, {"prompt": body.prompt}, shapes, chat=False
         )
-    plans = _plans(service, body, service.encode_text(body.prompt), "prompt")
+    plans = _plans(service, body, await service.encode_text(body.prompt), "prompt")
     return await _own_answer(request, plans, body, shapes, chat=False)
 
 

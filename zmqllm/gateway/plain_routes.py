@@ -89,10 +89,10 @@ async def _own_generation(
     """The gateway's own model: the prompt through its chat template."""
     service = service_of(request)
     if service.own_tokenizer.has_chat_template:
-        prompt_ids = service.encode_chat([{"role": "user", "content": prompt}])
+        prompt_ids = await service.encode_chat([{"role": "user", "content": prompt}])
     else:
         # A base model without a template still answers: the text is its prompt.
-        prompt_ids = service.encode_text(prompt)
+        prompt_ids = await service.encode_text(prompt)
     plan = service.plan(
         prompt_ids,
         max_tokens=max_tokens,

@@ -74,9 +74,13 @@ class GatewayService:
     failover: FailoverPolicy = field(init=False)
     _replays: weakref.WeakSet[ReplayStream] = field(init=False)
     models: ModelDirectory = field(init=False)
+    # Bytes of text one token can stand for at most (0: no model of our own).
+    max_token_bytes: int = field(init=False)
 
     def __post_init__(self) -> None:
         s = self.settings
+        # Worked out now (a pass over the vocabulary) rather than by the first request.
+        self.max_token_bytes = self.tokenizer.max_token_bytes if self.tokenizer else 0
         self.admission = Admission(s.max_concurrent, s.max_queued, s.queue_timeout)
         self.failover = FailoverPolicy(timeout=s.failover_timeout, retries=s.failover_retries)
         self._replays = weakref.WeakSet()
@@ -114,16 +118,37 @@ class GatewayService:
             raise APIError(500, "this gateway has no model of its own", code="internal")
         return self.tokenizer
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    async def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """The messages through the chat template, as token ids (400 if they cannot be)."""
         check_messages(messages)
+        self._check_prompt_bytes(
+            sum(len(str(m.get("content") or "").encode("utf-8")) for m in messages), "messages"
+        )
         try:
-            return self.own_tokenizer.encode_chat(messages)
+            return await anyio.to_thread.run_sync(self.own_tokenizer.encode_chat, messages)
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), param="messages", code="invalid_messages") from None
 
-    def encode_text(self, prompt: str, param: str = "prompt") -> list[int]:
+    async def encode_text(self, prompt: str, param: str = "prompt") -> list[int]:
         check_prompt(prompt, param)
+        self._check_prompt_bytes(len(prompt.encode("utf-8")), param)
+        return await anyio.to_thread.run_sync(self._encode_plain, prompt)
+
+    def _encode_plain(self, prompt: str) -> list[int]:
         return self.own_tokenizer.encode(prompt, add_special_tokens=True)
+
+    def _check_prompt_bytes(self, size: int, param: str) -> None:
+        """400 at once for a prompt too long for the context by its size alone: tokenizing
+        a body of a megabyte would cost about a second of a core for nothing."""
+        limit = self.context_length * self.max_token_bytes
+        if size > limit:
+            raise APIError(
+                400,
+                f"the prompt is {size} bytes, more than any prompt that fits the model's "
+                f"context of {self.context_length} tokens can be ({limit} bytes)",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def plan(
         self,
