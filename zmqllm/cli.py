@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -244,20 +245,30 @@ def cmd_gateway(ns: argparse.Namespace) -> int:
 def cmd_status(ns: argparse.Namespace) -> int:
     from zmqllm.bus.keys import keys_dir, load_peer_keys
     from zmqllm.bus.messages import SessionError
-    from zmqllm.client.status import fetch_status, format_status
+    from zmqllm.client.status import fetch_status, format_children, format_status
+    from zmqllm.config.settings import log_dir
+    from zmqllm.config.up_state import STATE_ENV, STATE_FILE, read_state
 
     cfg = _load(ns)
     folder = keys_dir(cfg.security)
     keys = load_peer_keys(folder, "client") if folder is not None else None
+    # The children of this machine's `zmqllm up`, if one runs with this config's log folder.
+    up = read_state(os.environ.get(STATE_ENV) or log_dir(cfg.log) / STATE_FILE)
     try:  # --broker is [gateway] broker: the frontend a gateway would connect to
         status = fetch_status(cfg.gateway.broker, timeout=ns.timeout, keys=keys)
     except (TimeoutError, SessionError) as exc:  # no answer, or an error / unreadable one
         print(f"zmqllm status: {exc}", file=sys.stderr)
+        if up is not None:
+            print(format_children(up), file=sys.stderr)
         return 1
+    if up is not None:
+        status["up"] = up
     if ns.json:
         print(json.dumps(status, indent=2))
     else:
         print(format_status(status))
+        if up is not None:
+            print("\n" + format_children(up))
     return 0
 
 

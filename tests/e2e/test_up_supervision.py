@@ -9,6 +9,8 @@ import http.client
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -164,3 +166,57 @@ def test_a_child_that_never_stays_up_stops_everything(tmp_path: Path, e2e_model:
         assert [pid for pid in started if alive(pid)] == []
     finally:
         run.stop()
+
+
+def test_a_remote_model_whose_upstream_is_down_stops_nothing_else(
+    tmp_path: Path, e2e_model: Path, reference
+) -> None:
+    """A [[remotes]] entry whose upstream answers nothing: its worker exits at every start.
+    It is marked failing and backed off; the local model goes on serving, `/ready` and
+    `zmqllm status` name the failing child, and `up` keeps running."""
+    from testbed.cluster import free_port
+
+    down = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+    run = UpRun(tmp_path / "up", e2e_model, stages=("1/1",), extra=f'[[remotes]]\nurl = "{down}"\n')
+    run.start()
+    try:
+        run.wait_up()
+        # Its 5th exit within a minute: 0.5 + 1 + 2 + 4 s of backoff and five starts.
+        run.wait_for(
+            lambda: "remote-0-0 exited with code 1, its 5th exit" in run.stderr(),
+            "the remote worker marked failing",
+            timeout=180,
+        )
+        assert "it is failing; restarting it in 8 s" in run.stderr()
+        assert "stops everything" not in run.stderr().split("its 5th exit")[1]
+        with urllib.request.urlopen(f"{run.url}/ready", timeout=10) as resp:
+            ready = json.loads(resp.read())
+        assert ready["status"] == "ready"
+        (failing,) = ready["failing"]
+        assert failing["name"] == "remote-0-0" and failing["exits"] >= 5
+        assert failing["last_exit"] == "exited with code 1"
+        assert run.chat(PROMPT, 24) == (200, reference.body(PROMPT, 24))
+        shown = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "zmqllm.cli",
+                "status",
+                "--config",
+                str(run.root / "up.toml"),
+                "--broker",
+                run.frontend,
+            ],
+            capture_output=True,
+            text=True,
+            env=run.env,
+            timeout=60,
+            check=False,
+        )
+        assert shown.returncode == 0, shown.stderr
+        line = next(x for x in shown.stdout.splitlines() if x.strip().startswith("remote-0-0"))
+        assert "FAILING" in line and "exited with code 1" in line
+        assert run.running().poll() is None
+    finally:
+        code = run.stop()
+    assert code == 0, run.stderr()

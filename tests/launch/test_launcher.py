@@ -16,12 +16,14 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from testbed.cluster import free_port
 from tests.launch.test_plan import CONFIGS, ns, write_config
 from zmqllm.config.settings import Config
+from zmqllm.config.up_state import read_state
 from zmqllm.launch import launcher
 from zmqllm.launch.launcher import Cluster
 from zmqllm.launch.plan import Child
@@ -304,7 +306,7 @@ def test_run_up_restarts_a_child_that_dies_and_its_log_goes_on(
     assert not log.with_name("broker.log.1").exists()
 
 
-def test_run_up_stops_everything_when_a_child_keeps_exiting(
+def test_run_up_stops_everything_when_the_gateway_keeps_exiting(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path, port = stand_in_config(tmp_path)
@@ -313,28 +315,67 @@ def test_run_up_stops_everything_when_a_child_keeps_exiting(
     # any handler exists, and their logs would not say they stopped cleanly).
     monkeypatch.setattr(launcher, "RestartPolicy", functools.partial(RestartPolicy, first=0.2))
     crash = py("import sys; print('loading weights'); print('boom: no such file'); sys.exit(3)")
-    gateway_never_ready = py(SLEEPER)  # it crashes while `up` still waits for /ready
-    children = [
-        *fake_cluster(port, worker=crash)[:2],
-        Child("gateway", "gateway", gateway_never_ready),
-    ]
+    children = [*fake_cluster(port)[:2], Child("gateway", "gateway", crash)]
     monkeypatch.setattr(launcher, "plan", lambda cfg, config_path: children)
     assert launcher.run_up(ns(config=str(path))) == 1
     out, err = capsys.readouterr()
     assert "zmqllm is up" not in out
     logs = tmp_path / "logs"
     for n, delay in enumerate(["0.2", "0.4", "0.8", "1.6"], start=1):
-        assert f"worker-1of1-0 exited with code 3; restarting it in {delay} s ({n}" in err
-    assert err.count("worker-1of1-0 started again") == 4
+        assert f"gateway exited with code 3; restarting it in {delay} s ({n}" in err
+    assert "(1st exit within 60 s; the 5th stops everything)" in err
+    assert err.count("gateway started again") == 4
     assert (
-        "worker-1of1-0 exited with code 3, its 5th exit within 60 s: it does not stay up, "
-        f"so `zmqllm up` stops everything\nlast lines of {logs / 'worker-1of1-0.log'}:\n"
+        "gateway exited with code 3, its 5th exit within 60 s: it does not stay up, "
+        f"so `zmqllm up` stops everything\nlast lines of {logs / 'gateway.log'}:\n"
     ) in err
     assert err.rstrip().endswith("[zmqllm] stopped")
     assert "boom: no such file" in err  # the tail of its log
-    assert (logs / "worker-1of1-0.log").read_text().count("loading weights") == 5
-    assert "stopped by SIGINT" in (logs / "gateway.log").read_text()
+    assert (logs / "gateway.log").read_text().count("loading weights") == 5
+    assert "stopped by SIGINT" in (logs / "worker-1of1-0.log").read_text()
     assert "stopped by SIGINT" in (logs / "broker.log").read_text()
+    assert not (logs / "up-state.json").exists()  # removed at the stop
+
+
+def test_a_worker_in_a_crash_loop_is_marked_failing_and_the_rest_serves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, port = stand_in_config(tmp_path)
+    monkeypatch.setattr(launcher, "RestartPolicy", functools.partial(RestartPolicy, first=0.1))
+    crash = py("import sys; print('upstream down'); sys.exit(1)")
+    monkeypatch.setattr(launcher, "plan", lambda cfg, config_path: fake_cluster(port, crash))
+    state_path = tmp_path / "logs" / "up-state.json"
+    seen: dict[str, Any] = {}
+
+    def failing_then_stop() -> None:
+        def failing() -> bool:
+            state = read_state(state_path)
+            if state is None:
+                return False
+            seen["state"] = state
+            return any(c["state"] == "failing" for c in state["children"])
+
+        wait_until(failing, "the worker to be marked failing")
+        seen["ready"] = ready(port)  # the gateway still answers
+
+    errors = then_ctrl_c(failing_then_stop)
+    assert launcher.run_up(ns(config=str(path))) == 0
+    assert errors == [] and seen["ready"]
+    out, err = capsys.readouterr()
+    assert out.count("zmqllm is up") == 1
+    assert (
+        "worker-1of1-0 exited with code 1, its 5th exit within 60 s: it is failing; "
+        "restarting it in 1.6 s (backing off up to 60 s), everything else keeps serving"
+    ) in err
+    children = {c["name"]: c for c in seen["state"]["children"]}
+    worker = children["worker-1of1-0"]
+    assert worker["state"] == "failing" and worker["exits"] >= 5
+    assert worker["last_exit"] == "exited with code 1"
+    assert worker["log"] == str(tmp_path / "logs" / "worker-1of1-0.log")
+    assert children["broker"]["state"] == children["gateway"]["state"] == "running"
+    assert children["broker"]["pid"] and children["gateway"]["pid"]
+    assert "stopped by SIGINT" in (tmp_path / "logs" / "broker.log").read_text()
+    assert not state_path.exists()
 
 
 def test_a_stop_during_a_backoff_starts_nothing_more(
@@ -350,7 +391,11 @@ def test_a_stop_during_a_backoff_starts_nothing_more(
             return decision
 
     # A backoff far longer than the test: the restart is still pending at the Ctrl-C.
-    monkeypatch.setattr(launcher, "RestartPolicy", lambda: Watched(first=3600, most=3600))
+    monkeypatch.setattr(
+        launcher,
+        "RestartPolicy",
+        lambda **kw: Watched(first=3600, most=3600, failing_most=3600, **kw),
+    )
     quits = py("import os; print('started', os.getpid()); raise SystemExit(1)")
     monkeypatch.setattr(launcher, "plan", lambda cfg, config_path: fake_cluster(port, quits))
     broker = tmp_path / "logs" / "broker.log"

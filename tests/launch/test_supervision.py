@@ -41,16 +41,49 @@ def test_the_issue_numbers() -> None:
     assert (BACKOFF_FIRST_S, BACKOFF_MAX_S, CRASH_LIMIT, CRASH_WINDOW_S) == (0.5, 10.0, 5, 60.0)
 
 
-def test_backoff_doubles_and_the_fifth_exit_within_a_minute_gives_up() -> None:
+def test_backoff_doubles_and_the_fifth_exit_of_the_broker_within_a_minute_gives_up() -> None:
     policy = RestartPolicy()
-    decisions, _ = crash_loop(policy, "worker-1of2-0", run_s=1.0, exits=5)
+    decisions, _ = crash_loop(policy, "broker", run_s=1.0, exits=5)
     assert [d.delay for d in decisions if isinstance(d, Restart)] == [0.5, 1.0, 2.0, 4.0]
     assert [d.crashes for d in decisions if isinstance(d, Restart)] == [1, 2, 3, 4]
     give_up = decisions[-1]
     assert isinstance(give_up, GiveUp)
-    assert (give_up.name, give_up.code, give_up.crashes) == ("worker-1of2-0", 1, 5)
+    assert (give_up.name, give_up.code, give_up.crashes) == ("broker", 1, 5)
     assert policy.waiting() == []  # nothing is started again after giving up
     assert policy.next_due() is None
+
+
+def test_a_crash_loop_of_a_worker_marks_it_failing_and_stops_nothing() -> None:
+    policy = RestartPolicy()
+    decisions, t = crash_loop(policy, "remote-0-0", run_s=1.0, exits=9)
+    assert all(isinstance(d, Restart) for d in decisions)
+    # Past the 5th exit the backoff goes on doubling, to 60 s at most.
+    assert [d.delay for d in decisions] == [0.5, 1, 2, 4, 8, 16, 32, 60, 60]
+    assert [d.failing for d in decisions] == [False] * 4 + [True] * 5
+    assert decisions[0].message() == (
+        "remote-0-0 exited with code 1; restarting it in 0.5 s "
+        "(1st exit within 60 s; the 5th marks it failing)"
+    )
+    assert decisions[4].message() == (
+        "remote-0-0 exited with code 1, its 5th exit within 60 s: it is failing; restarting "
+        "it in 8 s (backing off up to 60 s), everything else keeps serving"
+    )
+    # Running again: failing (exits in the window) until a run lasts a whole window.
+    trouble = policy.failing(t + 1.0)["remote-0-0"]
+    assert trouble.last_exit == 1 and trouble.due is None
+    assert "remote-0-0" not in policy.failing(t + CRASH_WINDOW_S)
+    healthy = policy.exited("remote-0-0", 1, t + CRASH_WINDOW_S + 1.0)
+    assert isinstance(healthy, Restart) and not healthy.failing
+    assert healthy.delay == BACKOFF_FIRST_S
+
+
+def test_a_failing_child_waiting_to_start_says_when() -> None:
+    policy = RestartPolicy()
+    for t in range(5):
+        decision = policy.exited("worker-1of1-0", 3, float(t))
+    assert isinstance(decision, Restart) and decision.failing
+    trouble = policy.failing(4.5)["worker-1of1-0"]
+    assert (trouble.exits, trouble.last_exit, trouble.due) == (5, 3, 4.0 + decision.delay)
 
 
 def test_the_give_up_message_names_the_child_how_it_ended_and_the_window() -> None:
@@ -113,7 +146,9 @@ def test_each_child_is_counted_on_its_own() -> None:
     broker = policy.exited("broker", -signal.SIGKILL, 4.0)
     assert isinstance(broker, Restart)
     assert (broker.delay, broker.crashes) == (BACKOFF_FIRST_S, 1)
-    assert isinstance(policy.exited("worker-2of2-0", 1, 4.0), GiveUp)
+    fifth = policy.exited("worker-2of2-0", 1, 4.0)
+    assert isinstance(fifth, Restart) and fifth.failing
+    assert list(policy.failing(4.0)) == ["worker-2of2-0"]
 
 
 def test_due_tells_each_waiting_child_once_the_earliest_first() -> None:
@@ -149,6 +184,8 @@ def test_settings_are_checked() -> None:
     ):
         with pytest.raises(ValueError):
             RestartPolicy(**bad)
-    policy = RestartPolicy(first=0.1, most=0.3, limit=2, window=5.0)
+    with pytest.raises(ValueError):
+        RestartPolicy(most=20.0, failing_most=10.0)
+    policy = RestartPolicy(first=0.1, most=0.3, limit=2, window=5.0, essential=frozenset({"x"}))
     assert isinstance(policy.exited("x", 1, 0.0), Restart)
     assert isinstance(policy.exited("x", 1, 1.0), GiveUp)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from zmqllm.config.settings import GatewaySettings
+from zmqllm.config.up_state import STATE_ENV, failing_children, read_state
 from zmqllm.gateway import openai_routes, pages, plain_routes
 from zmqllm.gateway.api_keys import ApiKeyMiddleware, ApiKeys
 from zmqllm.gateway.backend import BrokerClientLike
@@ -142,10 +144,14 @@ def create_app(
     @app.get("/ready")
     async def ready(request: Request) -> JSONResponse:
         state: Readiness = request.app.state.readiness
+        # Under `zmqllm up`: the children it cannot keep up (a worker, a remote model),
+        # while the rest serves.
+        failing = failing_children(read_state(os.environ.get(STATE_ENV)))
+        detail = {"failing": failing} if failing else {}
         if state.ready:
-            return JSONResponse({"status": "ready"})
+            return JSONResponse({"status": "ready", **detail})
         return JSONResponse(
-            {"status": "not ready", "reason": state.reason},
+            {"status": "not ready", "reason": state.reason, **detail},
             status_code=503,
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )

@@ -41,6 +41,7 @@ from zmqllm.config.settings import (
     resolve_model_path,
     zmqllm_home,
 )
+from zmqllm.config.up_state import STATE_ENV
 from zmqllm.launch.child_process import (
     LOG_FILE_MODE,
     ChildProcess,
@@ -58,6 +59,7 @@ from zmqllm.launch.plan import (
     stages_of,
     up_config,
 )
+from zmqllm.launch.state_file import StateFile, essential_children
 from zmqllm.launch.supervision import GiveUp, RestartPolicy
 from zmqllm.log import KERNELS_BUILDING, KERNELS_BUILT
 
@@ -277,24 +279,38 @@ def run_up(ns: argparse.Namespace) -> int:
         return 1
     directory = log_dir(cfg.log)
     cluster = Cluster(plan(cfg, config_path), directory)
-    policy = RestartPolicy()
+    policy = RestartPolicy(essential=essential_children(cluster.children))
+    state = StateFile(directory)
     sig = _Signals()
     previous = {s: signal.signal(s, sig) for s in (signal.SIGINT, signal.SIGTERM)}
+    # The children (the gateway's /ready) read the failing ones from the state file.
+    env_before = os.environ.get(STATE_ENV)
+    os.environ[STATE_ENV] = str(state.path)
     try:
         cluster.start()
         for child in cluster.children:
             policy.started(child.name, time.monotonic())
         say(f"starting {len(cluster.children)} processes; logs in {directory}")
-        return _supervise(cluster, cfg, ns, sig, policy)
+        return _supervise(cluster, cfg, ns, sig, policy, state)
     finally:
         cluster.stop(hurry=lambda: sig.count > 1)  # a second Ctrl-C: kill at once
+        state.remove()
+        if env_before is None:
+            os.environ.pop(STATE_ENV, None)
+        else:
+            os.environ[STATE_ENV] = env_before
         for s, handler in previous.items():
             signal.signal(s, handler)
         say("stopped")
 
 
 def _supervise(
-    cluster: Cluster, cfg: Config, ns: argparse.Namespace, sig: _Signals, policy: RestartPolicy
+    cluster: Cluster,
+    cfg: Config,
+    ns: argparse.Namespace,
+    sig: _Signals,
+    policy: RestartPolicy,
+    published: StateFile,
 ) -> int:
     """Until a signal: wait for /ready and say the cluster is up, and all along start again
     every child that exits (``policy`` says when, or that it is time to give up)."""
@@ -323,6 +339,7 @@ def _supervise(
                     break
                 policy.started(name, time.monotonic())
                 say(f"{name} started again (pid {cluster.restart(name).pid})")
+            published.update(cluster, policy)
             if not ready:
                 waited = time.monotonic() - begun
                 state = _check_ready(cfg, f"{url}/ready", waited, progress, cluster)
