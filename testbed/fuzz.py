@@ -142,6 +142,9 @@ def _lying_tensor(rng: Rng, sessions: list[str]) -> Frames:
 def _bad_version(rng: Rng, sessions: list[str]) -> Frames:
     head, payloads = valid_parts(rng, sessions)
     bad = [0, PROTOCOL_VERSION + 1, -1, 2**64 - 1, str(PROTOCOL_VERSION), True, 1.0, None, [1]]
+    if head.get("type") == "refused":
+        # A REFUSED of any int version is read on purpose (protocol.decode_header).
+        bad = [str(PROTOCOL_VERSION), True, 1.0, None, [1]]
     if chance(rng, 0.15):
         del head["v"]
     else:

@@ -245,7 +245,13 @@ def cmd_gateway(ns: argparse.Namespace) -> int:
 def cmd_status(ns: argparse.Namespace) -> int:
     from zmqllm.bus.keys import keys_dir, load_peer_keys
     from zmqllm.bus.messages import SessionError
-    from zmqllm.client.status import fetch_status, format_children, format_status
+    from zmqllm.client.node_view import (
+        drift_lines,
+        format_children,
+        format_drift,
+        format_resources,
+    )
+    from zmqllm.client.status import fetch_status, format_status
     from zmqllm.config.settings import log_dir
     from zmqllm.config.up_state import STATE_ENV, STATE_FILE, read_state
 
@@ -263,10 +269,16 @@ def cmd_status(ns: argparse.Namespace) -> int:
         return 1
     if up is not None:
         status["up"] = up
+    if ns.drift:  # for scripts and CI: only the differences, and 1 when there are any
+        drift = status.get("drift") or []
+        print(json.dumps(drift, indent=2) if ns.json else format_drift(status))
+        return 1 if drift_lines(status) else 0
     if ns.json:
         print(json.dumps(status, indent=2))
     else:
         print(format_status(status))
+        print("\n" + format_resources(status))
+        print("\n" + format_drift(status))
         if up is not None:
             print("\n" + format_children(up))
     return 0
@@ -306,6 +318,11 @@ def _add_roles(sub: argparse._SubParsersAction) -> None:
 
     p = _role(sub, "status", "workers, pools, routes and queue of a running broker", cmd_status)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument(
+        "--drift",
+        action="store_true",
+        help="print only the build fields on which replicas of a pool differ; exit 1 if any",
+    )
     p.add_argument("--timeout", type=float, default=3.0, metavar="S", help="wait for an answer")
 
     _add_ray(sub)

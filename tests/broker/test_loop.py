@@ -276,6 +276,7 @@ def register_msg(
     max_kv_tokens: int = 4096,
     context: int = 1024,
     version: str = __version__,
+    build: dict[str, Any] | None = None,
 ) -> Register:
     return Register(
         start=start,
@@ -289,6 +290,7 @@ def register_msg(
         model=summary if summary is not None else SUMMARY,
         host="test-host",
         pid=4242,
+        build=build if build is not None else {},
     )
 
 
@@ -436,6 +438,65 @@ def test_a_worker_of_another_version_is_refused(cluster: Callable[..., Harness])
     w.send(register_msg(0, 4, version="0.0.0-other"))
     assert "0.0.0-other" in h.expect(w, Refused).reason
     assert h.status()["workers"] == []
+
+
+def test_a_register_of_another_protocol_version_is_refused_naming_both(
+    cluster: Callable[..., Harness],
+) -> None:
+    h = cluster()
+    w = h.worker("w0")
+    head, *rest = encode(register_msg(0, 4))
+    fields = msgpack.unpackb(head)
+    w.send_raw([msgpack.packb({**fields, "v": PROTOCOL_VERSION + 1}), *rest])
+    reason = h.expect(w, Refused).reason
+    assert (
+        f"protocol version {PROTOCOL_VERSION + 1} differs from the broker's {PROTOCOL_VERSION}"
+        in reason
+    )
+    # Any other message of another version is only dropped (and counted).
+    w.send_raw([header(type="status", v=PROTOCOL_VERSION + 99)])
+    st = h.wait_status(
+        lambda s: s["dropped"].get("backend:version") == 2, "the second message not counted"
+    )
+    assert st["workers"] == []
+
+
+def test_a_replica_of_another_quant_or_dtype_is_refused(cluster: Callable[..., Harness]) -> None:
+    h = cluster()
+    first = h.worker("w0")
+    first.send(register_msg(0, 4, build={"quant": "int8", "dtype": "float32", "torch": "2.13.0"}))
+    h.expect(first, Registered)
+    for key, value in (("quant", "int4"), ("dtype", "bfloat16")):
+        other = h.worker(f"w-{key}")
+        build = {"quant": "int8", "dtype": "float32", key: value}
+        other.send(register_msg(0, 4, build=build))
+        reason = h.expect(other, Refused).reason
+        assert f"{key} {value} differs from its pool's" in reason and "w0" in reason
+    # Another layer range is another pool: its quant is its own business.
+    elsewhere = h.worker("w-half")
+    elsewhere.send(register_msg(0, 2, build={"quant": "int4", "dtype": "float32"}))
+    h.expect(elsewhere, Registered)
+
+
+def test_replicas_that_differ_elsewhere_join_and_show_as_drift(
+    cluster: Callable[..., Harness],
+) -> None:
+    h = cluster()
+    same = {"quant": "none", "dtype": "float32", "python": "3.11.7"}
+    for name, torch_version in (("w0", "2.13.0"), ("w1", "2.13.0"), ("w2", "2.12.1")):
+        w = h.worker(name)
+        w.send(register_msg(0, 4, build={**same, "torch": torch_version}))
+        h.expect(w, Registered)
+    st = h.status()
+    assert st["drift"] == [
+        {
+            "model": "",
+            "layers": [0, 4],
+            "field": "torch",
+            "values": {"2.13.0": ["w0", "w1"], "2.12.1": ["w2"]},
+        }
+    ]
+    assert {w["id"]: w["build"]["torch"] for w in st["workers"]}["w2"] == "2.12.1"
 
 
 def test_a_message_from_an_unknown_worker_gets_disconnect(cluster: Callable[..., Harness]) -> None:
@@ -870,7 +931,6 @@ def malformed_messages() -> list[list[bytes]]:
         [b"\x00\x01garbage\xff"],  # bytes after a complete msgpack value
         [b"\xc1"],  # never valid msgpack
         [msgpack.packb([1, 2])],  # msgpack, but not a map
-        [header(type="status", v=PROTOCOL_VERSION + 99)],
         [header(type="no-such-type")],
         [status, b"an extra frame no tensor declares"],
         [header(type="status", tensors=[["float32", [2]]])],  # tensor but no frame

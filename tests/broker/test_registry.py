@@ -407,6 +407,8 @@ def test_describe_carries_only_whitelisted_fields_and_stats() -> None:
         "peer",
         "info",
         "stats",
+        "cpu_percent",
+        "build",
     }
     assert d["stats"] == {"forwards": 3, "mean_forward_ms": 1.5}
     assert set(d["stats"]) <= LOAD_KEYS

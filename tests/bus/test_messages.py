@@ -469,6 +469,7 @@ BAD: dict[type[Message], dict[str, list[Any]]] = {
         "served": _without(_NAMES, ""),
         "text_model": _FLAGS,
         "peer": _ENDPOINTS,
+        "build": _maps("torch"),
     },
     Registered: {**_COMMON, "worker_id": _NAMES, "boot": _texts(64)},
     Refused: {**_COMMON, "reason": _texts(MAX_TEXT)},

@@ -90,7 +90,11 @@ def test_status_has_only_a_header() -> None:
 
 def test_header_carries_version_type_and_tensor_specs() -> None:
     head = msgpack.unpackb(encode(Activation(session="s", hidden=_hidden(3, 8)))[0])
-    assert (head["v"], head["type"], head["tensors"]) == (1, "activation", [["float32", [3, 8]]])
+    assert (head["v"], head["type"], head["tensors"]) == (
+        PROTOCOL_VERSION,
+        "activation",
+        [["float32", [3, 8]]],
+    )
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
@@ -111,7 +115,12 @@ def test_every_wire_dtype_is_read(name: str) -> None:
     """Each dtype name is understood; the message type then says whether it fits."""
     wire = WIRE_DTYPES[name]
     raw = np.arange(6, dtype=np.uint8).astype(wire).tobytes()
-    head = {"v": 1, "type": "activation", "session": "s", "tensors": [[name, [2, 3]]]}
+    head = {
+        "v": PROTOCOL_VERSION,
+        "type": "activation",
+        "session": "s",
+        "tensors": [[name, [2, 3]]],
+    }
     frames = [_pack(head), raw]
     if name in ("float32", "float16", "bfloat16"):
         got = decode(frames)
@@ -258,7 +267,12 @@ def test_non_contiguous_is_the_callers_bug() -> None:
 
 def _tensor(shape: Any, dtype: Any = "float32", *frames: Any) -> list[Any]:
     """An ACTIVATION header declaring one tensor, then the given payload frames."""
-    head = {"v": 1, "type": "activation", "session": "s", "tensors": [[dtype, shape]]}
+    head = {
+        "v": PROTOCOL_VERSION,
+        "type": "activation",
+        "session": "s",
+        "tensors": [[dtype, shape]],
+    }
     return [_pack(head), *frames]
 
 
@@ -303,11 +317,20 @@ _MALFORMED: dict[str, Callable[[], list[Any]]] = {
     "uint16 is not a wire name": lambda: _tensor([1, 2], "uint16", _f32(1)),
     "float64 is not a wire name": lambda: _tensor([1, 2], "float64", _f32(4)),
     "tensor spec not a pair": lambda: [
-        _pack({"v": 1, "type": "activation", "session": "s", "tensors": [["float32"]]}),
+        _pack(
+            {"v": PROTOCOL_VERSION, "type": "activation", "session": "s", "tensors": [["float32"]]}
+        ),
         _f32(1),
     ],
     "tensor spec a map": lambda: [
-        _pack({"v": 1, "type": "activation", "session": "s", "tensors": [{"float32": [1]}]}),
+        _pack(
+            {
+                "v": PROTOCOL_VERSION,
+                "type": "activation",
+                "session": "s",
+                "tensors": [{"float32": [1]}],
+            }
+        ),
         _f32(1),
     ],
     "negative dim": lambda: _tensor([-1, 2], "float32", _f32(0)),

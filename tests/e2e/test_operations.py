@@ -11,7 +11,10 @@ import contextlib
 import http.client
 import itertools
 import json
+import platform
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -19,11 +22,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
+import zmq
 
 from tests.e2e.conftest import ConfiguredCluster
 from tests.e2e.test_cluster import post_chat
 from tests.e2e.test_hardening import leftovers
+from zmqllm.bus.messages import Refused, Register
+from zmqllm.bus.protocol import PROTOCOL_VERSION, decode, encode
 
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 
@@ -234,3 +241,80 @@ def test_megabyte_prompts_do_not_stall_a_live_stream(
     during = [t for t in arrivals if sent_at <= t <= done_at + 1.0]
     gaps = [b - a for a, b in itertools.pairwise(during)]
     assert during and max(gaps, default=0.0) < one_encode / 2, (max(gaps), one_encode)
+
+
+def zmqllm_status(c: ConfiguredCluster, *flags: str) -> subprocess.CompletedProcess[str]:
+    base = [sys.executable, "-m", "zmqllm.cli", "status", "--broker", c.frontend, "--insecure"]
+    return subprocess.run(
+        [*base, *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_status_shows_each_nodes_build_and_resources(cluster: ConfiguredCluster) -> None:
+    import numpy
+    import torch
+
+    st = json.loads(zmqllm_status(cluster, "--json").stdout)
+    for w in st["workers"]:
+        build, stats = w["build"], w["stats"]
+        assert build["torch"] == torch.__version__ and build["numpy"] == numpy.__version__
+        assert build["protocol"] == PROTOCOL_VERSION and build["quant"] == "none"
+        assert build["python"] == platform.python_version()
+        assert len(build["kernel"]) == 16 or build["kernel"] == "none"
+        for key in ("rss_bytes", "cpu_s", "net_rx_bytes", "net_tx_bytes", "kv_bytes_used"):
+            assert key in stats, key
+        assert stats["net_rx_bytes"] > 0 and stats["net_tx_bytes"] > 0
+    text = zmqllm_status(cluster).stdout
+    assert "resources (from heartbeats)" in text and "hosts" in text
+    assert "(none: every pool's replicas agree)" in text
+    drift = zmqllm_status(cluster, "--drift")
+    assert drift.returncode == 0, drift.stdout
+
+
+def test_drift_is_shown_and_another_quant_or_protocol_is_refused(
+    cluster: ConfiguredCluster,
+) -> None:
+    """A second replica of layers 0:2 that sends bfloat16 activations joins and shows as
+    drift (status --drift exits 1 naming it); one in int8 is refused, naming the quant;
+    a REGISTER of another protocol version gets a REFUSED naming both versions."""
+    drifting = cluster.start_worker("0:2", name="w-drift", flags=("--wire-dtype", "bfloat16"))
+    refused = cluster.start_worker("0:2", name="w-int8", flags=("--quant", "int8"))
+    try:
+        cluster.wait_for(
+            lambda: any("w-drift" in w["id"] for w in cluster.status()["workers"]),
+            timeout=120,
+            what="the bfloat16 replica registered",
+        )
+        shown = zmqllm_status(cluster, "--drift")
+        assert shown.returncode == 1, shown.stdout
+        assert "layers 0:2  wire_dtype differs: auto: " in shown.stdout
+        assert "bfloat16: w-w-drift-0-2-" in shown.stdout
+        assert refused.wait(timeout=120) == 3  # the worker's exit status when refused
+        assert "quant int8 differs from its pool's none" in refused.text()
+        assert not any("w-int8" in w["id"] for w in cluster.status()["workers"])
+    finally:
+        for proc in (drifting, refused):
+            if proc.alive():
+                cluster.kill(proc)
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(cluster.backend)
+        register = Register(
+            start=0, end=2, num_layers=4, capacity=1, max_kv_tokens=64, context=64,
+            version="x", fingerprint="x",
+        )  # fmt: skip
+        head, *rest = encode(register)
+        sock.send_multipart([msgpack.packb({**msgpack.unpackb(head), "v": 99}), *rest])
+        assert sock.poll(10_000), "no answer to a REGISTER of another protocol version"
+        answer = decode(sock.recv_multipart())
+        assert isinstance(answer, Refused)
+        assert f"protocol version 99 differs from the broker's {PROTOCOL_VERSION}" in answer.reason
+    finally:
+        sock.close()
+    cluster.wait_for(lambda: len(cluster.status()["workers"]) == 2, timeout=30, what="cleanup")

@@ -156,3 +156,29 @@ async def test_health_ready_and_metrics_are_counted_under_their_own_paths(tok: T
     assert 'zmqllm_requests_total{path="/ready",' in text
     # Any path outside the fixed list shares one label: the label set stays bounded.
     assert 'zmqllm_requests_total{path="other",status="404"} 1.0' in text
+
+
+async def test_node_health_and_builds_are_exported_per_worker_and_host(tok: Tokenizer) -> None:
+    fake = FakeBrokerClient(answer_script(tok))
+    app, _clock = await scrape_app(fake, tok)
+    build = {"zmqllm": "0.2.0", "torch": "2.13.0", "quant": "none", "device": "cpu"}
+    stats = {"rss_bytes": 100, "cpu_s": 3.5, "net_rx_bytes": 7, "net_tx_bytes": 9}
+    workers = [
+        {"id": "w0", "layers": [0, 2], "info": {"host": "a"}, "build": build,
+         "cpu_percent": 50.0, "stats": {**stats, "kv_bytes_used": 10}},
+        {"id": "w1", "layers": [2, 4], "info": {"host": "a"}, "build": build,
+         "cpu_percent": 25.0, "stats": stats},
+    ]  # fmt: skip
+    fake.status_extra = {"workers": workers}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+        text = (await c.get("/metrics")).text
+    labels = 'layers="0:2",model="",worker="w0"'
+    assert f"zmqllm_worker_cpu_seconds_total{{{labels}}} 3.5" in text
+    assert f"zmqllm_worker_network_receive_bytes_total{{{labels}}} 7.0" in text
+    assert f"zmqllm_worker_network_transmit_bytes_total{{{labels}}} 9.0" in text
+    assert f"zmqllm_worker_kv_bytes_used{{{labels}}} 10.0" in text
+    assert 'zmqllm_host_rss_bytes{host="a"} 200.0' in text
+    assert 'zmqllm_host_cpu_percent{host="a"} 75.0' in text
+    assert 'zmqllm_host_workers{host="a"} 2.0' in text
+    info = [x for x in text.splitlines() if x.startswith("zmqllm_worker_build_info{")]
+    assert len(info) == 2 and all('torch="2.13.0"' in x and 'host="a"' in x for x in info)

@@ -35,6 +35,7 @@ from zmqllm.bus.messages import (
     ErrorCode,
     Heartbeat,
     Message,
+    MsgType,
     Open,
     Refused,
     Register,
@@ -43,7 +44,15 @@ from zmqllm.bus.messages import (
     StatusReply,
     Token,
 )
-from zmqllm.bus.protocol import MAX_FRAMES, MAX_HEADER_BYTES, ProtocolError, decode, encode
+from zmqllm.bus.protocol import (
+    MAX_FRAMES,
+    MAX_HEADER_BYTES,
+    PROTOCOL_VERSION,
+    ProtocolError,
+    VersionMismatch,
+    decode,
+    encode,
+)
 from zmqllm.bus.sockets import Drops, recv_bounded
 from zmqllm.config.settings import BrokerSettings
 from zmqllm.log import get_logger
@@ -246,6 +255,17 @@ class Broker:
                 continue
             try:
                 msg = decode(frames[1:])
+            except VersionMismatch as exc:
+                self._status_body = None
+                self.drops.drop(f"{side}:version", peer=identity.hex()[:32], error=exc)
+                if side == "backend" and exc.kind == MsgType.REGISTER.value:
+                    # Told in a REFUSED, which peers of every version read.
+                    why = (
+                        f"protocol version {exc.version} differs from the broker's "
+                        f"{PROTOCOL_VERSION}: run the same zmqllm release on both"
+                    )
+                    self.send([Out(True, identity, Refused(reason=why))])
+                continue
             except ProtocolError as exc:
                 self._status_body = None
                 self.drops.drop(f"{side}:malformed", peer=identity.hex()[:32], error=exc)
@@ -427,7 +447,7 @@ class Broker:
     def _worker_heartbeat(
         self, w: WorkerEntry, msg: Heartbeat, frames: list[Any], now: float
     ) -> None:
-        w.load = msg.load or {}
+        w.heard(msg.load or {}, time.monotonic())
         w.draining = msg.draining
 
     def _worker_activation(

@@ -18,6 +18,7 @@ from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from zmqllm.broker.drift import pool_drift, pool_refusal
 from zmqllm.broker.route_search import Edge, best_chain, gaps, route_shapes
 from zmqllm.bus.messages import LOAD_KEYS, MAX_CONTEXT, MAX_LAYERS, MAX_TEXT, Register
 from zmqllm.bus.wire_types import ProtocolError
@@ -90,6 +91,10 @@ class WorkerEntry:
     served: str = ""  # the model's name
     text_model: bool = False
     peer: str = ""  # its peer link's endpoint ("": it takes work only through the broker)
+    build: dict[str, Any] = field(default_factory=dict)  # what it runs on (drift.py)
+    # Its CPU use between its last two heartbeats (percent of one core; None: not yet).
+    cpu_percent: float | None = None
+    _cpu_at: tuple[float, float] | None = None  # (cpu_s, when) of the last heartbeat
 
     def has_room(self, max_len: int, now: float) -> bool:
         return (
@@ -130,7 +135,19 @@ class WorkerEntry:
             "peer": self.peer,
             "info": dict(host=self.host, pid=self.pid, dtype=self.dtype, device=self.device),
             "stats": stats,
+            "cpu_percent": self.cpu_percent,
+            "build": dict(self.build),
         }
+
+    def heard(self, load: dict[str, Any], now: float) -> None:
+        """A heartbeat's figures; the CPU use since the last one from its ``cpu_s``."""
+        self.load = load
+        cpu = load.get("cpu_s")
+        if not isinstance(cpu, int | float) or not math.isfinite(cpu):
+            return
+        if self._cpu_at is not None and now > self._cpu_at[1] and cpu >= self._cpu_at[0]:
+            self.cpu_percent = round(100 * (cpu - self._cpu_at[0]) / (now - self._cpu_at[1]), 1)
+        self._cpu_at = (float(cpu), now)
 
 
 @dataclass(eq=False)
@@ -294,6 +311,9 @@ class Registry:
         rng = (reg.start, reg.end)
         pools = m.pools if m is not None else {}
         pool = pools.get(rng, {})
+        replicas = [w for w in pool.values() if old is None or w is not old]
+        if (differs := pool_refusal(reg.build, replicas)) is not None:
+            return differs
         if not pool or (len(pool) == 1 and old is not None and old.worker_id in pool):
             ranges = len(pools)
             if old is not None and old.served == reg.served and len(pools[old.start, old.end]) == 1:
@@ -347,11 +367,21 @@ class Registry:
             served=reg.served,
             text_model=reg.text_model,
             peer=reg.peer,
+            build=dict(reg.build),
         )
         self.workers[w.worker_id] = w
         self.by_identity[identity] = w
         m.pools.setdefault((w.start, w.end), {})[w.worker_id] = w
         return w
+
+    def drift(self) -> list[dict[str, Any]]:
+        """The build fields on which the replicas of a pool differ (drift.py)."""
+        pools = {
+            (m.name, a, b): list(pool.values())
+            for m in self.models.values()
+            for (a, b), pool in m.pools.items()
+        }
+        return pool_drift(pools)
 
     def remove(self, w: WorkerEntry) -> None:
         """Forget a worker (a stale entry, or one already removed, is ignored)."""

@@ -48,6 +48,8 @@ def broker_status(
         "pools": registry.pools(),
         "routes": registry.route_shapes(),
         "models": [m.describe() for m in registry.models.values()],
+        # Build fields on which the replicas of a pool differ (broker/drift.py).
+        "drift": registry.drift(),
         "counters": {
             "sessions_opened": st.opened,
             "sessions_finished": st.finished,

@@ -123,6 +123,15 @@ LOAD_KEYS = frozenset(
         "rss_bytes",
         "cuda_allocated_bytes",
         "cuda_reserved_bytes",
+        # The node's health (worker/health.py): CPU seconds of the process so far, bytes
+        # it received and sent on the bus, KV bytes holding tokens (of those reserved),
+        # the GPU's memory in use and in all (every process's, as the driver counts it).
+        "cpu_s",
+        "net_rx_bytes",
+        "net_tx_bytes",
+        "kv_bytes_used",
+        "cuda_used_bytes",
+        "cuda_total_bytes",
         # Prefix caching (engine/prefix_cache.py): tokens held now; prompt tokens asked
         # for and found since the start.
         "prefix_cached_tokens",
@@ -313,6 +322,11 @@ class Register(Message):
     # Where the workers before and after it on a route may send it activations and steps
     # directly (peer_link.py; "": only through the broker).
     peer: str = wire(endpoint(empty=True), "")
+    # What decides its numbers (worker/build_info.py): versions of zmqllm, the protocol,
+    # Python, torch, numpy; the compiled kernel's key, the CPU features, quant, dtypes,
+    # device. The broker refuses a replica whose quant or dtype differs from its pool's
+    # and shows the other differences as drift.
+    build: dict[str, Any] = wire(scalar_map(32), factory=dict)
 
     def _validate(self) -> None:
         if not self.start < self.end <= self.num_layers:

@@ -59,8 +59,9 @@ from zmqllm.bus.wire_types import (
     payload,
 )
 
-# The header's ``v``: bumped with every change of the wire format (messages, fields, framing).
-PROTOCOL_VERSION = 1
+# The header's ``v``: bumped with every change of the wire format (messages, fields, framing);
+# tests/bus/test_wire_version.py fails on a change of the messages without a bump.
+PROTOCOL_VERSION = 2
 
 __all__ = [
     "ID_PATTERN",
@@ -97,6 +98,7 @@ __all__ = [
     "StatusReply",
     "Step",
     "Token",
+    "VersionMismatch",
     "decode",
     "decode_header",
     "encode",
@@ -193,13 +195,27 @@ def _tensor_spec(spec: Any) -> tuple[str, np.dtype[Any], tuple[int, ...]]:
     return name, dtype, tuple(shape)
 
 
+class VersionMismatch(ProtocolError):
+    """A message of another protocol version; ``kind`` is the type its header names (the
+    broker answers a REGISTER of another version with a REFUSED naming both)."""
+
+    def __init__(self, version: object, kind: object) -> None:
+        super().__init__(f"protocol version {str(version)[:16]}, expected {PROTOCOL_VERSION}")
+        self.version = str(version)[:16]
+        self.kind = str(kind)[:32]
+
+
 def decode_header(frame: Any) -> tuple[type[Message], dict[str, Any]]:
-    """The header map and its message class, without payloads (the version checked)."""
+    """The header map and its message class, without payloads (the version checked).
+
+    A REFUSED of any version is read: its one field has kept its shape since version 1,
+    so a peer of another version still learns why it was turned away."""
     head = _unpack_header(_byte_view(frame))
     version = head.get("v")
-    if type(version) is not int or version != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {str(version)[:16]}, expected {PROTOCOL_VERSION}")
     kind = head.get("type")
+    ours = type(version) is int and version == PROTOCOL_VERSION
+    if not ours and not (type(version) is int and kind == MsgType.REFUSED.value):
+        raise VersionMismatch(version, kind)
     cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ProtocolError(f"unknown message type {str(kind)[:32]!r}")

@@ -180,30 +180,3 @@ def _workers_table(workers: Any) -> str:
 def _routes(routes: Any) -> list[str]:
     rows = _rows(routes, lambda r: [" -> ".join(str(p) for p in r)], 1)
     return [f"  {r[0]}" for r in rows] if rows else ["  (none)"]
-
-
-def format_children(state: dict[str, Any]) -> str:
-    """The children of the `zmqllm up` of this machine (its up-state.json): each one's
-    state, pid, exits within the last minute and last exit; failing ones first."""
-    order = {"failing": 0, "restarting": 1, "running": 2}
-    rows = []
-    for c in sorted(
-        (c for c in state.get("children", []) if isinstance(c, dict)),
-        key=lambda c: (order.get(str(c.get("state")), 3), str(c.get("name"))),
-    ):
-        state_cell = (
-            str(c.get("state", "?")).upper() if c.get("state") == "failing" else c.get("state")
-        )
-        rows.append(
-            [
-                str(c.get("name", "?")),
-                str(c.get("role", "?")),
-                state_cell,
-                str(c.get("pid") or "-"),
-                str(c.get("exits", 0)),
-                str(c.get("last_exit") or "-"),
-                str(c.get("log", "")),
-            ]
-        )
-    headers = ["name", "role", "state", "pid", "exits/60s", "last exit", "log"]
-    return "zmqllm up (this machine)\n" + (_table(rows, headers) if rows else "  (none)")

@@ -8,11 +8,11 @@ with is measured here too (resident memory, or the cuda allocator's).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from zmqllm.config.machine import rss_bytes
 from zmqllm.models.model_args import ModelArgs
 
 
@@ -52,6 +52,7 @@ class CacheStats:
     bytes_reserved: int
     max_sessions: int
     max_tokens: int
+    bytes_used: int = 0  # of the reserved, those holding tokens now
 
 
 class CachePool:
@@ -128,24 +129,15 @@ class CachePool:
     def stats(self) -> CacheStats:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         per_token = self.args.kv_bytes_per_token(self.num_layers, itemsize)
+        used = sum(c.length for c in self._caches.values())
         return CacheStats(
             sessions=len(self._caches),
             tokens_reserved=self._reserved,
             bytes_reserved=self._reserved * per_token,
+            bytes_used=used * per_token,
             max_sessions=self.max_sessions,
             max_tokens=self.max_tokens,
         )
-
-
-def rss_bytes() -> int:
-    """Resident memory of this process now (Linux /proc; the peak elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        import resource
-
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def memory_in_use(device: torch.device) -> int:
@@ -159,7 +151,11 @@ def cuda_memory(device: torch.device) -> dict[str, int]:
     """On cuda, what the caching allocator holds: an out-of-memory shard shows here first."""
     if device.type != "cuda":
         return {}
+    free, total = torch.cuda.mem_get_info(device)
     return {
         "cuda_allocated_bytes": int(torch.cuda.memory_allocated(device)),
         "cuda_reserved_bytes": int(torch.cuda.memory_reserved(device)),
+        # The whole device as the driver sees it (other processes' memory too).
+        "cuda_used_bytes": int(total - free),
+        "cuda_total_bytes": int(total),
     }

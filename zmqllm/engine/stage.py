@@ -347,6 +347,7 @@ class Stage:
             "sessions": pool.sessions,
             "kv_tokens_reserved": pool.tokens_reserved,
             "kv_bytes_reserved": pool.bytes_reserved,
+            "kv_bytes_used": pool.bytes_used,
             **self.stats.figures(),
             "rss_bytes": rss_bytes(),
             **cuda_memory(self.shard.device),

@@ -97,7 +97,8 @@ class DeadlineProtocol(H11Protocol):
         self._write_timer = None
         if not self.flow.write_paused:
             return
-        record = record_in(self.cycle.scope) if self.cycle is not None else None
+        scope: Any = self.cycle.scope if self.cycle is not None else None
+        record = record_in(scope) if scope is not None else None
         request_id = None
         if record is not None:
             request_id = record.request_id

@@ -50,6 +50,13 @@ _WORKER_GAUGES = (
     ("cuda_allocated_bytes", "zmqllm_worker_cuda_memory_allocated_bytes", "GPU memory allocated"),
     ("cuda_reserved_bytes", "zmqllm_worker_cuda_memory_reserved_bytes", "GPU memory reserved"),
     (
+        "cuda_used_bytes",
+        "zmqllm_worker_cuda_device_used_bytes",
+        "GPU memory in use (all processes)",
+    ),
+    ("cuda_total_bytes", "zmqllm_worker_cuda_device_total_bytes", "GPU memory of the device"),
+    ("kv_bytes_used", "zmqllm_worker_kv_bytes_used", "KV cache bytes holding tokens"),
+    (
         "prefix_cached_tokens",
         "zmqllm_worker_prefix_cache_tokens",
         "Prompt tokens held in the prefix cache",
@@ -59,6 +66,9 @@ _WORKER_COUNTERS = (
     ("forwards", "zmqllm_worker_forwards", "Forward calls run"),
     ("tokens", "zmqllm_worker_tokens", "Tokens run through the worker's layers"),
     ("busy_s", "zmqllm_worker_busy_seconds", "Seconds spent in forwards"),
+    ("cpu_s", "zmqllm_worker_cpu_seconds", "CPU seconds of the worker process"),
+    ("net_rx_bytes", "zmqllm_worker_network_receive_bytes", "Bytes the worker received on the bus"),
+    ("net_tx_bytes", "zmqllm_worker_network_transmit_bytes", "Bytes the worker sent on the bus"),
     (
         "prefix_query_tokens",
         "zmqllm_worker_prefix_cache_query_tokens",
@@ -158,6 +168,52 @@ class ClusterCollector(Collector):
         yield from counters.values()
         yield draining
         yield faults
+        yield from _node_metrics(st.get("workers", []))
+
+
+# Build fields a worker's info metric carries as labels (broker/drift.py compares them all).
+_BUILD_LABELS = ("zmqllm", "python", "torch", "numpy", "kernel", "quant", "dtype", "device")
+
+
+def _node_metrics(workers: Any) -> Iterator[Metric]:
+    """Per worker its host and build (an info metric, 1), and per host the sum of its
+    workers' memory and CPU use."""
+    info = GaugeMetricFamily(
+        "zmqllm_worker_build_info",
+        "1 per worker, labelled with its host and what it runs on",
+        labels=["worker", "host", *_BUILD_LABELS],
+    )
+    rss = GaugeMetricFamily(
+        "zmqllm_host_rss_bytes", "Resident memory of a host's workers", labels=["host"]
+    )
+    cpu = GaugeMetricFamily(
+        "zmqllm_host_cpu_percent",
+        "CPU use of a host's workers between their last heartbeats (100 = one core)",
+        labels=["host"],
+    )
+    count = GaugeMetricFamily("zmqllm_host_workers", "Workers on a host", labels=["host"])
+    per_host: dict[str, list[float]] = {}
+    for w in workers if isinstance(workers, list) else []:
+        if not isinstance(w, dict):
+            continue
+        host = str((w.get("info") or {}).get("host", ""))
+        given = w.get("build")
+        build: dict[str, Any] = given if isinstance(given, dict) else {}
+        info.add_metric(
+            [str(w.get("id", "")), host, *(str(build.get(k, "")) for k in _BUILD_LABELS)], 1.0
+        )
+        stats = w.get("stats") or {}
+        totals = per_host.setdefault(host, [0.0, 0.0, 0.0])
+        totals[0] += 1
+        if isinstance(stats.get("rss_bytes"), int | float):
+            totals[1] += float(stats["rss_bytes"])
+        if isinstance(w.get("cpu_percent"), int | float):
+            totals[2] += float(w["cpu_percent"])
+    for host, (n, memory, use) in sorted(per_host.items()):
+        count.add_metric([host], n)
+        rss.add_metric([host], memory)
+        cpu.add_metric([host], use)
+    yield from (info, count, rss, cpu)
 
 
 def _auth_metrics(auth: Any) -> Iterator[Metric]:

@@ -20,8 +20,11 @@ __all__ = ["StateFile", "essential_children"]
 class ClusterLike(Protocol):
     """What the state is read from: the launcher's Cluster."""
 
-    children: list[Child]
-    procs: Mapping[str, ChildProcess]
+    @property
+    def children(self) -> list[Child]: ...
+
+    @property
+    def procs(self) -> Mapping[str, ChildProcess]: ...
 
     def log_of(self, child: Child) -> Path: ...
 

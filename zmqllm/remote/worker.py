@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import platform
 import threading
 from collections import deque
 from pathlib import Path
@@ -33,6 +34,7 @@ from zmqllm.bus.ask_body import AskBodyError, upstream_body
 from zmqllm.bus.keys import PeerKeys
 from zmqllm.bus.messages import MAX_CONTEXT, MAX_DELTA, AskKind
 from zmqllm.bus.protocol import (
+    PROTOCOL_VERSION,
     Ask,
     Delta,
     Error,
@@ -113,6 +115,12 @@ def register_message(upstream: UpstreamSettings, served: str, capacity: int) -> 
         device="remote",
         served=served,
         text_model=True,
+        build={
+            "zmqllm": __version__,
+            "protocol": PROTOCOL_VERSION,
+            "python": platform.python_version(),
+            "device": "remote",
+        },
     )
 
 

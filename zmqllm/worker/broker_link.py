@@ -65,6 +65,7 @@ from zmqllm.bus.protocol import (
 from zmqllm.bus.sockets import recv_bounded
 from zmqllm.log import get_logger
 from zmqllm.worker.faults import Faults
+from zmqllm.worker.health import NET, process_figures
 
 __all__ = [
     "DELIVER",
@@ -231,6 +232,7 @@ class BrokerLink:
         if self._sock is not None:
             try:
                 self._sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+                NET.sent(frames)
                 return ""
             except zmq.Again:
                 why = "send queue to the broker is full"
@@ -307,7 +309,8 @@ class BrokerLink:
             # routed here after the first; a broker that never answers is caught above.
             return
         load, draining = self._status
-        self._send(Heartbeat(load={**load, **self.faults.load()}, draining=draining))
+        figures = {**load, **self.faults.load(), **process_figures()}
+        self._send(Heartbeat(load=figures, draining=draining))
 
     def _lost(self, why: str) -> None:
         log.warning("reconnecting to the broker", reason=why, backoff_s=round(self._backoff, 2))
@@ -332,6 +335,8 @@ class BrokerLink:
             except zmq.Again:
                 return
             self._last_broker = time.monotonic()
+            if frames is not None:
+                NET.received(frames)
             if frames is None:
                 self.faults.report("malformed", "message with too many frames dropped")
                 continue

@@ -51,6 +51,7 @@ from zmqllm.bus.sockets import recv_bounded
 from zmqllm.config.settings import ConfigError
 from zmqllm.log import get_logger
 from zmqllm.worker.faults import Faults
+from zmqllm.worker.health import NET
 
 __all__ = [
     "EARLY_BYTES",
@@ -319,6 +320,7 @@ class PeerLink:
             link.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
         except zmq.ZMQError:  # Again: not connected (yet), or the peer is not reading
             return False
+        NET.sent(frames)
         return True
 
     def receive(self) -> list[tuple[str, str | None, list[Any]]]:
@@ -332,6 +334,8 @@ class PeerLink:
                 frames = recv_bounded(self.sock, MAX_FRAMES + 1)
             except zmq.Again:
                 break
+            if frames is not None:
+                NET.received(frames)
             if frames is None or len(frames) < 2:
                 self.faults.report("malformed", "peer message of too many or too few frames")
                 continue

@@ -16,9 +16,9 @@ import torch
 
 from zmqllm.bus.protocol import MAX_HEADER_BYTES, Register
 from zmqllm.config.layers import parse_layers
+from zmqllm.config.machine import rss_bytes
 from zmqllm.config.settings import Config, resolve_model_path, worker_served_name
 from zmqllm.engine import native
-from zmqllm.engine.cache import rss_bytes
 from zmqllm.engine.generator import gguf_serves, load_shard
 from zmqllm.engine.linear import PACK_MIN_ROWS
 from zmqllm.engine.memory_plan import StageDoesNotFit, plan_stage
@@ -28,6 +28,7 @@ from zmqllm.engine.weights import model_fingerprint, resolve_checkpoint
 from zmqllm.log import get_logger
 from zmqllm.models.model_args import ModelArgs
 from zmqllm.version import __version__
+from zmqllm.worker.build_info import build_info
 from zmqllm.worker.shell import host_name
 
 __all__ = ["Loaded", "load_stage", "max_frame_bytes", "register_message"]
@@ -156,4 +157,5 @@ def register_message(cfg: Config, ld: Loaded) -> Register:
         device=cfg.model.device,
         prefill_chunk=cfg.worker.prefill_chunk,
         served=worker_served_name(cfg),
+        build=build_info(cfg, kernel_loaded=native.load() is not None),
     )

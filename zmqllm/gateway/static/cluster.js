@@ -70,6 +70,17 @@
     const busy = old && old.stats ? rate(stats.busy_s, old.stats.busy_s, seconds) : null;
     pair(list, "busy", busy === null ? "…" : `${Math.min(100, 100 * busy).toFixed(0)} %`, "busy");
     pair(list, "RSS", stats.rss_bytes ? mib(stats.rss_bytes) : "?");
+    // The node's health, from the worker's heartbeats (CPU: of one core, between two).
+    pair(list, "CPU", typeof w.cpu_percent === "number" ? `${w.cpu_percent.toFixed(0)} %` : "…");
+    if (stats.kv_bytes_reserved !== undefined) {
+      pair(list, "KV bytes", `${mib(stats.kv_bytes_used || 0)} used / ${mib(stats.kv_bytes_reserved)}`);
+    }
+    if (stats.net_rx_bytes !== undefined) {
+      pair(list, "bus in/out", `${mib(stats.net_rx_bytes)} / ${mib(stats.net_tx_bytes || 0)}`);
+    }
+    if (stats.cuda_total_bytes) {
+      pair(list, "GPU", `${mib(stats.cuda_used_bytes || 0)} / ${mib(stats.cuda_total_bytes)}`);
+    }
     if (stats.prefix_query_tokens !== undefined) {
       // Prompt tokens taken from the prefix cache, of those looked up; and what it holds.
       const asked = stats.prefix_query_tokens;
