@@ -238,8 +238,7 @@ def cmd_worker(ns: argparse.Namespace) -> int:
 def cmd_gateway(ns: argparse.Namespace) -> int:
     from zmqllm.gateway.server import serve
 
-    serve(_load(ns))
-    return 0
+    return serve(_load(ns))
 
 
 def cmd_status(ns: argparse.Namespace) -> int:

@@ -170,3 +170,25 @@ def test_status_groups_the_workers_by_model(mixed) -> None:
     assert "models 2" in lines[0]
     assert "model tiny  4 layers  complete route: yes" in lines
     assert f"model {up.model_id}  remote (text)  complete route: yes" in lines
+
+
+def test_a_local_model_whose_name_a_remote_model_took_refuses_to_start(
+    tmp_path: Path, e2e_model: Path
+) -> None:
+    """The broker's only worker is a remote model named "tiny", and the gateway's own
+    model is "tiny" too: no worker of layers can join under that name, so waiting would
+    be for ever. The gateway exits with status 2 saying what to change."""
+    with FakeUpstream() as up:
+        c = Cluster(tmp_path / "clash", e2e_model)
+        try:
+            c.start_broker()
+            c.start_remote_worker(up.url, "--served-name", "tiny")
+            c.wait_for(lambda: len(c.status().get("workers", [])) == 1, what="the remote worker")
+            gateway = c.start_gateway()
+            assert gateway.wait(timeout=120) == 2
+            log = gateway.text()
+            assert "the broker serves model 'tiny' as a remote model" in log
+            assert "--model-name" in log and "--served-name" in log
+            assert "warm-up generation failed" not in log
+        finally:
+            c.stop()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
@@ -53,6 +53,10 @@ class Readiness:
         self._warmup_timeout = warmup_timeout
         self.ready = False
         self.reason = "waiting for the broker's first status"
+        # Set when the gateway's own model cannot be served at all (a name taken by a
+        # remote model); on_fatal is told it once (serve() stops the server).
+        self.fatal: str | None = None
+        self.on_fatal: Callable[[str], None] | None = None
         self._boot: object = None  # the broker's boot id: a restart means warm up again
 
     @property
@@ -86,6 +90,16 @@ class Readiness:
         if not self._warmup_prompt:
             remote = self._directory is not None and self._directory.remote
             self._set(bool(remote), "ready" if remote else "waiting for a remote worker")
+            return
+        if not self.ready and (clash := _name_clash(status, self.model)) is not None:
+            # Not a wait: no worker of layers may join under a remote model's name. Told
+            # once, and the gateway stops (on_fatal) rather than wait for ever.
+            if self.fatal is None:
+                self.fatal = clash
+                log.error("gateway cannot serve its model", reason=clash)
+                if self.on_fatal is not None:
+                    self.on_fatal(clash)
+            self._set(False, clash)
             return
         if not complete_route(status, self.model):
             self._set(False, _no_route_reason(status, self.model))
@@ -134,6 +148,22 @@ class Readiness:
             duration_ms=round((time.perf_counter() - started) * 1000, 1),
         )
         return True
+
+
+def _name_clash(status: dict[str, Any], model: str) -> str | None:
+    """Why the gateway's own model cannot be served: the broker serves its name as a
+    remote (text) model. None when it does not."""
+    models = status.get("models")
+    for m in models if isinstance(models, list) else []:
+        if isinstance(m, dict) and m.get("name") == model and m.get("text_model"):
+            return (
+                f"the broker serves model {model!r} as a remote model (a worker --remote), "
+                "and this gateway has its own model of that name: give one of them another "
+                "name (this gateway's --model-name or [model] name, or the remote worker's "
+                "--served-name, [[remotes]] served_name in zmqllm up), or start the gateway "
+                "with --no-local-model to serve only the remote models"
+            )
+    return None
 
 
 def _no_route_reason(status: dict[str, Any], model: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 from collections.abc import Generator
 from pathlib import Path
@@ -58,8 +59,9 @@ def model_files_dir(model: ModelSettings) -> Path:
     return Path(snapshot_download(spec, revision=model.revision, allow_patterns=META_FILES))
 
 
-def serve(cfg: Config) -> None:
-    """Run the gateway until SIGINT/SIGTERM."""
+def serve(cfg: Config) -> int:
+    """Run the gateway until SIGINT/SIGTERM: 0; or 2 when its own model cannot be
+    served (its name taken by a remote model), having said what to change."""
     configure_logging("gateway", cfg.log.level, cfg.log.format)
     # Checked before anything slow: a bad key or TLS file fails at once, naming the file.
     api_keys = load_api_keys(cfg.gateway.api_keys_file)
@@ -101,7 +103,15 @@ def serve(cfg: Config) -> None:
         context_length=context_length or None,
         remote_models_only=not settings.local_model,
     )
-    _QuietServer(uvicorn_config(app, settings)).run()
+    server = _QuietServer(uvicorn_config(app, settings))
+
+    def give_up(reason: str) -> None:
+        print(f"zmqllm gateway: {reason}", file=sys.stderr, flush=True)
+        server.should_exit = True
+
+    app.state.readiness.on_fatal = give_up
+    server.run()
+    return 2 if app.state.readiness.fatal is not None else 0
 
 
 class _QuietServer(uvicorn.Server):
