@@ -117,7 +117,7 @@ def test_gateway_flags_reach_the_settings(monkeypatch: pytest.MonkeyPatch) -> No
     from zmqllm import cli
 
     seen: list[Config] = []
-    monkeypatch.setattr(server, "serve", seen.append)
+    monkeypatch.setattr(server, "serve", lambda cfg: seen.append(cfg) or 0)
     flags = ["--max-concurrent", "8", "--max-queued", "3", "--queue-timeout", "7"]
     flags += ["--first-token-timeout", "9", "--inter-token-timeout", "4.5"]
     assert cli.main(["gateway", *flags]) == 0
