@@ -318,3 +318,38 @@ def test_drift_is_shown_and_another_quant_or_protocol_is_refused(
     finally:
         sock.close()
     cluster.wait_for(lambda: len(cluster.status()["workers"]) == 2, timeout=30, what="cleanup")
+
+
+def test_one_api_key_cannot_hold_more_than_its_share(tmp_path: Path, e2e_model: Path) -> None:
+    """Two API keys, a share of two slots each: key A's stream of n=2 holds its share, so
+    its next request gets 429 with Retry-After at once, while key B is served."""
+    keys = tmp_path / "api-keys.txt"
+    keys.write_text("sk-share-a-1\nsk-share-b-2\n")
+    c = ConfiguredCluster(
+        tmp_path / "shares",
+        e2e_model,
+        config=f'[gateway]\napi_keys_file = "{keys}"\nkey_max_concurrent = 2\n',
+    )
+    try:
+        c.start_all()
+
+        def post(key: str, body: dict[str, Any]) -> http.client.HTTPResponse:
+            conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=60)
+            headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
+            conn.request("POST", "/v1/chat/completions", json.dumps(body), headers)
+            return conn.getresponse()
+
+        long = {"messages": [{"role": "user", "content": "Go on."}], "n": 2,
+                "max_tokens": 900, "ignore_eos": True, "stream": True}  # fmt: skip
+        short = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        held = post("sk-share-a-1", long)
+        assert held.status == 200 and held.readline()  # streaming: both slots held
+        over = post("sk-share-a-1", short)
+        error = json.loads(over.read())["error"]
+        assert over.status == 429 and over.getheader("Retry-After")
+        assert error["code"] == "key_share_exceeded"
+        other = post("sk-share-b-2", short)
+        assert other.status == 200 and json.loads(other.read())["choices"]
+        held.close()
+    finally:
+        c.stop()

@@ -215,7 +215,12 @@ def _check_gateway(s: GatewaySettings, where: str) -> GatewaySettings:
         ),
         where,
     )
-    _check_positive(s, ("max_queued", "failover_retries"), where, minimum=0)
+    _check_positive(
+        s,
+        ("max_queued", "failover_retries", "key_max_concurrent", "key_max_kv_tokens"),
+        where,
+        minimum=0,
+    )
     _check_positive(
         s,
         (

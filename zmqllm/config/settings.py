@@ -331,6 +331,19 @@ class GatewaySettings:
         10.0, "seconds for a request's line and headers to arrive; then the connection closes"
     )
     body_timeout: float = setting(30.0, "seconds to read a request's whole body; then 408")
+    # Fair share between API keys (zmqllm/gateway/key_shares.py), with two keys or more.
+    key_max_concurrent: int = setting(
+        0,
+        "generation slots one API key may hold at once, when there are two keys or more "
+        "(past it 429); 0 = half of max_concurrent",
+        metavar="N",
+    )
+    key_max_kv_tokens: int = setting(
+        0,
+        "KV tokens (prompt + max_tokens per choice) one API key may hold reserved, when "
+        "there are two keys or more (past it 429); 0 = half of what the model's workers offer",
+        metavar="N",
+    )
     # Against DNS rebinding and cross-site pages (zmqllm/gateway/browser_guard.py).
     allowed_hosts: str = setting(
         "",

@@ -114,6 +114,7 @@ class Verdict:
 
     allowed: bool
     reason: str = ""
+    tenant: str = ""  # the key's digest prefix (allowed only): per-key shares count by it
 
 
 class ApiKeys:
@@ -178,7 +179,9 @@ class ApiKeys:
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
             return Verdict(False, "malformed")
-        return Verdict(True) if self.matches(token) else Verdict(False, "invalid")
+        if not self.matches(token):
+            return Verdict(False, "invalid")
+        return Verdict(True, tenant=_digest(token).hex()[:16])
 
     def maybe_reload(self) -> None:
         """Re-read the file if it changed; at most once per ``reload_interval``."""
@@ -258,6 +261,8 @@ class ApiKeyMiddleware:
             return
         verdict = self.keys.check(Headers(scope=scope).get("authorization"))
         if verdict.allowed:
+            if self.keys.count >= 2:  # one key is one tenant: nothing to share
+                record_of(Request(scope)).tenant = verdict.tenant
             await self.app(scope, receive, send)
             return
         record_of(Request(scope)).error = "invalid_api_key"

@@ -360,6 +360,7 @@ async def _own_answer(
 ) -> Response:
     """An answer of the gateway's own model: one session per choice."""
     service, record = service_of(request), record_of(request)
+    service.check_share(record, plans)
     choices = await open_choices(service, plans, record, request)
     return await _answer(
         request,

@@ -102,7 +102,9 @@ async def _own_generation(
         seed=seed,
         prompt_param=None,
     )
-    return await service.open(plan, record_of(request), request)
+    record = record_of(request)
+    service.check_share(record, [plan])
+    return await service.open(plan, record, request)
 
 
 def _check_query(request: Request) -> None:

@@ -61,6 +61,8 @@ class RequestRecord:
     # Set when the answer ends abnormally: a broker error code, "cancelled" (client left).
     error: str | None = None
     finish_reason: str | None = None
+    # Which API key sent it (a digest's prefix, never the key), when shares apply.
+    tenant: str | None = None
 
     def add_generation(self, stream: TextStream) -> None:
         if self.generation is None:

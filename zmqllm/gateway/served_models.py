@@ -67,10 +67,12 @@ class ModelDirectory:
         # (a gateway given a Hub id, workers a local copy of it).
         self.route_name = local.name if local is not None else ""
         self._refreshed = -float("inf")
+        self.last_status: dict[str, Any] | None = None  # the latest broker status seen
 
     def update(self, status: dict[str, Any]) -> None:
         """Take the remote models from a broker status (those with a whole route)."""
         self._refreshed = now = time.monotonic()
+        self.last_status = status
         seen: dict[str, ServedModel] = {}
         models = status.get("models")
         entries = [m for m in models if isinstance(m, dict)] if isinstance(models, list) else []

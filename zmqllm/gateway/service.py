@@ -23,6 +23,7 @@ from zmqllm.config.settings import GatewaySettings
 from zmqllm.gateway.admission import Admission, ClientGone, QueueFull, QueueTimeout
 from zmqllm.gateway.backend import BrokerClientLike, TokenStreamLike, broker_error_fields
 from zmqllm.gateway.errors import CLIENT_CLOSED, RETRY_AFTER_S, APIError, broker_failure
+from zmqllm.gateway.key_shares import KeyShares, OverShare
 from zmqllm.gateway.request_context import RequestRecord
 from zmqllm.gateway.served_models import ModelDirectory, ServedModel
 from zmqllm.gateway.streaming import GenerationError, TextStream
@@ -82,6 +83,11 @@ class GatewayService:
         # Worked out now (a pass over the vocabulary) rather than by the first request.
         self.max_token_bytes = self.tokenizer.max_token_bytes if self.tokenizer else 0
         self.admission = Admission(s.max_concurrent, s.max_queued, s.queue_timeout)
+        self.shares = KeyShares(
+            s.key_max_concurrent or max(1, s.max_concurrent // 2),
+            s.key_max_kv_tokens,
+            self._cluster_kv_tokens,
+        )
         self.failover = FailoverPolicy(timeout=s.failover_timeout, retries=s.failover_retries)
         self._replays = weakref.WeakSet()
         local = None
@@ -90,6 +96,39 @@ class GatewayService:
         self.models = ModelDirectory(
             local, s.default_model, lambda: self.client.status(timeout=MODEL_STATUS_TIMEOUT)
         )
+
+    def _cluster_kv_tokens(self) -> int | None:
+        """The KV tokens the workers of the gateway's own model offer: its smallest pool's
+        (replicas summed), as the last broker status read by readiness says."""
+        status = self.models.last_status
+        workers = status.get("workers") if status else None
+        pools: dict[tuple[int, int], int] = {}
+        for w in workers if isinstance(workers, list) else []:
+            if not isinstance(w, dict) or w.get("text_model"):
+                continue
+            if w.get("model") not in (self.model_name, self.models.route_name):
+                continue
+            try:
+                rng = (int(w["layers"][0]), int(w["layers"][1]))
+                pools[rng] = pools.get(rng, 0) + int(w["max_kv_tokens"])
+            except (KeyError, TypeError, ValueError, IndexError):
+                continue
+        return min(pools.values()) if pools else None
+
+    def check_share(self, record: RequestRecord, plans: Sequence[GenerationPlan]) -> None:
+        """429 at once if the request's key would hold more than its share (key_shares)."""
+        kv = sum(len(p.prompt_ids) + p.max_tokens for p in plans)
+        try:
+            self.shares.check(record.tenant, len(plans), kv)
+        except OverShare as over:
+            record.error = "key_share_exceeded"
+            raise APIError(
+                429,
+                over.message(),
+                code="key_share_exceeded",
+                type="rate_limit_error",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from None
 
     @property
     def history_tokens(self) -> int:
@@ -243,7 +282,7 @@ class GatewayService:
                 stops=plan.stops,
             )
 
-        return await self._start(record, request, make)
+        return await self._start(record, request, make, len(plan.prompt_ids) + plan.max_tokens)
 
     async def open_text(
         self,
@@ -298,17 +337,27 @@ class GatewayService:
         record: RequestRecord,
         request: Request | None,
         make: Callable[[Callable[[], Awaitable[None]]], TextStream],
+        kv_tokens: int = 0,
     ) -> TextStream:
         """Wait for a slot, start the stream ``make`` builds and wait for its first
-        token; errors become APIError."""
-        # Fail fast: an OPEN sent into a dead link would only time out much later. Checked
-        # before queueing (no wait for a dead broker) and again once a slot is free.
-        await self._check_broker_link(record)
-        await self._admit(record, request)
+        token; errors become APIError. The slot and ``kv_tokens`` count against the
+        request's key (check_share) until the stream ends."""
+        # Held from here (queued too), so concurrent requests of one key see each other.
+        self.shares.take(record.tenant, kv_tokens)
+        try:
+            # Fail fast: an OPEN sent into a dead link would only time out much later.
+            # Checked before queueing (no wait for a dead broker) and again once a slot
+            # is free.
+            await self._check_broker_link(record)
+            await self._admit(record, request)
+        except BaseException:
+            self.shares.give(record.tenant, kv_tokens)
+            raise
         try:
             await self._check_broker_link(record)
         except BaseException:
             self.admission.release()
+            self.shares.give(record.tenant, kv_tokens)
             raise
         released = False
 
@@ -317,6 +366,7 @@ class GatewayService:
             if not released:
                 released = True
                 self.admission.release()
+                self.shares.give(record.tenant, kv_tokens)
 
         try:
             text_stream = make(release)
