@@ -71,8 +71,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, e2e_model: Path) -> Iterat
         f'[model]\npath = "{e2e_model}"\n'
         '[ray]\nstrategy = "STRICT_SPREAD"\nready_timeout = 240\n'
         "[gateway]\nfailover_timeout = 90\n"
-        '[[stages]]\nlayers = "0:2"\ncpus = 1\nmemory = "1GiB"\n'
-        '[[stages]]\nlayers = "2:4"\ncpus = 1\nmemory = "1GiB"\n'
+        '[[stages]]\nlayers = "0:2"\ncpus = 1\nmemory = "2GiB"\n'
+        '[[stages]]\nlayers = "2:4"\ncpus = 1\nmemory = "2GiB"\n'
     )
     nodes = RayNodes(bed.hosts, home)
     head = bed.host(1)

@@ -79,8 +79,9 @@ def test_a_stage_that_cannot_fit_refuses_to_start(random_7b_dir: Path) -> None:
     # float32: 2 layers' matmuls (1.62 GiB) and the embedding; MKL's packed copy of the
     # matmuls; 2 layers x 8 KV heads x 128 x (k, v) x 4 bytes a token.
     assert "weights 2.38 GiB + packed copy 1.62 GiB" in said
-    assert "KV budget 1.00 GiB (65536 tokens x 16384 bytes)" in said
-    assert "> 2.93 GiB given (max_memory_mb)" in said
+    # max_kv_tokens 0: the budget is what is left, here nothing.
+    assert "+ runtime 0.75 GiB leave room for 0 KV tokens (16384 bytes each)" in said
+    assert "of the 2.93 GiB given (max_memory_mb), fewer than the 4096" in said
     assert "use --quant int4 or int8" in said
     logged = [
         json.loads(line)

@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch")
 from tests.engine.test_stage import Pipeline, Req, prompt, reference  # noqa: E402
 from zmqllm.bus.prefix import PREFIX_BLOCK, PrefixIndex, prefix_blocks, prefix_chain  # noqa: E402
 from zmqllm.bus.sampling_params import SamplingParams  # noqa: E402
+from zmqllm.engine.cache import CacheFullError  # noqa: E402
 from zmqllm.engine.generator import Generator, load_shard  # noqa: E402
 from zmqllm.engine.model import MistralShard  # noqa: E402
 from zmqllm.engine.stage import BadWork, Stage  # noqa: E402
@@ -201,13 +202,16 @@ def test_cached_blocks_give_way_to_live_sessions_and_never_break_one(
 def test_a_memory_limit_drops_the_cached_blocks_before_refusing(
     shards: dict[tuple[int, int], MistralShard], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The limit counts KV bytes reserved (the cached blocks' too), not RSS: room for a
+    50-token session and 20 tokens more, so once two blocks are cached a second session
+    only fits when they are dropped."""
     from zmqllm.engine import stage as stage_module
 
-    # What the process holds, as the stage measures it: first little, then over the
-    # limit until the cached blocks are dropped.
-    used = iter([10 << 20, 1000 << 20, 10 << 20])
-    monkeypatch.setattr(stage_module, "memory_in_use", lambda device: next(used))
-    st = Stage(shards[(0, 2)], max_memory_mb=1000)
+    shard = shards[(0, 2)]
+    per_token = shard.args.kv_bytes_per_token(shard.num_local_layers, 4)
+    fixed = (1000 << 20) - 70 * per_token  # what the stage holds before any session
+    monkeypatch.setattr(stage_module, "memory_in_use", lambda device: fixed)
+    st = Stage(shard, max_memory_mb=1000)
     toks = np.asarray(prompt(40, seed=7), np.int32)
     st.open("a", "r", 50, 4, SamplingParams(), frozenset(), toks, prefix_chain(toks))
     st.run()
@@ -216,6 +220,8 @@ def test_a_memory_limit_drops_the_cached_blocks_before_refusing(
     st.open("b", "r", 50, 4, SamplingParams(), frozenset(), toks, prefix_chain(toks))
     assert len(st.prefixes) == 0
     assert st.sessions["b"].reused == 0
+    with pytest.raises(CacheFullError, match="KV reserved"):
+        st.open("c", "r", 50, 4, SamplingParams(), frozenset(), toks)
 
 
 def test_a_new_prompt_is_kept_in_place_of_the_least_recently_used(

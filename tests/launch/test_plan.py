@@ -16,6 +16,7 @@ from zmqllm.cli import build_parser
 from zmqllm.config.settings import Config, ConfigError
 from zmqllm.launch import plan as launch_plan
 from zmqllm.launch.plan import (
+    FRONT_END_BYTES,
     Child,
     connect_address,
     cpu_lock_path,
@@ -52,8 +53,17 @@ def write_config(tmp_path: Path, body: str) -> Path:
 # --- command lines ----------------------------------------------------------------------
 
 
-# Workers on this machine take turns on its cores.
-SHARE = ("--cpu-lock", str(cpu_lock_path()))
+# What the tests' machine has free: the front end's GiB and 9 GiB for two workers.
+FREE = FRONT_END_BYTES + (9 << 30)
+
+
+@pytest.fixture(autouse=True)
+def fixed_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launch_plan, "memory_available", lambda: (FREE, "MemAvailable"))
+
+
+# Workers on this machine take turns on its cores, and share its memory.
+SHARE = ("--cpu-lock", str(cpu_lock_path()), "--max-memory-mb", "4608")
 
 
 def test_local_toml_plan() -> None:
@@ -84,7 +94,7 @@ def test_tiny_toml_plan_with_overrides(tmp_path: Path) -> None:
     assert [c.name for c in children] == ["broker", "worker-1of2-0", "worker-2of2-0", "gateway"]
     level = ("--log-level", "debug")
     assert children[0].argv[-4:] == (*JSON, *level)
-    assert children[1].argv[-9:] == ("worker-1of2-0", "--model", "/m", *SHARE, *JSON, *level)
+    assert children[1].argv[-11:] == ("worker-1of2-0", "--model", "/m", *SHARE, *JSON, *level)
     # The gateway needs the model too: its tokenizer and chat template come from there.
     gateway = children[-1].argv
     assert gateway[4:] == ("--config", str(used), "--model", "/m", "--port", "9123", *JSON, *level)
@@ -104,6 +114,22 @@ def test_workers_take_turns_on_the_cores_unless_the_config_says_how(tmp_path: Pa
     # One worker has no one to take turns with.
     (alone,) = worker_flags('[[stages]]\nlayers = ":"\n')
     assert "--cpu-lock" not in alone
+
+
+def test_workers_share_the_free_memory_unless_the_config_sizes_them(tmp_path: Path) -> None:
+    def worker_flags(body: str) -> list[tuple[str, ...]]:
+        cfg, used = up_config(ns(config=str(write_config(tmp_path, body))))
+        return [c.argv for c in plan(cfg, used, python=PY) if c.role == "worker"]
+
+    three = '[[stages]]\nlayers = "0:2"\ncount = 2\n[[stages]]\nlayers = "2:"\n'
+    for argv in worker_flags(three):  # 9 GiB among three
+        assert argv[argv.index("--max-memory-mb") + 1] == "3072"
+    for setting in ("max_memory_mb = 2000", "max_kv_tokens = 4096"):
+        assert all(
+            "--max-memory-mb" not in a for a in worker_flags(f"[worker]\n{setting}\n{three}")
+        )
+    (alone,) = worker_flags('[[stages]]\nlayers = ":"\n')
+    assert "--max-memory-mb" not in alone
 
 
 def test_unchanged_values_are_left_to_the_config_file() -> None:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
-__all__ = ["rss_bytes"]
+__all__ = ["memory_available", "rss_bytes"]
 
 
 def rss_bytes() -> int:
@@ -16,3 +17,25 @@ def rss_bytes() -> int:
         import resource
 
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def memory_available() -> tuple[int, str]:
+    """What this process may still use: the cgroup's limit less its usage where one is
+    set, else the kernel's MemAvailable; whichever is less."""
+    figures: list[tuple[int, str]] = []
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+        if limit != "max":
+            figures.append((int(limit) - used, "cgroup memory.max"))
+    except (OSError, ValueError):
+        pass
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                figures.append((int(line.split()[1]) * 1024, "MemAvailable"))
+    except (OSError, ValueError, IndexError):
+        pass
+    if not figures:
+        return 1 << 62, "no limit known"
+    return min(figures)

@@ -217,14 +217,18 @@ class WorkerSettings:
     )
     max_sessions: int = setting(64, "sessions served at once")
     max_kv_tokens: int = setting(
-        65536, "KV cache tokens reserved by all sessions together; past it new ones are refused"
+        0,
+        "KV cache tokens reserved by all sessions together; past it new ones are refused "
+        "(FULL: the broker tries another replica); 0 = what the memory given holds after "
+        "the weights and the runtime, less a margin (10%, at least 256 MiB)",
     )
     max_memory_mb: int = setting(
         0,
-        "the memory given to this stage: it refuses to start when its weights and "
-        "max_kv_tokens of KV cache would not fit, and refuses a new session when its "
-        "memory (RSS on cpu, allocated GPU memory on cuda) plus that session's KV cache "
-        "would pass it; 0 = what the machine (or cgroup, or GPU) has free at start",
+        "the memory given to this stage: it refuses to start when its weights and KV "
+        "budget would not fit, and refuses a new session when the weights, the runtime "
+        "and the KV bytes reserved (not RSS: reserved pages are not resident until "
+        "written) plus that session's would pass it; 0 = what the machine (or cgroup, or "
+        "GPU) has free at start",
     )
     # As llama.cpp's server: a burst of short prompts prefills in one forward, while a long
     # prompt stalls the other sessions' decode steps only one chunk at a time.

@@ -20,6 +20,46 @@ class CacheFullError(RuntimeError):
     """No room for a new session on this stage (sessions or KV tokens)."""
 
 
+class KVAllocationFailed(CacheFullError):
+    """The device would not give a session's cache its memory: FULL, like any other
+    lack of room (the broker tries another replica), never an internal error."""
+
+    def __init__(self, bytes_asked: int, bytes_free: int | None, cause: BaseException) -> None:
+        free = "?" if bytes_free is None else f"{bytes_free >> 20} MiB"
+        super().__init__(
+            f"KV cache of {bytes_asked >> 20} MiB could not be allocated ({free} free): "
+            f"{str(cause)[:200]}"
+        )
+        self.bytes_asked = bytes_asked
+        self.bytes_free = bytes_free
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocator saying no (cuda's OutOfMemoryError, or the CPU
+    allocator's RuntimeError/MemoryError), not a bug."""
+    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and (
+        "can't allocate memory" in text or "out of memory" in text.lower()
+    )
+
+
+def bytes_free(device: torch.device | str) -> int | None:
+    """Free memory of ``device`` now (cuda: the driver's; cpu: MemAvailable), if known."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return int(torch.cuda.mem_get_info(dev)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 class KVCache:
     """Keys and values of one session on one stage.
 
@@ -106,14 +146,21 @@ class CachePool:
                 f"stage full: {len(self._caches)}/{self.max_sessions} sessions, "
                 f"{self._reserved}+{max_len} > {self.max_tokens} KV tokens"
             )
-        cache = KVCache(
-            self.num_layers,
-            self.args.num_kv_heads,
-            max_len,
-            self.args.head_dim,
-            self.dtype,
-            self.device,
-        )
+        try:
+            cache = KVCache(
+                self.num_layers,
+                self.args.num_kv_heads,
+                max_len,
+                self.args.head_dim,
+                self.dtype,
+                self.device,
+            )
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            itemsize = torch.empty((), dtype=self.dtype).element_size()
+            asked = max_len * self.args.kv_bytes_per_token(self.num_layers, itemsize)
+            raise KVAllocationFailed(asked, bytes_free(self.device), exc) from exc
         self._caches[session] = cache
         self._reserved += max_len
         return cache

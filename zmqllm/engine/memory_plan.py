@@ -11,8 +11,8 @@ No torch here: the figures come from the config alone.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
+from zmqllm.config.machine import memory_available
 from zmqllm.models.model_args import ModelArgs
 
 GROUP = 32  # weights per quantized block (engine/quant.py)
@@ -33,6 +33,13 @@ ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 # as a worker's RSS less its weights on the default model, with room to spare.
 RUNTIME_BYTES = 768 << 20
 GIB = 1 << 30
+# max_kv_tokens = 0: the KV budget is what the memory given holds after the weights and
+# the runtime, less this margin (the page cache of the checkpoint, the allocator's slack).
+KV_MARGIN_FRACTION = 0.1
+KV_MARGIN_MIN = 256 << 20
+# A budget sized from memory must hold at least a session of this many tokens (or of
+# the whole context, if shorter), else the stage does not fit.
+MIN_KV_TOKENS = 4096
 
 
 class StageDoesNotFit(RuntimeError):
@@ -48,6 +55,8 @@ class StagePlan:
     kv_tokens: int
     given_bytes: int
     given_from: str  # "max_memory_mb", "cgroup memory.max" or "MemAvailable"
+    kv_sized: bool = False  # kv_tokens was sized from the memory (max_kv_tokens 0)
+    kv_minimum: int = 0  # with kv_sized: the least budget that makes sense
 
     @property
     def kv_budget_bytes(self) -> int:
@@ -58,6 +67,8 @@ class StagePlan:
         return self.weight_bytes + self.packed_bytes + self.kv_budget_bytes + RUNTIME_BYTES
 
     def fits(self) -> bool:
+        if self.kv_sized and self.kv_tokens < self.kv_minimum:
+            return False
         return self.need_bytes <= self.given_bytes
 
     def max_kv_tokens_that_fit(self) -> int:
@@ -66,6 +77,16 @@ class StagePlan:
 
     def refusal(self) -> str:
         a, b = self.layers
+        if self.kv_sized:
+            return (
+                f"stage {a}:{b} does not fit: weights {self.weight_bytes / GIB:.2f} GiB"
+                + (f" + packed copy {self.packed_bytes / GIB:.2f} GiB" if self.packed_bytes else "")
+                + f" + runtime {RUNTIME_BYTES / GIB:.2f} GiB leave room for "
+                f"{self.kv_tokens} KV tokens ({self.kv_bytes_per_token} bytes each) of the "
+                f"{self.given_bytes / GIB:.2f} GiB given ({self.given_from}), fewer than the "
+                f"{self.kv_minimum} a session needs; use --quant int4 or int8, or give the "
+                "stage more memory"
+            )
         tokens = self.max_kv_tokens_that_fit()
         advice = f"set max_kv_tokens to at most {tokens}" if tokens else "use --quant int4 or int8"
         return (
@@ -109,28 +130,6 @@ def weight_bytes(
     return int(total)
 
 
-def memory_available() -> tuple[int, str]:
-    """What this process may still use: the cgroup's limit less its usage where one is
-    set, else the kernel's MemAvailable; whichever is less."""
-    figures: list[tuple[int, str]] = []
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
-        if limit != "max":
-            figures.append((int(limit) - used, "cgroup memory.max"))
-    except (OSError, ValueError):
-        pass
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                figures.append((int(line.split()[1]) * 1024, "MemAvailable"))
-    except (OSError, ValueError, IndexError):
-        pass
-    if not figures:
-        return 1 << 62, "no limit known"
-    return min(figures)
-
-
 def plan_stage(
     args: ModelArgs,
     start: int,
@@ -142,10 +141,13 @@ def plan_stage(
     packed: bool = False,
     available: tuple[int, str] | None = None,
     gguf: bool = False,
+    max_sessions: int = 64,
 ) -> StagePlan:
     """The stage's figures against the memory given to it (see module doc);
     ``available``: what the device has free, where it is not this machine's memory;
-    ``gguf``: the weights come as a GGUF file's blocks."""
+    ``gguf``: the weights come as a GGUF file's blocks. ``kv_tokens`` 0: as many as the
+    memory holds after the weights, the runtime and a margin, at most ``max_sessions``
+    sessions of the whole context."""
     weights = weight_bytes(args, start, end, dtype, quant, gguf)
     packed_bytes = 0
     if packed and quant == "none" and dtype == "float32":
@@ -158,4 +160,20 @@ def plan_stage(
     else:
         given, source = available or memory_available()
     per_token = args.kv_bytes_per_token(end - start, ITEMSIZE[dtype])
-    return StagePlan((start, end), weights, packed_bytes, per_token, kv_tokens, given, source)
+    if kv_tokens:
+        return StagePlan((start, end), weights, packed_bytes, per_token, kv_tokens, given, source)
+    margin = max(KV_MARGIN_MIN, int(given * KV_MARGIN_FRACTION))
+    room = given - weights - packed_bytes - RUNTIME_BYTES - margin
+    context = args.max_position_embeddings
+    sized = max(0, min(room // per_token, max_sessions * context))
+    return StagePlan(
+        (start, end),
+        weights,
+        packed_bytes,
+        per_token,
+        sized,
+        given,
+        source,
+        kv_sized=True,
+        kv_minimum=min(MIN_KV_TOKENS, context),
+    )

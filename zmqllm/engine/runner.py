@@ -8,6 +8,7 @@ token per session whose step is final. It decides nothing about what runs.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 
@@ -16,10 +17,24 @@ import torch
 from zmqllm.bus.messages import Finish
 from zmqllm.bus.sampling_params import NO_LOGPROBS
 from zmqllm.engine.batching import Refusal, Work
-from zmqllm.engine.cache import CachePool
+from zmqllm.engine.cache import CachePool, bytes_free, is_out_of_memory
 from zmqllm.engine.model import MistralShard, Segment
 from zmqllm.engine.prefix_cache import PrefixStore
 from zmqllm.engine.sampling import logprobs_of, sample
+from zmqllm.log import get_logger
+
+log = get_logger("zmqllm.engine.runner")
+
+
+def _bytes_asked(exc: BaseException) -> int | None:
+    """What the allocator was asked for, as its message says (cuda: "Tried to allocate
+    20.00 MiB"; the CPU allocator: "you tried to allocate 123456 bytes")."""
+    text = str(exc)
+    found = re.search(r"[Tt]ried to allocate ([0-9.]+) ?(bytes|B|KiB|MiB|GiB)", text)
+    if found is None:
+        return None
+    scale = {"bytes": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+    return int(float(found.group(1)) * scale[found.group(2)])
 
 
 class BatchFailed(RuntimeError):
@@ -85,6 +100,7 @@ class ModelRunner:
 
     def __init__(self, shard: MistralShard, pool: CachePool, prefixes: PrefixStore | None) -> None:
         self.shard = shard
+        self.model = ""  # the served name, for log lines
         self.pool = pool
         self.prefixes = prefixes
         self.stats = StageStats()
@@ -92,8 +108,40 @@ class ModelRunner:
     def run(self, batch: list[Work], refused: list[Refusal]) -> list[Output]:
         """One forward of ``batch`` (at most one work item per session). Raises
         BatchFailed if the forward does (its sessions must fail; the others are
-        untouched). A row that cannot be sampled goes to ``refused``."""
+        untouched). A row that cannot be sampled goes to ``refused``.
+
+        Out of memory is not a bug of the batch: it is run again in halves, down to
+        single sessions, so only a session that cannot run even alone fails (it goes to
+        ``refused``). A failed forward wrote nothing a retry depends on: each segment's
+        cache length moves only once the whole forward is done."""
+        try:
+            return self._forward(batch, refused)
+        except BatchFailed as failed:
+            cause = failed.__cause__
+            if cause is None or not is_out_of_memory(cause):
+                raise
+            free = bytes_free(self.shard.device)
+            if self.shard.device.type == "cuda":
+                torch.cuda.empty_cache()  # what the failed forward left cached
+            log.warning(
+                "forward out of memory",
+                request_ids=[w.session.request_id for w in batch][:16],
+                model=self.model,
+                batch_size=len(batch),
+                bytes_asked=_bytes_asked(cause),
+                bytes_free=free,
+                retry="in halves" if len(batch) > 1 else "none: the session fails",
+            )
+            if len(batch) == 1:
+                s = batch[0].session
+                refused.append((s.id, s.request_id, f"out of memory: {str(cause)[:160]}"))
+                return []
+        half = len(batch) // 2
+        return self.run(batch[:half], refused) + self.run(batch[half:], refused)
+
+    def _forward(self, batch: list[Work], refused: list[Refusal]) -> list[Output]:
         segs = [Segment(w.session.cache, w.rows) for w in batch]
+        lengths = [seg.cache.length for seg in segs]
         t0 = time.perf_counter()
         try:
             # Prompt chunks come as numpy slices: viewed, not copied.
@@ -101,6 +149,10 @@ class ModelRunner:
             x = torch.cat(inputs) if len(inputs) > 1 else inputs[0]
             out = self.shard(x, segs)
         except Exception as exc:
+            # The shard moves the lengths before its output layer: a failure there must
+            # not leave them moved (a retry would skip positions).
+            for seg, length in zip(segs, lengths, strict=True):
+                seg.cache.length = length
             raise BatchFailed([w.session.id for w in batch], exc) from exc
         self.stats.record(len(batch), int(x.shape[0]), time.perf_counter() - t0)
         self._keep_prefixes(batch)

@@ -26,6 +26,7 @@ from zmqllm.engine.batching import Refusal, Scheduler, SessionState, Work
 from zmqllm.engine.cache import (
     CacheFullError,
     CachePool,
+    KVAllocationFailed,
     cuda_memory,
     memory_in_use,
     rss_bytes,
@@ -37,8 +38,11 @@ from zmqllm.engine.prefix_cache import PrefixStore
 from zmqllm.engine.rules import GrammarTokenizer, SessionRules
 from zmqllm.engine.runner import ModelRunner, Output, StageStats
 from zmqllm.engine.sampling import SamplingParams
+from zmqllm.log import get_logger
 
 __all__ = ["BadWork", "Stage"]
+
+log = get_logger("zmqllm.engine.stage")
 
 
 class BadWork(ValueError):
@@ -66,6 +70,11 @@ class Stage:
             max_kv_tokens,
         )
         self.max_memory = max_memory_mb << 20
+        itemsize = torch.empty((), dtype=shard.dtype).element_size()
+        self._kv_bytes_per_token = shard.args.kv_bytes_per_token(shard.num_local_layers, itemsize)
+        # What the stage holds before any session (weights, packed copies, the runtime):
+        # measured once; sessions then count by the KV bytes they reserve.
+        self._fixed_bytes = memory_in_use(shard.device) if max_memory_mb else 0
         self.prefixes = PrefixStore() if prefix_cache else None
         self.grammar_tokenizer = grammar_tokenizer
         self.sessions: dict[str, SessionState] = {}
@@ -86,6 +95,15 @@ class Stage:
     def shard(self, shard: MistralShard) -> None:
         # One shard for admission and forward: the runner's (tests swap in failing ones).
         self.runner.shard = shard
+
+    @property
+    def model(self) -> str:
+        """The served name, for log lines (the worker sets it)."""
+        return self.runner.model
+
+    @model.setter
+    def model(self, name: str) -> None:
+        self.runner.model = name
 
     @property
     def prefill_chunk(self) -> int:
@@ -144,7 +162,18 @@ class Stage:
             over = self.pool.reserved + max_len + store.tokens - self.pool.max_tokens
             if over > 0 and self.pool.can_admit(max_len):
                 store.evict(over)
-        cache = self.pool.allocate(session, max_len)
+        try:
+            cache = self.pool.allocate(session, max_len)
+        except KVAllocationFailed as exc:
+            log.warning(
+                "KV cache allocation failed: session refused as full",
+                request_id=request_id,
+                model=self.model,
+                batch_size=len(self.sessions),
+                bytes_asked=exc.bytes_asked,
+                bytes_free=exc.bytes_free,
+            )
+            raise
         s = SessionState(session, request_id, max_tokens, sampling, stop_ids, cache)
         s.rules = rules
         s.stages = stages
@@ -167,16 +196,20 @@ class Stage:
         return s
 
     def _check_memory(self, max_len: int) -> None:
-        itemsize = torch.empty((), dtype=self.shard.dtype).element_size()
-        need = max_len * self.shard.args.kv_bytes_per_token(self.shard.num_local_layers, itemsize)
-        used = memory_in_use(self.shard.device)
-        if used + need > self.max_memory and self.prefixes is not None and len(self.prefixes):
-            self.prefixes.clear()  # what it held is freed before any session is refused
-            used = memory_in_use(self.shard.device)
+        """Refuse (FULL) a session whose KV would take the stage past ``max_memory_mb``,
+        counting bytes reserved, not resident: ``torch.empty`` commits no pages until they
+        are written, so RSS says nothing of what the sessions already hold."""
+        need = max_len * self._kv_bytes_per_token
+        store = self.prefixes
+        held = self.pool.reserved + (store.tokens if store is not None else 0)
+        used = self._fixed_bytes + held * self._kv_bytes_per_token
+        if used + need > self.max_memory and store is not None and len(store):
+            store.clear()  # what it held is freed before any session is refused
+            used = self._fixed_bytes + self.pool.reserved * self._kv_bytes_per_token
         if used + need > self.max_memory:
             raise CacheFullError(
-                f"stage memory: {used >> 20} MiB in use + {need >> 20} MiB for this "
-                f"session > max_memory_mb {self.max_memory >> 20}"
+                f"stage memory: {used >> 20} MiB held (weights, runtime, KV reserved) + "
+                f"{need >> 20} MiB for this session > max_memory_mb {self.max_memory >> 20}"
             )
 
     def cached(self, session: str, tokens: int) -> None:

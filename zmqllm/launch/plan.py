@@ -19,6 +19,7 @@ from pathlib import Path
 import zmqllm
 from zmqllm.config.flags import apply_flags, changed_flags, role_settings
 from zmqllm.config.loading import load_config
+from zmqllm.config.machine import memory_available
 from zmqllm.config.settings import Config, StageSpec, zmqllm_home
 
 __all__ = [
@@ -77,6 +78,10 @@ def stage_slug(layers: str) -> str:
     return f"{start or 0}-{end or 'end'}"
 
 
+# What the broker and the gateway of `zmqllm up` are left of the machine's free memory.
+FRONT_END_BYTES = 1 << 30
+
+
 def cpu_lock_path() -> Path:
     """One lock per machine: every worker of every local cluster shares its cores."""
     return zmqllm_home() / "cpu.lock"
@@ -130,6 +135,12 @@ def plan(cfg: Config, config_path: Path | None, python: str = sys.executable) ->
     share = []
     if not cfg.worker.batch_threads and not cfg.worker.cpu_lock and n_workers > 1:
         share = ["--cpu-lock", str(cpu_lock_path())]
+    # And its memory: each sizes its KV budget from the memory given to it, so several
+    # must not each take what the machine has free (the front end keeps some).
+    if n_workers > 1 and not cfg.worker.max_memory_mb and not cfg.worker.max_kv_tokens:
+        free, _source = memory_available()
+        each_mb = max(0, free - FRONT_END_BYTES) // n_workers >> 20
+        share += ["--max-memory-mb", str(max(1, each_mb))]
     for stage in stages_of(cfg):
         for replica in range(stage.count):
             name = f"worker-{stage_slug(stage.layers)}-{replica}"

@@ -102,6 +102,11 @@ def plan_actors(cfg: Config, config_path: Path | None) -> list[ActorSpec]:
     for stage in cfg.stages or list(DEFAULT_STAGES):
         for replica in range(stage.count):
             name = actor_name(stage.layers, replica)
+            # The memory Ray gives the stage is what its KV budget is sized from, unless
+            # the config sizes that itself.
+            memory: tuple[str, ...] = ()
+            if stage.memory and not cfg.worker.max_memory_mb and not cfg.worker.max_kv_tokens:
+                memory = ("--max-memory-mb", str(parse_size(stage.memory) >> 20))
             args = (
                 *head,
                 *layer_flags(stage.layers),
@@ -111,6 +116,7 @@ def plan_actors(cfg: Config, config_path: Path | None) -> list[ActorSpec]:
                 f"tcp://{BROKER_IP}:{bport}",
                 "--threads",
                 str(max(1, int(stage.cpus))),
+                *memory,
                 *model,
                 *security,
                 *last,

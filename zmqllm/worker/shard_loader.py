@@ -72,6 +72,7 @@ def load_stage(cfg: Config) -> Loaded:
         packed=w.packed_rows >= PACK_MIN_ROWS and m.device == "cpu",
         available=_device_free(m.device),
         gguf=gguf_serves(directory, args, start, end, m.quant),
+        max_sessions=w.max_sessions,
     )
     if not plan.fits():
         raise StageDoesNotFit(plan.refusal())
@@ -91,13 +92,14 @@ def load_stage(cfg: Config) -> Loaded:
     stage = Stage(
         shard,
         w.max_sessions,
-        w.max_kv_tokens,
+        plan.kv_tokens,  # max_kv_tokens, or (0) what the memory given holds
         w.prefill_chunk,
         w.max_memory_mb,
         w.prefix_cache,
         grammars,
         micro_batches=w.micro_batches or (1 if w.cpu_lock else 0),
     )
+    stage.model = worker_served_name(cfg)
     stage.warmup()
     log.info(
         "shard loaded",
@@ -106,6 +108,8 @@ def load_stage(cfg: Config) -> Loaded:
         seconds=round(time.perf_counter() - t0, 2),
         kv_bytes_per_token=plan.kv_bytes_per_token,
         kv_budget_mib=plan.kv_budget_bytes >> 20,
+        kv_tokens=plan.kv_tokens,
+        kv_sized_from_memory=plan.kv_sized,
         memory_given_mib=plan.given_bytes >> 20,
         memory_given_from=plan.given_from,
         dtype=cfg.model.dtype,
