@@ -37,6 +37,7 @@ from typing import Any
 __all__ = ["FakeUpstream"]
 
 DELTAS_BEFORE_TROUBLE = 2
+FLOOD_DELTAS = 2000
 SLOW_DELTAS = 100
 SLOW_EVERY_S = 0.2
 STALL_S = 60.0
@@ -293,6 +294,8 @@ class _Reply:
         """Stream the events; False when the reply ends without the body's last chunk."""
         if self.mode == "slow":
             self.pieces, self.finish = [f" w{i}" for i in range(SLOW_DELTAS)], "stop"
+        if self.mode == "flood":  # a server that does not stop at max_tokens
+            self.pieces, self.finish = [f" w{i}" for i in range(FLOOD_DELTAS)], "stop"
         options = self.body.get("stream_options") or {}
         usage = bool(options.get("include_usage"))
         # A comment first, as proxies send to keep connections open: clients must skip it.

@@ -428,3 +428,18 @@ def test_the_fake_answers_whole_requests_too(up: FakeUpstream) -> None:
     assert completion["object"] == "text_completion" and completion["model"] == "fake-model"
     assert completion["choices"][0]["text"] == "echo: a"
     assert completion["choices"][0]["finish_reason"] == "length"
+
+
+def test_an_event_split_over_several_data_lines_is_joined() -> None:
+    """As the SSE spec says: an event's data lines, joined with newlines (JSON allows the
+    newline between tokens), make its data; the event ends at the blank line."""
+    raw = (
+        b'data: {"choices":[{"index":0,\n'
+        b'data:  "delta":{"content":"two lines"}}]}\n\n'
+        b'data: {"choices":[{"index":0,"delta":{},\r\n'
+        b'data: "finish_reason":"stop"}]}\r\n\r\n'
+        b"data: [DONE]\n\n"
+    )
+    deltas, error = run(settings("http://upstream.test/v1"), transport=canned(raw))
+    assert error is None
+    assert deltas == [Delta("two lines"), Delta(finish="stop")]

@@ -261,12 +261,23 @@ def test_a_long_piece_goes_in_deltas_the_wire_takes(worker: RemoteWorker) -> Non
     """10,000 three-byte characters in one upstream chunk: cut into DELTAs each of which
     decodes (a header string holds 16 KiB), together the whole text in order."""
     content = "字" * 10_000
-    worker.handle(ask(fields={"messages": [{"role": "user", "content": content}]}))
+    worker.handle(ask(fields={"messages": [{"role": "user", "content": content}]}, max_tokens=100))
     deltas = [m for m in settle(worker) if isinstance(m, Delta)]
     assert len(deltas) >= 3
     for d in deltas:
         assert decode(encode(d)) == d
     assert "".join(d.text for d in deltas) == "echo: " + content
+
+
+def test_an_upstream_past_max_tokens_is_cut(worker: RemoteWorker, up: FakeUpstream) -> None:
+    """2,000 pieces for max_tokens 4: the worker stops reading past the slack (a few pieces)
+    and ends the session with finish "length"."""
+    up.mode = "flood"
+    worker.handle(ask(max_tokens=4))
+    deltas = [m for m in settle(worker) if isinstance(m, Delta)]
+    texts = [d for d in deltas if d.text]
+    assert 4 <= len(texts) <= 4 + 16
+    assert deltas[-1].finish == "length"
 
 
 def test_a_completion_is_asked_of_the_completions_endpoint(

@@ -174,13 +174,30 @@ async def _read_capped(response: httpx.Response, limit: int) -> bytes:
     return bytes(body[:limit])
 
 
+def _whole_json(lines: list[bytes]) -> bool:
+    """Whether the data lines so far already make one JSON document (or [DONE])."""
+    value = b"\n".join(lines)
+    if value.strip() == b"[DONE]":
+        return True
+    try:
+        json.loads(value)
+    except ValueError:
+        return False
+    return True
+
+
 class _EventReader:
-    """Bytes of a server-sent event stream to deltas. Each OpenAI-style event is one
-    ``data:`` line of JSON, so lines are handled as they end, not at an event's blank line."""
+    """Bytes of a server-sent event stream to deltas. An event's ``data:`` lines are
+    joined with newlines and the event is read at its blank line, as the SSE spec says
+    (a JSON document may be split over several lines). A server that leaves out the
+    blank lines still streams: a data line after a buffer that is already a whole JSON
+    document starts the next event."""
 
     def __init__(self, upstream: Upstream, kind: str, shown: str) -> None:
         self._upstream, self._kind, self._shown = upstream, kind, shown
         self._pending = bytearray()  # the start of a line not yet ended
+        self._data: list[bytes] = []  # the data lines of the event being read
+        self._data_bytes = 0
         self.finished = False  # a finish reason came
         self.done = False  # "data: [DONE]" came
 
@@ -197,17 +214,15 @@ class _EventReader:
                 return
             if len(line) > MAX_LINE_BYTES:
                 raise self._error("sent a data line over 1 MiB")
-            delta = self._line(line)
-            if delta is not None:
-                yield delta
+            yield from self._take_line(line)
         self._hold(rest)
 
     def end(self) -> Iterator[Delta]:
         """At EOF: what a last line without a line end holds; raises if the answer is cut."""
         if self._pending and not self.done:
-            delta = self._line(bytes(self._pending))
-            if delta is not None:
-                yield delta
+            yield from self._take_line(bytes(self._pending))
+        if self._data and not self.done:
+            yield from self._dispatch()
         if not self.finished:
             raise self._error("the stream ended before the answer finished")
 
@@ -219,12 +234,33 @@ class _EventReader:
     def _error(self, what: str) -> UpstreamError:
         return self._upstream._error("upstream_error", f"upstream {self._shown}: {what}")
 
-    def _line(self, line: bytes) -> Delta | None:
+    def _take_line(self, line: bytes) -> Iterator[Delta]:
+        if not line:  # a blank line ends the event
+            yield from self._dispatch()
+            return
         name, _, value = line.partition(b":")
-        # Blank lines end events, ":" starts a comment; event:, id:, retry: mean nothing here.
+        # ":" starts a comment; event:, id:, retry: mean nothing here.
         if name != b"data":
-            return None
+            return
+        if self._data and _whole_json(self._data):
+            yield from self._dispatch()  # no blank line came between two events
         value = value.removeprefix(b" ")
+        self._data_bytes += len(value) + 1
+        if self._data_bytes > MAX_LINE_BYTES:
+            raise self._error("sent an event over 1 MiB")
+        self._data.append(value)
+
+    def _dispatch(self) -> Iterator[Delta]:
+        if not self._data or self.done:
+            self._data, self._data_bytes = [], 0
+            return
+        value = b"\n".join(self._data)
+        self._data, self._data_bytes = [], 0
+        delta = self._event(value)
+        if delta is not None:
+            yield delta
+
+    def _event(self, value: bytes) -> Delta | None:
         if value.strip() == b"[DONE]":
             self.done = True
             if self.finished:
@@ -239,7 +275,7 @@ class _EventReader:
             raise self._error("sent a data line that is not UTF-8") from None
         except ValueError:
             # Keep-alive pings and the like; not logged whole, as it may hold answer text.
-            log.debug("upstream sent a data line that is not JSON; skipped")
+            log.debug("upstream sent an event that is not JSON; skipped")
             return None
         if not isinstance(chunk, dict):
             return None

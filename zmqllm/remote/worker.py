@@ -271,10 +271,27 @@ class RemoteWorker(WorkerShell):
         usage: tuple[int | None, int | None] = (None, None)
         try:
             pieces = self.upstream.stream(kind, body)
+            # An upstream that does not stop at max_tokens is stopped here: by its pieces
+            # (a token each, as OpenAI streams) and by its text's size.
+            most_pieces = ask.max_tokens + PIECES_MARGIN
+            most_chars = ask.max_tokens * MAX_CHARS_PER_TOKEN + CHARS_MARGIN
+            got_pieces = got_chars = 0
             async with contextlib.aclosing(pieces):
                 async for piece in pieces:
                     if piece.prompt_tokens is not None or piece.completion_tokens is not None:
                         usage = (_count(piece.prompt_tokens), _count(piece.completion_tokens))
+                    got_pieces += 1 if piece.text else 0
+                    got_chars += len(piece.text)
+                    if got_pieces > most_pieces or got_chars > most_chars:
+                        with bind_request(ask.request_id, ask.session):
+                            log.warning(
+                                "upstream went past max_tokens; its answer cut",
+                                max_tokens=ask.max_tokens,
+                                pieces=got_pieces,
+                                chars=got_chars,
+                            )
+                        finish = "length"
+                        break
                     for start in range(0, len(piece.text), MAX_DELTA):
                         out(piece_of(step, text=piece.text[start : start + MAX_DELTA]))
                         step += 1
@@ -300,6 +317,14 @@ class RemoteWorker(WorkerShell):
         except Exception as exc:
             self.faults.report("internal", "upstream stream failed", exc)
             out(Error.of(ErrorCode.INTERNAL, "internal error in the remote worker", **_sid(ask)))
+
+
+# An upstream's answer past its max_tokens: a few pieces of slack (some servers send the
+# finish in a piece of its own, or split a token), and at most this much text a token
+# (the longest tokens of real vocabularies are under 128 characters).
+PIECES_MARGIN = 16
+MAX_CHARS_PER_TOKEN = 128
+CHARS_MARGIN = 4096
 
 
 def _count(value: int | None) -> int | None:
