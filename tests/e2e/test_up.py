@@ -77,6 +77,14 @@ def test_up_serves_a_remote_model_beside_its_own(
             up.wait_up(timeout=120)
             assert "2 workers (layers 0:2, 2:4), remote models echo, gateway" in up.stdout()
             up.wait_for(lambda: "remote-0-0" in up.pids(), "the remote worker")
+            # The upstream's URL reaches the remote worker by a private file: no command
+            # line (anyone's to read in `ps`) shows it.
+            for pid in up.pids().values():
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+                assert fake.url not in cmdline.replace("\0", " ")
+            url_file = up.logs / "remote-0-0.url"
+            assert url_file.read_text().strip() == fake.url
+            assert url_file.stat().st_mode & 0o777 == 0o600
             assert up.chat("Hello", 8) == (200, reference.body("Hello", 8))
             request = urllib.request.Request(
                 f"{up.url}/chat?model=echo", data=b"hi there", method="POST"

@@ -13,7 +13,7 @@ import pytest
 from testbed.cluster import free_port
 from zmqllm.cli import _load as cli_load
 from zmqllm.cli import build_parser
-from zmqllm.config.settings import Config, ConfigError
+from zmqllm.config.settings import Config, ConfigError, log_dir
 from zmqllm.launch import plan as launch_plan
 from zmqllm.launch.plan import (
     FRONT_END_BYTES,
@@ -233,7 +233,11 @@ def test_remote_models_start_remote_workers_beside_the_stages(tmp_path: Path) ->
     ]
     first, _, last = (c for c in children if c.name.startswith("remote-"))
     argv = " ".join(first.argv)
-    assert "--remote https://api.example.com/v1 --name remote-0-0" in argv
+    # The URL by a private file, not on the command line (`ps` shows that to anyone).
+    url_file = str(log_dir(cfg.log) / "remote-0-0.url")
+    assert f"--remote @{url_file} --name remote-0-0" in argv
+    assert "api.example.com" not in argv
+    assert first.files == ((url_file, "https://api.example.com/v1\n"),)
     assert "--remote-model gpt-4o-mini --served-name mini --api-key-file /keys/upstream" in argv
     assert "--cpu-lock" not in argv and "--layers" not in argv  # no layers to take turns on
     assert "--served-name" not in last.argv and first.role == "worker"

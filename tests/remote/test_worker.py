@@ -504,3 +504,19 @@ def test_a_bad_key_file_fails_before_anything_starts(tmp_path: Path) -> None:
     )
     with pytest.raises(ConfigError, match="one key on one line"):
         serve(cfg)
+
+
+def test_the_url_may_come_from_a_file(tmp_path: Path) -> None:
+    from zmqllm.remote.worker import read_remote_url
+
+    assert read_remote_url("http://u.test/v1") == "http://u.test/v1"
+    path = tmp_path / "url"
+    path.write_text("https://u.test/v1?key=k\n")
+    assert read_remote_url(f"@{path}") == "https://u.test/v1?key=k"
+    for bad in ("", "two\nlines"):
+        path.write_text(bad)
+        with pytest.raises(ConfigError, match="must hold one URL on one line") as err:
+            read_remote_url(f"@{path}")
+        assert "u.test" not in str(err.value)
+    with pytest.raises(ConfigError, match="cannot read it"):
+        read_remote_url(f"@{tmp_path / 'missing'}")

@@ -187,9 +187,12 @@ def _check_worker(s: WorkerSettings, where: str) -> WorkerSettings:
         raise _fail("peer", where, "auto, off or tcp://HOST:PORT", s.peer)
     if s.wire_dtype not in WIRE_DTYPE_CHOICES:
         raise _fail("wire_dtype", where, f"one of {', '.join(WIRE_DTYPE_CHOICES)}", s.wire_dtype)
-    if s.remote and not _URL_RE.fullmatch(s.remote):
+    if s.remote and not s.remote.startswith("@") and not _URL_RE.fullmatch(s.remote):
         # Not echoed: a URL may hold a password or a key.
-        raise ConfigError(f"remote {where} must be an http(s) URL like 'http://host:8000/v1'")
+        raise ConfigError(
+            f"remote {where} must be an http(s) URL like 'http://host:8000/v1', or @FILE "
+            "holding one"
+        )
     _check_positive(s, ("remote_stall_timeout",), where)
     _check_positive(s, ("remote_retries",), where, minimum=0)
     for key in ("served_name", "remote_model"):

@@ -259,7 +259,8 @@ class WorkerSettings:
     remote: str = setting(
         "",
         "serve a whole model by forwarding to this OpenAI-compatible API (its base URL, "
-        "e.g. http://host:8000/v1) instead of running layers; empty = run layers",
+        "e.g. http://host:8000/v1, or @FILE holding it, which keeps it out of `ps`) "
+        "instead of running layers; empty = run layers",
         metavar="URL",
     )
     remote_model: str = setting(

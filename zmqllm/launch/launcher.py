@@ -103,6 +103,14 @@ def prepare_model(cfg: Config) -> None:
     say(f"model ready ({time.monotonic() - started:.0f}s)")
 
 
+def write_private(path: Path, text: str) -> None:
+    """A file only this user can read, made so before anything is in it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(text)
+
+
 class Cluster:
     """The children of one `zmqllm up`: started, restarted one by one, stopped together."""
 
@@ -120,6 +128,8 @@ class Cluster:
                 older = path.with_name(path.name + ".1")
                 path.replace(older)
                 older.chmod(LOG_FILE_MODE)  # a log from before logs were private
+            for name, text in child.files:
+                write_private(Path(name), text)
             self.procs[child.name] = spawn(child.name, child.argv, path)
 
     def restart(self, name: str) -> ChildProcess:

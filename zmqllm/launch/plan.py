@@ -20,7 +20,7 @@ import zmqllm
 from zmqllm.config.flags import apply_flags, changed_flags, role_settings
 from zmqllm.config.loading import load_config
 from zmqllm.config.machine import memory_available
-from zmqllm.config.settings import Config, StageSpec, zmqllm_home
+from zmqllm.config.settings import Config, StageSpec, log_dir, zmqllm_home
 
 __all__ = [
     "DEFAULT_STAGES",
@@ -49,6 +49,9 @@ class Child:
     name: str  # log file stem and worker name: "broker", "worker-1of2-0", "gateway"
     role: str
     argv: tuple[str, ...]
+    # (path, text) written (owner-only) before it starts: what its command line must not
+    # show in `ps`, such as a remote model's URL.
+    files: tuple[tuple[str, str], ...] = ()
 
 
 def repo_config() -> Path | None:
@@ -151,7 +154,9 @@ def plan(cfg: Config, config_path: Path | None, python: str = sys.executable) ->
     for number, remote in enumerate(cfg.remotes):
         for replica in range(remote.count):
             name = f"remote-{number}-{replica}"
-            flags = ["--remote", remote.url, "--name", name, *given("worker")]
+            # The URL by file: a command line is anyone's to read in `ps`.
+            url_file = str(log_dir(cfg.log) / f"{name}.url")
+            flags = ["--remote", f"@{url_file}", "--name", name, *given("worker")]
             for flag, value in (
                 ("--remote-model", remote.model),
                 ("--served-name", remote.served_name),
@@ -161,7 +166,8 @@ def plan(cfg: Config, config_path: Path | None, python: str = sys.executable) ->
                     flags += [flag, value]
             if cfg.worker.broker != backend:
                 flags += ["--broker", backend]
-            children.append(Child(name, "worker", command("worker", *flags)))
+            files = ((url_file, remote.url + "\n"),)
+            children.append(Child(name, "worker", command("worker", *flags), files))
     flags = given("gateway")
     frontend = connect_address(cfg.broker.frontend)
     if cfg.gateway.broker != frontend:

@@ -99,19 +99,22 @@ class Delta:
 
 
 def _shown(method: str, url: httpx.URL) -> str:
-    """The request as people see it: no credentials, no query (either may hold a key)."""
-    host = f"[{url.host}]" if ":" in url.host else url.host
-    port = f":{url.port}" if url.port is not None else ""
-    return f"{method} {url.scheme}://{host}{port}{url.path}"
+    """The request as its errors name it: the method and path only. Those errors reach
+    clients, who have no business knowing where the upstream is (its host, a key in its
+    query); the operator's log has the URL (``shown_url``)."""
+    return f"{method} {url.path}"
 
 
 def shown_url(url: str) -> str:
-    """An upstream base URL fit for a log: scheme, host, port and path only."""
+    """An upstream base URL fit for a log: scheme, host, port and path only (no
+    credentials, no query: either may hold a key)."""
     try:
         parsed = httpx.URL(url)
     except (httpx.InvalidURL, TypeError):
         return "(an invalid URL)"
-    return _shown("", parsed).lstrip()
+    host = f"[{parsed.host}]" if ":" in parsed.host else parsed.host
+    port = f":{parsed.port}" if parsed.port is not None else ""
+    return f"{parsed.scheme}://{host}{port}{parsed.path}"
 
 
 def _utf8(text: str) -> str:

@@ -97,6 +97,26 @@ def read_api_key(path: str) -> str:
     return key
 
 
+MAX_URL_BYTES = 8192
+
+
+def read_remote_url(value: str) -> str:
+    """``--remote``: the URL itself, or ``@FILE`` holding it (so that `ps` shows no URL,
+    which may name an internal host or carry a key). ConfigError naming the file."""
+    if not value.startswith("@"):
+        return value
+    file = Path(value[1:]).expanduser()
+    try:
+        with file.open("rb") as f:
+            raw = f.read(MAX_URL_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"remote URL file {file}: cannot read it ({exc.strerror})") from None
+    url = raw.decode("utf-8", errors="replace").strip()
+    if not url or len(raw) > MAX_URL_BYTES or any(c.isspace() for c in url):
+        raise ConfigError(f"remote URL file {file}: must hold one URL on one line")
+    return url
+
+
 def register_message(upstream: UpstreamSettings, served: str, capacity: int) -> Register:
     """What this worker tells the broker it is: never the upstream's URL nor its key."""
     return Register(
@@ -354,7 +374,7 @@ def serve(cfg: Config) -> int:
     keys = worker_keys(cfg)
     w = cfg.worker
     settings = UpstreamSettings(
-        url=w.remote,
+        url=read_remote_url(w.remote),
         model=w.remote_model,
         api_key=read_api_key(w.api_key_file),
         stall_timeout=w.remote_stall_timeout,
