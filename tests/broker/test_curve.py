@@ -17,7 +17,16 @@ import zmq
 
 from tests.broker.test_loop import Harness, Peer, open_msg, register_msg
 from zmqllm.bus.keys import PeerKeys, add_key, init_keys, load_broker_keys, load_peer_keys
-from zmqllm.bus.messages import Error, Heartbeat, Message, Open, Refused, Status, StatusReply
+from zmqllm.bus.messages import (
+    Error,
+    Heartbeat,
+    Message,
+    Open,
+    Refused,
+    Registered,
+    Status,
+    StatusReply,
+)
 
 QUIET_S = 1.0  # how long a refused peer is watched for any answer
 
@@ -193,3 +202,29 @@ def test_garbage_handshakes_leave_the_broker_serving(keyed: tuple[Harness, Path]
     assert h.expect(w, Open).request_id.startswith("req-after-junk")
     st = h.status()
     assert st["dropped"] == {}  # nothing of it reached a handler
+
+
+def test_a_worker_key_registers_only_what_it_was_issued_for(
+    keyed: tuple[Harness, Path],
+) -> None:
+    """`zmqllm keys add worker NAME --model M --layers A:B`: that key's REGISTER for
+    another model, or for layers outside A:B, is refused naming the claim; within them it
+    joins."""
+    h, folder = keyed
+    add_key(folder, "worker", "half", {"model": "", "layers": "0:2"})
+    half = load_peer_keys(folder / "issued" / "half", "worker")
+    h.broker.auth.refresh(force=True)  # type: ignore[union-attr]
+    whole = h.worker("w-whole", curve=half)
+    whole.send(register_msg(0, 4))
+    reason = h.expect(whole, Refused).reason
+    assert "issued for layers 0:2, not 0:4" in reason
+    add_key(folder, "worker", "other-model", {"model": "mini"})
+    other = load_peer_keys(folder / "issued" / "other-model", "worker")
+    h.broker.auth.refresh(force=True)  # type: ignore[union-attr]
+    named = h.worker("w-named", curve=other)
+    named.send(register_msg(0, 4))
+    assert "issued for model 'mini', not ''" in h.expect(named, Refused).reason
+    ok = h.worker("w-ok", curve=half)
+    ok.send(register_msg(0, 2))
+    h.expect(ok, Registered)
+    assert [w["id"] for w in h.status()["workers"]] == ["w-ok"]

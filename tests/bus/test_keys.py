@@ -104,3 +104,23 @@ def test_keys_dir_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert keys_dir(SecuritySettings(keys=str(other))) == other
     with pytest.raises(KeysError, match="keys init"):
         keys_dir(SecuritySettings(keys=str(tmp_path / "nope")))
+
+
+def test_a_worker_key_carries_what_it_was_issued_for(tmp_path: Path) -> None:
+    from zmqllm.bus.keys import claim_refusal, folder_claims, key_claims
+
+    folder = init_keys(tmp_path / "keys")
+    add_key(folder, "worker", "stage-1", {"model": "mistral-7b", "layers": "0:16"})
+    claims = key_claims(folder / "workers" / "stage-1.key")
+    assert claims == {"model": "mistral-7b", "layers": "0:16"}
+    public, _ = zmq.auth.load_certificate(folder / "workers" / "stage-1.key")
+    assert folder_claims(folder / "workers") == {public: claims}  # keys without claims: none
+    assert claim_refusal(claims, "mistral-7b", 0, 16) is None
+    assert claim_refusal(claims, "mistral-7b", 4, 8) is None  # within the range
+    assert "not 0:32" in (claim_refusal(claims, "mistral-7b", 0, 32) or "")
+    assert "model 'mistral-7b', not 'other'" in (claim_refusal(claims, "other", 0, 16) or "")
+    assert claim_refusal({"layers": "16:"}, "m", 16, 32) is None
+    with pytest.raises(KeysError, match="claims only model, layers"):
+        add_key(folder, "worker", "odd", {"capacity": "9"})
+    with pytest.raises(KeysError, match="characters"):
+        add_key(folder, "worker", "odd", {"model": 'a"\nb'})

@@ -23,7 +23,7 @@ from zmqllm.broker.registry import Registry, RegistryError, WorkerEntry
 from zmqllm.broker.session_table import Out, SessionTable
 from zmqllm.broker.status import broker_status, no_route_reason
 from zmqllm.bus.auth import CLIENTS, WORKERS, Authenticator, ClientKeys, HandshakeMonitor, peer_key
-from zmqllm.bus.keys import BrokerKeys, as_server
+from zmqllm.bus.keys import BrokerKeys, as_server, claim_refusal
 from zmqllm.bus.messages import (
     Activation,
     Ask,
@@ -476,6 +476,10 @@ class Broker:
 
     def on_register(self, identity: bytes, reg: Register, key: str = "") -> None:
         reason = self.registry.refusal(reg, __version__, identity)
+        if reason is None and self.auth is not None and key:
+            # A key issued for one model or layer range registers nothing else.
+            claims = self.auth.claims(WORKERS, key)
+            reason = claim_refusal(claims, reg.served, reg.start, reg.end) if claims else None
         if reason:
             self.drops.drop("backend:refused", why=reason)
             self.send([Out(True, identity, Refused(reason=reason))])

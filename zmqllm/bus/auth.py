@@ -40,7 +40,7 @@ import zmq
 import zmq.utils.monitor
 import zmq.utils.z85
 
-from zmqllm.bus.keys import ALLOWED_FOLDERS, allowed_keys
+from zmqllm.bus.keys import ALLOWED_FOLDERS, allowed_keys, folder_claims
 from zmqllm.bus.sockets import Drops
 from zmqllm.log import get_logger
 
@@ -176,6 +176,8 @@ class Authenticator(ZapHandler):
         self.domains = domains
         self._lock = threading.Lock()
         self._allowed: dict[str, frozenset[bytes]] = {d: frozenset() for d in domains}
+        # Per domain, what each key was issued for (its file's metadata; keys.py claims).
+        self._claims: dict[str, dict[bytes, dict[str, str]]] = {d: {} for d in domains}
         self._scanned_at = -RESCAN_S
         self._seen: tuple[tuple[tuple[str, int, int, int], ...], ...] = ()
         self._removed_at: dict[tuple[str, bytes], float] = {}  # (domain, key) -> when
@@ -213,6 +215,8 @@ class Authenticator(ZapHandler):
                 if keys is None:
                     log.error("cannot read the allowed keys; keeping the last", folder=str(folder))
                     keys = self._allowed[d]
+                else:
+                    self._claims[d] = folder_claims(folder)
                 fresh[d] = keys
             self._scanned_at, self._seen = now, stamps
             for d, keys in fresh.items():
@@ -226,6 +230,13 @@ class Authenticator(ZapHandler):
             changed = fresh != self._allowed
             self._allowed = fresh
             return changed
+
+    def claims(self, domain: str, key: str | bytes | None) -> dict[str, str]:
+        """What ``key`` was issued for in ``domain`` ({}: anything)."""
+        if key is None:
+            return {}
+        raw = key.encode() if isinstance(key, str) else key
+        return dict(self._claims.get(domain, {}).get(raw, {}))
 
     def allowed(self, domain: str, key: str | bytes | None) -> bool:
         """Whether a public key (z85) is allowed in ``domain`` now: for new handshakes."""

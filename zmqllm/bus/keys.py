@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -89,8 +90,15 @@ def keys_dir(security: SecuritySettings) -> Path | None:
     return default if default.is_dir() else None
 
 
-def _new_pair(folder: Path, name: str) -> tuple[Path, Path]:
+def _new_pair(
+    folder: Path, name: str, claims: Mapping[str, str] | None = None
+) -> tuple[Path, Path]:
     public, secret = zmq.auth.create_certificates(folder, name)
+    if claims:
+        # Written in the public file's metadata section, quoted (ZPL), one per line.
+        text = Path(public).read_text()
+        lines = "".join(f'    {k} = "{v}"\n' for k, v in claims.items())
+        Path(public).write_text(text.replace("metadata\n", "metadata\n" + lines, 1))
     os.chmod(secret, SECRET_MODE)
     return Path(public), Path(secret)
 
@@ -114,10 +122,11 @@ def init_keys(folder: Path) -> Path:
     return folder
 
 
-def add_key(folder: Path, role: Role, name: str) -> Path:
+def add_key(folder: Path, role: Role, name: str, claims: Mapping[str, str] | None = None) -> Path:
     """Make a pair for another client or worker, allow its public key, and return the
     folder to copy to that host (``issued/NAME``: its pair under the role's file names,
-    and ``broker.key``)."""
+    and ``broker.key``). ``claims`` (a worker's: ``model``, ``layers``) go in the public
+    key file's metadata: the broker refuses a REGISTER of that key for anything else."""
     if role not in ALLOWED_FOLDERS:
         raise KeysError(f"a key is for a client or a worker, not {role!r}")
     if not _NAME_RE.fullmatch(name):
@@ -129,8 +138,14 @@ def add_key(folder: Path, role: Role, name: str) -> Path:
     issued = folder / "issued" / name
     if allowed.exists() or issued.exists():
         raise KeysError(f"a key named {name!r} already exists in {folder}")
+    bad = sorted(set(claims or {}) - set(CLAIMS))
+    if bad:
+        raise KeysError(f"a key claims only {', '.join(CLAIMS)}, not {', '.join(bad)}")
+    for value in (claims or {}).values():
+        if not re.fullmatch(r"[A-Za-z0-9_.:/@+-]{0,256}", value):
+            raise KeysError(f"a key's claim {value!r:.80} has characters a claim cannot hold")
     _private_dir(issued)
-    public, _ = _new_pair(issued, role)
+    public, _ = _new_pair(issued, role, claims)
     shutil.copyfile(broker_public, issued / "broker.key")
     _private_dir(allowed.parent)
     shutil.copyfile(public, allowed)
@@ -161,6 +176,59 @@ def load_broker_keys(folder: Path) -> BrokerKeys:
     public, secret = _load(folder / "broker.key_secret", secret=True)
     assert secret is not None
     return BrokerKeys(public=public, secret=secret, folder=folder)
+
+
+# What a worker key may be issued for (`zmqllm keys add worker NAME --model M --layers A:B`).
+CLAIMS = ("model", "layers")
+_CLAIM_LINE = re.compile(r'^\s+(model|layers)\s*=\s*"([^"]{0,256})"\s*$')
+
+
+def key_claims(path: Path) -> dict[str, str]:
+    """The claims in a public key file's metadata section ({} when it has none)."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return {}
+    claims: dict[str, str] = {}
+    section = ""
+    for line in text.splitlines()[:200]:
+        if line and not line[0].isspace() and not line.startswith("#"):
+            section = line.strip()
+        elif section == "metadata" and (found := _CLAIM_LINE.match(line)):
+            claims[found.group(1)] = found.group(2)
+    return claims
+
+
+def folder_claims(folder: Path) -> dict[bytes, dict[str, str]]:
+    """Each allowed key's claims (z85 public key -> claims) of the keys that have any."""
+    out: dict[bytes, dict[str, str]] = {}
+    if not folder.is_dir():
+        return out
+    for path in sorted(folder.glob("*.key")):
+        claims = key_claims(path)
+        if not claims:
+            continue
+        try:
+            public, _ = zmq.auth.load_certificate(path)
+        except Exception:  # pyzmq raises IndexError, ValueError, OSError on bad files
+            continue
+        out[public] = claims
+    return out
+
+
+def claim_refusal(claims: Mapping[str, str], model: str, start: int, end: int) -> str | None:
+    """Why a worker with these key claims may not register layers start:end of model."""
+    if "model" in claims and claims["model"] != model:
+        return f"this worker's key was issued for model {claims['model']!r}, not {model!r}"
+    if "layers" in claims:
+        a, _, b = claims["layers"].partition(":")
+        try:
+            lo, hi = int(a or 0), int(b) if b else None
+        except ValueError:
+            return f"this worker's key claims layers {claims['layers']!r}, which is no range"
+        if start < lo or (hi is not None and end > hi):
+            return f"this worker's key was issued for layers {claims['layers']}, not {start}:{end}"
+    return None
 
 
 def allowed_keys(folder: Path) -> frozenset[bytes] | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,8 @@ from zmqllm.bus.keys import ALLOWED_FOLDERS, KeysError, add_key, allowed_keys, i
 from zmqllm.config.settings import zmqllm_home
 
 __all__ = ["add_keys_command"]
+
+_LAYERS_RE = re.compile(r"\d*:\d*")
 
 
 def _default_dir() -> Path:
@@ -31,7 +34,14 @@ def cmd_init(ns: argparse.Namespace) -> int:
 
 def cmd_add(ns: argparse.Namespace) -> int:
     folder = Path(ns.keys).expanduser() if ns.keys else _default_dir()
-    issued = add_key(folder, ns.role, ns.name)
+    claims = {k: v for k, v in (("model", ns.model), ("layers", ns.layers)) if v}
+    if claims and ns.role != "worker":
+        raise KeysError("--model and --layers are a worker key's claims")
+    if "layers" in claims and not _LAYERS_RE.fullmatch(claims["layers"]):
+        raise KeysError(
+            f"--layers {claims['layers']!r}: give a range A:B (either end may be empty)"
+        )
+    issued = add_key(folder, ns.role, ns.name, claims)
     allowed = folder / ALLOWED_FOLDERS[ns.role] / f"{ns.name}.key"
     print(
         f"made a {ns.role} key {ns.name!r}, allowed as {allowed}\n"
@@ -65,6 +75,10 @@ def add_keys_command(sub: Any) -> None:
     q.add_argument("role", choices=sorted(ALLOWED_FOLDERS))
     q.add_argument("name", help="1-64 of letters, digits, '_' and '-'")
     q.add_argument("--keys", metavar="DIR", help="the key folder (default: $ZMQLLM_HOME/keys)")
+    q.add_argument("--model", metavar="M", help="a worker key: the only model it may serve")
+    q.add_argument(
+        "--layers", metavar="A:B", help="a worker key: the layers it may serve (within A:B)"
+    )
     q.set_defaults(func=cmd_add)
 
     q = keys_sub.add_parser("list", help="the keys allowed on each socket")
