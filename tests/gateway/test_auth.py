@@ -288,3 +288,29 @@ def test_the_gateway_command_exits_2_naming_a_bad_file(
         assert cli.main(["gateway", "--config", str(config), "--model", "/no/such/model"]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err
+
+
+def test_a_tls_handshake_that_never_ends_is_cut_at_the_header_deadline(
+    fake: FakeBrokerClient, tok: Tokenizer, tmp_path: Path
+) -> None:
+    """A client that connects to the https port and sends nothing (no ClientHello) holds
+    a socket only until header_timeout, as a slow plain-http client does."""
+    import socket
+    import time
+
+    cert, key = self_signed(tmp_path)
+    app = make_app_with_keys(fake, tok)
+    app.state.gateway.settings = GatewaySettings(
+        ssl_certfile=str(cert), ssl_keyfile=str(key), header_timeout=1.0
+    )
+    with serving(app) as (url, _server):
+        host, port = url.removeprefix("http://").split(":")
+        silent = socket.create_connection((host, int(port)), timeout=30)
+        started = time.monotonic()
+        try:
+            assert silent.recv(1024) == b""  # closed by the server
+        except ConnectionResetError:
+            pass
+        finally:
+            silent.close()
+        assert time.monotonic() - started < 20  # not asyncio's 60 s

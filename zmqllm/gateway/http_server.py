@@ -7,6 +7,8 @@ whose request line and headers are not complete ``header_timeout`` seconds after
 opened, or after the previous response on it ended. (The body has its own deadline,
 checked where it is read: ``zmqllm.gateway.body``.)
 
+A TLS handshake that never completes is bounded the same (``header_timeout``).
+
 Nor does uvicorn bound a response's writes: once a client stops reading, its socket's
 buffers fill, the transport pauses writing, and every ``send`` of the response waits for
 it to resume, forever, holding the request's generation slots and sessions. The protocol
@@ -21,6 +23,7 @@ passphrase of an encrypted key; here each is one clear ConfigError (exit status 
 from __future__ import annotations
 
 import asyncio
+import asyncio.constants
 import contextlib
 import logging
 import ssl
@@ -212,6 +215,13 @@ def uvicorn_config(app: Any, settings: GatewaySettings) -> uvicorn.Config:
     if not any(isinstance(f, _DeliberateAborts) for f in uvicorn_errors.filters):
         uvicorn_errors.addFilter(_DeliberateAborts())
     tls = tls_files(settings)
+    if tls:
+        # A TLS handshake comes before the request line, so the header deadline (armed
+        # once the connection is made, i.e. after the handshake) cannot see one that
+        # never ends: asyncio's own bound on it (60 s unless the server gives one, and
+        # uvicorn gives none) is set to the header deadline. The asyncio loop is asked
+        # for by name: uvloop's TLS would not read this.
+        asyncio.constants.SSL_HANDSHAKE_TIMEOUT = settings.header_timeout
     return uvicorn.Config(
         app,
         host=settings.host,
@@ -226,4 +236,5 @@ def uvicorn_config(app: Any, settings: GatewaySettings) -> uvicorn.Config:
         timeout_keep_alive=settings.keep_alive_timeout,
         ssl_certfile=tls[0] if tls else None,
         ssl_keyfile=tls[1] if tls else None,
+        loop="asyncio",
     )
