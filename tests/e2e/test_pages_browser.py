@@ -180,9 +180,8 @@ def test_the_cluster_page_shows_each_worker_and_its_range(
         expect(page.locator('.worker dd[data-figure="busy"]')).to_have_text(
             [re.compile(r"^\d+ %$")] * len(workers)
         )
-        expect(page.locator('.worker dd[data-figure="prefix"]')).to_have_text(
-            [re.compile(r"^\d+ / \d+ tokens")] * len(workers)
-        )
+        # The prefix cache's figures are not the clients' to see (prefix_stats is off).
+        expect(page.locator('.worker dd[data-figure="prefix"]')).to_have_count(0)
         page.screenshot(path=str(shots / "cluster.png"), full_page=True)
     finally:
         done.set()

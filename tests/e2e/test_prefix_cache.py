@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from testbed.cluster import Cluster
+from tests.e2e.conftest import ConfiguredCluster
 from zmqllm.bus.prefix import PREFIX_BLOCK, prefix_blocks
 
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
@@ -36,7 +37,10 @@ TOKENS = 12
 
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory: pytest.TempPathFactory, e2e_model: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path_factory.mktemp("prefix"), e2e_model)
+    # The prefix figures in /metrics too (off by default: they tell tenants apart).
+    c = ConfiguredCluster(
+        tmp_path_factory.mktemp("prefix"), e2e_model, config="[gateway]\nprefix_stats = true\n"
+    )
     try:
         c.start_all(("0:2", "2:4", "0:2", "2:4"))
         c.wait_for(lambda: len(c.status()["workers"]) == 4, timeout=60, what="4 workers")

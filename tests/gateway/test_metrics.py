@@ -182,3 +182,24 @@ async def test_node_health_and_builds_are_exported_per_worker_and_host(tok: Toke
     assert 'zmqllm_host_workers{host="a"} 2.0' in text
     info = [x for x in text.splitlines() if x.startswith("zmqllm_worker_build_info{")]
     assert len(info) == 2 and all('torch="2.13.0"' in x and 'host="a"' in x for x in info)
+
+
+@pytest.mark.parametrize("shown", [False, True])
+async def test_prefix_cache_figures_reach_clients_only_when_asked(
+    tok: Tokenizer, shown: bool
+) -> None:
+    """A guess's hit count says whether another client sent a prompt: off by default in
+    /metrics and /cluster/status (the cluster page), on with prefix_stats."""
+    fake = FakeBrokerClient(answer_script(tok))
+    app = make_app(fake, tok, prefix_stats=shown)
+    stats = {"prefix_query_tokens": 40, "prefix_hit_tokens": 32, "prefix_cached_tokens": 64}
+    worker = {"id": "w0", "layers": [0, 2], "stats": {**stats, "forwards": 3}}
+    fake.status_extra = {"workers": [worker]}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+        text = (await c.get("/metrics")).text
+        page = (await c.get("/cluster/status")).json()
+    assert ("zmqllm_worker_prefix_cache_hit_tokens_total{" in text) is shown
+    assert ("zmqllm_worker_prefix_cache_tokens{" in text) is shown
+    assert "zmqllm_worker_forwards_total{" in text  # the rest is there either way
+    (w,) = page["broker"]["workers"]
+    assert ("prefix_hit_tokens" in w["stats"]) is shown and w["stats"]["forwards"] == 3

@@ -336,6 +336,14 @@ class GatewaySettings:
         10.0, "seconds for a request's line and headers to arrive; then the connection closes"
     )
     body_timeout: float = setting(30.0, "seconds to read a request's whole body; then 408")
+    # The prefix cache's counters say whether a prompt was seen before: shown to clients
+    # (/metrics, /cluster/status) only where they are one tenant.
+    prefix_stats: bool = setting(
+        False,
+        "show each worker's prefix cache figures in /metrics and /cluster/status; they tell "
+        "any client whether another sent a prompt (a guess's hits), so they are off unless "
+        "the clients are one tenant (zmqllm status always shows them)",
+    )
     # Fair share between API keys (zmqllm/gateway/key_shares.py), with two keys or more.
     key_max_concurrent: int = setting(
         0,

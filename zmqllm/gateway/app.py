@@ -106,7 +106,7 @@ def create_app(
     app.state.gateway = service
     app.state.readiness = readiness
     install_error_handlers(app)
-    app.state.metrics = GatewayMetrics()
+    app.state.metrics = GatewayMetrics(prefix_stats=settings.prefix_stats)
     app.state.gateway.on_failover = app.state.metrics.failover
     app.state.api_keys = api_keys
     if api_keys is not None:

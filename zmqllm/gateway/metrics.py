@@ -82,12 +82,26 @@ _WORKER_COUNTERS = (
 )
 
 
+def without_prefix_stats(status: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``status`` with no worker's prefix cache figures (prefix_stats off)."""
+    if not status or not isinstance(status.get("workers"), list):
+        return status
+    workers = []
+    for w in status["workers"]:
+        if isinstance(w, dict) and isinstance(w.get("stats"), dict):
+            stats = {k: v for k, v in w["stats"].items() if not k.startswith("prefix_")}
+            w = {**w, "stats": stats}
+        workers.append(w)
+    return {**status, "workers": workers}
+
+
 class ClusterCollector(Collector):
     """Turns the broker's latest status into metric families."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefix_stats: bool = False) -> None:
         self.status: dict[str, Any] | None = None
         self.client_dropped: Mapping[str, int] = {}  # the gateway's own broker client
+        self.prefix_stats = prefix_stats  # [gateway] prefix_stats
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("zmqllm_broker_up", "1 if the broker answered the last scrape")
@@ -143,8 +157,12 @@ class ClusterCollector(Collector):
         yield dropped
         yield from _auth_metrics(st.get("auth", {}))
         labels = ["worker", "layers", "model"]
-        gauges = {k: GaugeMetricFamily(n, t, labels=labels) for k, n, t in _WORKER_GAUGES}
-        counters = {k: CounterMetricFamily(n, t, labels=labels) for k, n, t in _WORKER_COUNTERS}
+        shown = [g for g in _WORKER_GAUGES if self.prefix_stats or not g[0].startswith("prefix_")]
+        gauges = {k: GaugeMetricFamily(n, t, labels=labels) for k, n, t in shown}
+        counted = [
+            c for c in _WORKER_COUNTERS if self.prefix_stats or not c[0].startswith("prefix_")
+        ]
+        counters = {k: CounterMetricFamily(n, t, labels=labels) for k, n, t in counted}
         draining = GaugeMetricFamily("zmqllm_worker_draining", "1 while draining", labels=labels)
         faults = CounterMetricFamily(
             "zmqllm_worker_faults",
@@ -287,7 +305,7 @@ class StatusCache:
 class GatewayMetrics:
     """One per app (no module-level registry), so tests can build many apps."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefix_stats: bool = False) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
             "zmqllm_requests", "HTTP requests by path and status", ["path", "status"], registry=r
@@ -339,7 +357,7 @@ class GatewayMetrics:
             "Token ids held to replay live streams (their prompts and tokens so far)",
             registry=r,
         )
-        self.cluster = ClusterCollector()
+        self.cluster = ClusterCollector(prefix_stats)
         r.register(self.cluster)
 
     def failover(self, event: FailoverEvent) -> None:

@@ -18,6 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from zmqllm.gateway.errors import APIError
+from zmqllm.gateway.metrics import without_prefix_stats
 
 __all__ = ["PAGE_PATHS", "router"]
 
@@ -75,6 +76,8 @@ async def cluster_status(request: Request) -> JSONResponse:
     cache = request.app.state.broker_status
     status: dict[str, Any] | None = await cache.get()
     service = request.app.state.gateway
+    if not service.settings.prefix_stats:
+        status = without_prefix_stats(status)
     # cache.fetched_at is monotonic; the page needs differences only, in seconds.
     at = cache.fetched_at if status is not None else time.monotonic()
     body = {
