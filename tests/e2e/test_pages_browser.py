@@ -180,6 +180,12 @@ def test_the_cluster_page_shows_each_worker_and_its_range(
         expect(page.locator('.worker dd[data-figure="busy"]')).to_have_text(
             [re.compile(r"^\d+ %$")] * len(workers)
         )
+        # Each host's workers together (all on this machine here), and each worker's CPU.
+        hosts = {w["info"]["host"] for w in workers}
+        for host in hosts:
+            expect(page.get_by_role("listitem", name=f"host {host}")).to_contain_text(
+                f"{len(workers)} workers, RSS "
+            )
         # The prefix cache's figures are not the clients' to see (prefix_stats is off).
         expect(page.locator('.worker dd[data-figure="prefix"]')).to_have_count(0)
         page.screenshot(path=str(shots / "cluster.png"), full_page=True)

@@ -160,6 +160,35 @@
     }
   }
 
+  function drawHosts(snap) {
+    // Per machine: its workers, their resident memory and CPU use (100 % = one core).
+    const list = $("hosts");
+    list.replaceChildren();
+    const st = snap.broker;
+    if (!st) return;
+    const hosts = new Map();
+    for (const w of st.workers) {
+      const name = (w.info && w.info.host) || "?";
+      const h = hosts.get(name) || { workers: 0, rss: 0, cpu: 0, kv: 0 };
+      const stats = w.stats || {};
+      h.workers += 1;
+      h.rss += stats.rss_bytes || 0;
+      h.kv += stats.kv_bytes_reserved || 0;
+      h.cpu += typeof w.cpu_percent === "number" ? w.cpu_percent : 0;
+      hosts.set(name, h);
+    }
+    for (const [name, h] of [...hosts].sort((a, b) => a[0].localeCompare(b[0]))) {
+      const item = el(
+        "li",
+        "",
+        `${name}: ${h.workers} worker${h.workers === 1 ? "" : "s"}, RSS ${mib(h.rss)}, ` +
+          `CPU ${h.cpu.toFixed(0)} %, KV reserved ${mib(h.kv)}`,
+      );
+      item.setAttribute("aria-label", `host ${name}`);
+      list.append(item);
+    }
+  }
+
   async function poll() {
     try {
       const response = await fetch("/cluster/status", { headers: page.headers(), cache: "no-store" });
@@ -178,6 +207,7 @@
       const old = snap.broker ? before : null;
       drawSummary(snap, old);
       drawPipeline(snap, old);
+      drawHosts(snap);
       drawRoutes(snap);
       page.notice(snap.broker ? "" : "The broker does not answer.");
     } catch (error) {
