@@ -10,6 +10,7 @@ import atexit
 import io
 import logging
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -47,6 +48,82 @@ def _build_kernel() -> None:
     from zmqllm.engine import native
 
     native.load()
+
+
+# Fixtures that make or load a model: a test that asks for one (directly or through another
+# fixture) needs the ML stack, so it is marked `torch` and runs in the torch environment only.
+TORCH_FIXTURES = frozenset(
+    {
+        "tiny_model_dir",
+        "tiny_sharded_dir",
+        "default_model_dir",
+        "default_gguf",
+        "random_7b_dir",
+        "e2e_model",
+    }
+)
+# What only the torch environment installs: a skip for want of one of these in a front-end
+# environment means a test that would run nowhere (the torch environment runs `-m torch`).
+TORCH_ENV_ONLY = (
+    "torch",
+    "transformers",
+    "gguf",
+    "safetensors",
+    "accelerate",
+    "playwright",
+    "jsonschema",
+    "ray",
+)
+EXPECT_NO_TORCH = bool(os.environ.get("ZMQLLM_EXPECT_NO_TORCH"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # tryfirst: marked before `-m` selects, so `-m torch` finds these.
+    for item in items:
+        if TORCH_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.torch)
+
+
+def _torch_env_skip(longrepr: object) -> str | None:
+    """The reason of a skip that only a missing torch-environment package explains."""
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    match = re.search(r"could not import '([\w.]+)'", str(reason))
+    if match and match.group(1).split(".")[0] in TORCH_ENV_ONLY:
+        return str(reason)
+    return None
+
+
+def _unmarked(where: str, reason: str) -> str:
+    return (
+        f"{where} skipped for want of the torch environment ({reason}) but is not marked "
+        "torch: that environment runs only `-m torch`, so it would run nowhere. "
+        "Mark it (pytestmark = pytest.mark.torch)."
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if EXPECT_NO_TORCH and report.skipped and item.get_closest_marker("torch") is None:
+        reason = _torch_env_skip(report.longrepr)
+        if reason is not None:
+            report.outcome = "failed"
+            report.longrepr = _unmarked(item.nodeid, reason)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    # A module skipped while importing never shows its marks: its text must carry them.
+    marked = isinstance(collector, pytest.Module) and "mark.torch" in collector.path.read_text()
+    if EXPECT_NO_TORCH and report.skipped and not marked:
+        reason = _torch_env_skip(report.longrepr)
+        if reason is not None:
+            report.outcome = "failed"
+            report.longrepr = _unmarked(collector.nodeid, reason)
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,8 @@ import pytest
 
 from testbed.cluster import Cluster
 
+pytestmark = pytest.mark.torch
+
 # The pages are tried on the tiny model: only where torch is (the torch environment).
 pytest.importorskip("torch")
 

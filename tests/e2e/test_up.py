@@ -17,7 +17,7 @@ pytest.importorskip("fastapi")
 
 from tests.e2e.up_runner import UpRun, alive, children_of
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.torch, pytest.mark.e2e]
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")

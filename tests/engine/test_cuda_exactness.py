@@ -13,7 +13,10 @@ transformers = pytest.importorskip("transformers")
 
 from zmqllm.engine.generator import Generator  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a cuda device")
+pytestmark = [
+    pytest.mark.torch,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a cuda device"),
+]
 
 PROMPT = [1, 17, 99, 4, 250, 31, 8, 64]
 

@@ -8,6 +8,7 @@ from types import ModuleType
 
 import pytest
 
+pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch")
 
 from tests.float_tolerance import reorder_tolerance  # noqa: E402

@@ -17,7 +17,7 @@ from zmqllm.engine.linear import QuantLinear  # noqa: E402
 from zmqllm.engine.weights import load_shard_tensors, shard_tensor_names  # noqa: E402
 from zmqllm.models.model_args import ModelArgs  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 PROMPTS = [
     "Write a haiku about the sea.",

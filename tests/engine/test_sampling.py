@@ -262,6 +262,7 @@ def test_a_replay_draws_what_the_lost_session_would_have() -> None:
     assert [sample(rows[t], params, t + 1) for t in range(12)] != whole
 
 
+@pytest.mark.torch
 def test_logprobs_are_the_log_softmax_chosen_first_then_the_most_likely() -> None:
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(3)

@@ -22,7 +22,7 @@ from zmqllm.models.model_args import ModelArgs  # noqa: E402
 from zmqllm.models.random_model import GEOMETRIES, random_tensor_chunks, tensor_specs  # noqa: E402
 from zmqllm.models.tokenizer import Tokenizer  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 N = 32
 SPLIT = [(0, 2), (2, 4)]

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 

@@ -16,7 +16,7 @@ pytest.importorskip("gguf")
 
 from zmqllm.models.checkpoint import read_header
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 PEAK_RSS_LIMIT = 2 << 30
 
