@@ -34,6 +34,7 @@ from testbed.cluster import Cluster
 from tests.e2e.test_cluster import PROMPTS
 from zmqllm.bus.sampling_params import SamplingParams
 from zmqllm.client.broker_client import BrokerClient
+from zmqllm.client.request import GenerateRequest
 from zmqllm.config.settings import default_model_dir
 from zmqllm.launch.child_process import ChildProcess
 from zmqllm.models.model_args import ModelArgs
@@ -68,13 +69,14 @@ async def greedy_ids(frontend: str, prompts: list[list[int]], n: int, eos: list[
     out = []
     try:
         for i, ids in enumerate(prompts):
-            stream = client.generate(
+            request = GenerateRequest(
                 request_id=f"wire-{i}",
-                prompt=ids,
+                prompt=tuple(ids),
                 max_tokens=n,
                 sampling=SamplingParams(temperature=0.0),
-                stop_ids=eos,
+                stop_ids=tuple(eos),
             )
+            stream = client.generate(request)
             async with stream as s:
                 out.append([event.token async for event in s])
     finally:

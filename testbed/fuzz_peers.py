@@ -30,6 +30,7 @@ from testbed.fuzz import hostile_messages
 from zmqllm.bus.messages import SessionError
 from zmqllm.bus.sampling_params import SamplingParams
 from zmqllm.client.broker_client import BrokerClient
+from zmqllm.client.request import GenerateRequest
 from zmqllm.client.status import fetch_status
 
 __all__ = [
@@ -265,15 +266,16 @@ class VictimStreams:
         error = None
         started = time.monotonic()
         try:
-            stream = client.generate(
+            request = GenerateRequest(
                 request_id=session,
-                prompt=prompt,
+                prompt=tuple(prompt),
                 max_tokens=self.max_tokens,
                 sampling=SamplingParams(),
-                stop_ids=self.stop_ids,
+                stop_ids=tuple(self.stop_ids),
                 session=session,
                 model=self.model,
             )
+            stream = client.generate(request)
             async with stream:
                 async for event in stream:
                     tokens.append(event.token)

@@ -26,6 +26,7 @@ from zmqllm.bus.protocol import (
 )
 from zmqllm.bus.sampling_params import SamplingParams
 from zmqllm.client.broker_client import BrokerClient, TokenEvent, TokenStream
+from zmqllm.client.request import GenerateRequest
 
 TIMEOUT = 10.0  # bound on any single wait; a correct client is far quicker
 INTERVAL = 0.1  # client heartbeat interval
@@ -138,13 +139,13 @@ def run(body: Body, *, silent: bool = False, liveness: int = 3, **client_kw: Any
 def generate(client: BrokerClient, prompt: list[int] | None = None, **kw: Any) -> TokenStream:
     args: dict[str, Any] = dict(
         request_id="req-1",
-        prompt=[5, 6, 7] if prompt is None else prompt,
+        prompt=(5, 6, 7) if prompt is None else tuple(prompt),
         max_tokens=8,
         sampling=SamplingParams(temperature=0.5, seed=3),
-        stop_ids=[2],
+        stop_ids=(2,),
     )
     args.update(kw)
-    return client.generate(**args)
+    return client.generate(GenerateRequest(**args))
 
 
 async def collect(stream: TokenStream) -> list[TokenEvent]:

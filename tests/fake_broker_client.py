@@ -2,7 +2,7 @@
 
 It plays broker and workers at once: each session "generates" a scripted list of token
 ids, one per ``delay`` seconds, stopping at a stop id or at max_tokens exactly as the last
-stage would, and it records what the gateway asked for (generate arguments, cancels).
+stage would, and it records what the gateway asked for (each request's fields, cancels).
 """
 
 from __future__ import annotations
@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from zmqllm.bus.messages import ErrorCode, SessionError
 from zmqllm.bus.sampling_params import NO_LOGPROBS, SamplingParams
+from zmqllm.client.request import GenerateRequest
 
 
 @dataclass
@@ -167,22 +168,20 @@ class FakeBrokerClient:
     def dropped(self) -> Mapping[str, int]:
         return self.drops
 
-    def generate(
-        self,
-        *,
-        request_id: str,
-        prompt: Sequence[int],
-        max_tokens: int,
-        sampling: SamplingParams,
-        stop_ids: Sequence[int],
-        session: str | None = None,
-        model: str = "",
-    ) -> FakeTokenStream:
-        call = GenerateCall(request_id, list(prompt), max_tokens, sampling, list(stop_ids), session)
+    def generate(self, request: GenerateRequest) -> FakeTokenStream:
+        prompt = list(request.prompt)
+        call = GenerateCall(
+            request.request_id,
+            prompt,
+            request.max_tokens,
+            request.sampling,
+            list(request.stop_ids),
+            request.session or None,
+        )
         self.calls.append(call)
         script = self.scripts.get(tuple(prompt))
         if script is None and self.script_for is not None:
-            script = self.script_for(list(prompt))
+            script = self.script_for(prompt)
         stream = FakeTokenStream(self, call, script or self.default_script)
         self.streams.append(stream)
         return stream

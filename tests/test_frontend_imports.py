@@ -37,7 +37,7 @@ FRONT_END_MODULES = [
     "zmqllm.launch.child_process",
     "zmqllm.launch.supervision",
     "zmqllm.gateway.app",
-    "zmqllm.gateway.server",
+    "zmqllm.gateway.main",
     "zmqllm.remote.upstream",
     "zmqllm.bus.ask_body",
     "zmqllm.remote.worker",

@@ -236,7 +236,7 @@ def cmd_worker(ns: argparse.Namespace) -> int:
 
 
 def cmd_gateway(ns: argparse.Namespace) -> int:
-    from zmqllm.gateway.server import serve
+    from zmqllm.gateway.main import serve
 
     return serve(_load(ns))
 

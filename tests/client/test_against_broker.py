@@ -34,6 +34,7 @@ from zmqllm.bus.protocol import (
 )
 from zmqllm.bus.sampling_params import SamplingParams
 from zmqllm.client.broker_client import BrokerClient
+from zmqllm.client.request import GenerateRequest
 from zmqllm.config.settings import BrokerSettings
 from zmqllm.version import __version__
 
@@ -150,12 +151,14 @@ def with_client(broker: Broker, body: Any) -> None:
 
 def request(client: BrokerClient, session: str, max_tokens: int = 4) -> Any:
     return client.generate(
-        request_id=f"req-{session}",
-        prompt=[5, 6, 7],
-        max_tokens=max_tokens,
-        sampling=SamplingParams(),
-        stop_ids=[2],
-        session=session,
+        GenerateRequest(
+            request_id=f"req-{session}",
+            prompt=(5, 6, 7),
+            max_tokens=max_tokens,
+            sampling=SamplingParams(),
+            stop_ids=(2,),
+            session=session,
+        )
     )
 
 
@@ -205,11 +208,13 @@ def test_a_request_the_broker_refuses_fails_with_its_code(
     async def body(client: BrokerClient) -> None:
         # Longer than the worker's context (1024): the broker says bad_request.
         stream = client.generate(
-            request_id="req-long",
-            prompt=[5] * 1000,
-            max_tokens=100,
-            sampling=SamplingParams(),
-            session="s3",
+            GenerateRequest(
+                request_id="req-long",
+                prompt=(5,) * 1000,
+                max_tokens=100,
+                sampling=SamplingParams(),
+                session="s3",
+            )
         )
         with pytest.raises(SessionError) as info:
             async with stream:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +18,7 @@ import pytest
 from zmqllm.bus.messages import ErrorCode, SessionError
 from zmqllm.bus.sampling_params import SamplingParams
 from zmqllm.client.failover import FailoverEvent, FailoverPolicy, ReplayStream
+from zmqllm.client.request import GenerateRequest
 from zmqllm.client.streams import TokenEvent
 
 pytestmark = pytest.mark.anyio
@@ -94,35 +95,30 @@ class Source:
     open: set[str] = field(default_factory=set)
     cancelled: list[str] = field(default_factory=list)
 
-    def generate(
-        self,
-        *,
-        request_id: str,
-        prompt: Sequence[int],
-        max_tokens: int,
-        sampling: SamplingParams,
-        stop_ids: Sequence[int],
-        session: str | None = None,
-        model: str = "",
-    ) -> Session:
-        assert session is not None and request_id == "r1"
+    def generate(self, request: GenerateRequest) -> Session:
+        assert request.session and request.request_id == "r1"
         fault = self.faults.pop(0) if self.faults else Fault()
-        s = Session(self, session, list(prompt), max_tokens, sampling, fault)
+        s = Session(
+            self,
+            request.session,
+            list(request.prompt),
+            request.max_tokens,
+            request.sampling,
+            fault,
+        )
         self.sessions.append(s)
         return s
 
 
 def replay(source: Source, policy: FailoverPolicy = FAST, **kw: Any) -> ReplayStream:
     events: list[FailoverEvent] = kw.pop("events", [])
-    return ReplayStream(
-        source,
+    request = GenerateRequest(
         request_id="r1",
-        prompt=PROMPT,
+        prompt=tuple(PROMPT),
         max_tokens=len(WHOLE),
         sampling=SamplingParams(temperature=0.8, seed=3),
-        policy=policy,
-        on_failover=events.append,
     )
+    return ReplayStream(source, request, policy=policy, on_failover=events.append)
 
 
 async def run(stream: ReplayStream) -> list[TokenEvent]:

@@ -4,22 +4,24 @@ what a broker restart does to the streams in it, and how an iteration ends."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import pytest
 
 from zmqllm.bus.protocol import ErrorCode, Open, SessionError, decode
 from zmqllm.bus.sampling_params import SamplingParams
+from zmqllm.client.request import GenerateRequest
 from zmqllm.client.streams import StreamTable, TokenEvent, TokenStream, open_frames
 
-REQUEST: dict[str, Any] = {
-    "session": "s1",
-    "request_id": "r1",
-    "prompt": [5, 6, 7],
-    "max_tokens": 4,
-    "sampling": SamplingParams(temperature=0.7, seed=9),
-    "stop_ids": [2],
-}
+REQUEST = GenerateRequest(
+    session="s1",
+    request_id="r1",
+    prompt=(5, 6, 7),
+    max_tokens=4,
+    sampling=SamplingParams(temperature=0.7, seed=9),
+    stop_ids=(2,),
+)
 
 
 class NoClient:
@@ -40,10 +42,10 @@ def stream(session: str, client: Any = None) -> TokenStream:
 
 
 def test_open_frames_is_the_open_the_broker_reads() -> None:
-    msg = decode(open_frames(**REQUEST))
+    msg = decode(open_frames(REQUEST))
     assert isinstance(msg, Open)
     assert (msg.session, msg.request_id, msg.max_tokens, msg.prompt_len) == ("s1", "r1", 4, 3)
-    assert (msg.sampling, msg.stop_ids) == (REQUEST["sampling"], (2,))
+    assert (msg.sampling, msg.stop_ids) == (REQUEST.sampling, (2,))
     assert msg.tokens is not None and msg.tokens.array.tolist() == [5, 6, 7]
 
 
@@ -54,17 +56,17 @@ def test_open_frames_is_the_open_the_broker_reads() -> None:
         {"session": "x" * 65},
         {"request_id": "req 1"},
         {"request_id": ""},
-        {"prompt": []},
-        {"prompt": [2**40]},
-        {"prompt": [-1]},
+        {"prompt": ()},
+        {"prompt": (2**40,)},
+        {"prompt": (-1,)},
         {"max_tokens": 0},
-        {"stop_ids": [-1]},
+        {"stop_ids": (-1,)},
         {"sampling": SamplingParams(temperature=-1.0)},
     ],
 )
 def test_a_request_the_broker_would_drop_fails_at_once(change: dict[str, Any]) -> None:
     with pytest.raises(SessionError) as info:
-        open_frames(**{**REQUEST, **change})
+        open_frames(dataclasses.replace(REQUEST, **change))
     assert info.value.code is ErrorCode.BAD_REQUEST
 
 

@@ -22,8 +22,8 @@ pytestmark = [pytest.mark.torch, pytest.mark.e2e]
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
 @pytest.mark.skipif(
-    importlib.util.find_spec("zmqllm.gateway.server") is None,
-    reason="zmqllm gateway is not there yet (zmqllm.gateway.server missing)",
+    importlib.util.find_spec("zmqllm.gateway.main") is None,
+    reason="zmqllm gateway is not there yet (zmqllm.gateway.main missing)",
 )
 def test_up_serves_chat_and_stops_on_ctrl_c(tmp_path: Path, e2e_model: Path, reference) -> None:
     up = UpRun(tmp_path, e2e_model).start()  # a fresh $ZMQLLM_HOME: no keys yet

@@ -562,7 +562,7 @@ async def wait_async(predicate: Any, timeout: float = 5.0) -> None:
 
 def test_gateway_modules_do_not_import_the_ml_stack() -> None:
     code = (
-        "import sys, zmqllm.gateway.app, zmqllm.gateway.server; "
+        "import sys, zmqllm.gateway.app, zmqllm.gateway.main; "
         "print(sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

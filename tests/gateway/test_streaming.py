@@ -8,6 +8,7 @@ import pytest
 
 from tests.fake_broker_client import FakeBrokerClient, FakeBrokerError, Script
 from zmqllm.bus.sampling_params import SamplingParams
+from zmqllm.client.request import GenerateRequest
 from zmqllm.gateway.streaming import GenerationError, StopMatcher, TextStream
 from zmqllm.models.tiny_tokenizer import EOS_TOKEN, write_tiny_tokenizer
 from zmqllm.models.tokenizer import Tokenizer
@@ -96,11 +97,13 @@ async def run_stream(
     fake = FakeBrokerClient(Script(answer_ids, delay=delay, fail_after=fail_after))
     prompt = tok.encode_chat([{"role": "user", "content": "Hi"}])
     stream = fake.generate(
-        request_id="r1",
-        prompt=prompt,
-        max_tokens=max_tokens,
-        sampling=SamplingParams(),
-        stop_ids=sorted(tok.eos_token_ids),
+        GenerateRequest(
+            request_id="r1",
+            prompt=tuple(prompt),
+            max_tokens=max_tokens,
+            sampling=SamplingParams(),
+            stop_ids=tuple(sorted(tok.eos_token_ids)),
+        )
     )
     text_stream = TextStream(
         stream,
@@ -201,7 +204,9 @@ async def test_error_before_first_token_raises_from_open(tok: Tokenizer) -> None
         Script([1, 2], fail_before_first=FakeBrokerError("no_capacity", "no route"))
     )
     stream = fake.generate(
-        request_id="r", prompt=[5], max_tokens=4, sampling=SamplingParams(), stop_ids=[2]
+        GenerateRequest(
+            request_id="r", prompt=(5,), max_tokens=4, sampling=SamplingParams(), stop_ids=(2,)
+        )
     )
     closed: list[bool] = []
 
@@ -221,7 +226,9 @@ async def test_error_before_first_token_raises_from_open(tok: Tokenizer) -> None
 async def test_first_token_timeout(tok: Tokenizer) -> None:
     fake = FakeBrokerClient(Script([*tok.encode("slow"), eos(tok)], delay=5.0))
     stream = fake.generate(
-        request_id="r", prompt=[5], max_tokens=8, sampling=SamplingParams(), stop_ids=[2]
+        GenerateRequest(
+            request_id="r", prompt=(5,), max_tokens=8, sampling=SamplingParams(), stop_ids=(2,)
+        )
     )
     text_stream = TextStream(stream, tok.incremental_decoder(), max_tokens=8, timeout=0.05)
     started = time.perf_counter()
@@ -235,7 +242,9 @@ async def test_first_token_timeout(tok: Tokenizer) -> None:
 async def test_close_before_the_end_cancels_once(tok: Tokenizer) -> None:
     fake = FakeBrokerClient(Script([*tok.encode("a b c d e f"), eos(tok)]))
     stream = fake.generate(
-        request_id="r", prompt=[5], max_tokens=50, sampling=SamplingParams(), stop_ids=[2]
+        GenerateRequest(
+            request_id="r", prompt=(5,), max_tokens=50, sampling=SamplingParams(), stop_ids=(2,)
+        )
     )
     text_stream = TextStream(stream, tok.incremental_decoder(), max_tokens=50)
     await text_stream.open()

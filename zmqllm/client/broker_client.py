@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import zmq
@@ -41,8 +42,8 @@ from zmqllm.bus.protocol import (
     decode,
     encode,
 )
-from zmqllm.bus.sampling_params import SamplingParams
 from zmqllm.bus.sockets import Drops, recv_bounded_async
+from zmqllm.client.request import GenerateRequest
 from zmqllm.client.streams import (
     DeltaEvent,
     StreamTable,
@@ -151,32 +152,17 @@ class BrokerClient:
         return self.drops.counts
 
     # -- requests ------------------------------------------------------------
-    def generate(
-        self,
-        *,
-        request_id: str,
-        prompt: Sequence[int],
-        max_tokens: int,
-        sampling: SamplingParams,
-        stop_ids: Sequence[int] = (),
-        session: str | None = None,
-        model: str = "",
-    ) -> TokenStream:
-        """A stream of the tokens for ``prompt`` (nothing is sent until it is opened).
+    def generate(self, request: GenerateRequest) -> TokenStream:
+        """A stream of the tokens ``request`` asks for (nothing is sent until it is opened);
+        a request naming no session gets a fresh one.
 
         Raises SessionError(bad_request) for a request the broker would drop as malformed.
         """
-        session = session or uuid.uuid4().hex
-        frames = open_frames(
-            session=session,
-            request_id=request_id,
-            prompt=prompt,
-            max_tokens=max_tokens,
-            sampling=sampling,
-            stop_ids=stop_ids,
-            model=model,
-        )
-        return TokenStream(self, session, request_id, max_tokens=int(max_tokens), frames=frames)
+        if not request.session:
+            request = dataclasses.replace(request, session=uuid.uuid4().hex)
+        frames = open_frames(request)
+        session, budget = request.session, int(request.max_tokens)
+        return TokenStream(self, session, request.request_id, max_tokens=budget, frames=frames)
 
     def ask(
         self,

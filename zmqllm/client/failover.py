@@ -1,11 +1,12 @@
 """Mid-stream failover by replay: one generation that outlives the route it started on.
 
-A ``ReplayStream`` keeps its request's prompt ids and every token it has handed on. When
+A ``ReplayStream`` keeps its ``GenerateRequest`` and every token it has handed on. When
 the route fails (a worker lost, the broker restarted or unreachable, the broker's
-inactivity deadline), it opens a new session whose prompt is prompt + tokens so far and
-whose sampling starts at the step reached (``SamplingParams.first_step``): the new route
-prefills the history and goes on with the very tokens the lost one would have made,
-greedy or seeded. The caller sees one stream with steps 0, 1, 2 ... and no seam.
+inactivity deadline), it opens a new session for the same request (``dataclasses.replace``)
+whose prompt is prompt + tokens so far and whose sampling starts at the step reached
+(``SamplingParams.first_step``): the new route prefills the history and goes on with the
+very tokens the lost one would have made, greedy or seeded. The caller sees one stream
+with steps 0, 1, 2 ... and no seam.
 
 Recovery is bounded: each failure has ``FailoverPolicy.timeout`` seconds to produce the
 next token, and a stream reopens at most ``retries`` times in its life; then the last
@@ -19,12 +20,12 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from zmqllm.bus.messages import ErrorCode, SessionError
-from zmqllm.bus.sampling_params import SamplingParams
+from zmqllm.client.request import GenerateRequest
 from zmqllm.client.streams import TokenEvent
 from zmqllm.log import get_logger
 
@@ -92,17 +93,7 @@ class TokenSource(Protocol):
 class StreamSource(Protocol):
     """What a replay needs of the broker client."""
 
-    def generate(
-        self,
-        *,
-        request_id: str,
-        prompt: Sequence[int],
-        max_tokens: int,
-        sampling: SamplingParams,
-        stop_ids: Sequence[int],
-        session: str | None = None,
-        model: str = "",
-    ) -> Any: ...
+    def generate(self, request: GenerateRequest) -> Any: ...
 
 
 @dataclass
@@ -125,23 +116,13 @@ class ReplayStream:
     def __init__(
         self,
         client: StreamSource,
+        request: GenerateRequest,
         *,
-        request_id: str,
-        prompt: Sequence[int],
-        max_tokens: int,
-        sampling: SamplingParams,
-        stop_ids: Sequence[int] = (),
         policy: FailoverPolicy | None = None,
         on_failover: Callable[[FailoverEvent], None] | None = None,
-        model: str = "",
     ) -> None:
         self.client = client
-        self.model = model
-        self.request_id = request_id
-        self.prompt = [int(t) for t in prompt]
-        self.max_tokens = int(max_tokens)
-        self.sampling = sampling
-        self.stop_ids = list(stop_ids)
+        self.request = request  # the first attempt's; each replay is derived from it
         self.policy = policy or FailoverPolicy()
         self.on_failover = on_failover
         self.tokens: list[int] = []
@@ -163,7 +144,7 @@ class ReplayStream:
     @property
     def history_tokens(self) -> int:
         """Token ids held for a replay (prompt + generated); 0 once the stream ended."""
-        return 0 if self._done else len(self.prompt) + len(self.tokens)
+        return 0 if self._done else len(self.request.prompt) + len(self.tokens)
 
     async def __aenter__(self) -> ReplayStream:
         self._last_seen = time.monotonic()
@@ -309,21 +290,23 @@ class ReplayStream:
             self.on_failover(event)
 
     def _new_session(self) -> TokenSource:
-        """The session for the next attempt: the history so far is its prompt."""
+        """The session for the next attempt: the request, with the history so far as its
+        prompt, the budget left, and sampling from the step reached."""
         done = len(self.tokens)
-        stream: TokenSource = self.client.generate(
-            request_id=self.request_id,
-            prompt=[*self.prompt, *self.tokens],
-            max_tokens=self.max_tokens - done,
-            sampling=dataclasses.replace(self.sampling, first_step=self.sampling.first_step + done),
-            stop_ids=self.stop_ids,
+        first = self.request
+        step = first.sampling.first_step + done
+        attempt = dataclasses.replace(
+            first,
+            prompt=(*first.prompt, *self.tokens),
+            max_tokens=first.max_tokens - done,
+            sampling=dataclasses.replace(first.sampling, first_step=step),
             session=self._base if self.reopens == 0 else f"{self._base}-{self.reopens}",
-            model=self.model,
         )
+        stream: TokenSource = self.client.generate(attempt)
         return stream
 
     def _end(self) -> None:
         """No more replays: the history is dropped (the gauge of held tokens reads 0)."""
         self._done = True
         self.tokens = []
-        self.prompt = []
+        self.request = dataclasses.replace(self.request, prompt=())

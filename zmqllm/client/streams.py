@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -18,7 +18,7 @@ import numpy as np
 
 from zmqllm.bus.messages import Ask, AskKind, ErrorCode, Message, Open, SessionError
 from zmqllm.bus.protocol import Payload, ProtocolError, decode, encode, is_valid_id
-from zmqllm.bus.sampling_params import SamplingParams
+from zmqllm.client.request import GenerateRequest
 
 __all__ = [
     "DeltaEvent",
@@ -72,7 +72,7 @@ class _Item:
 
 
 class TokenStream:
-    """The tokens of one session. Use as ``async with client.generate(...) as s``;
+    """The tokens of one session. Use as ``async with client.generate(request) as s``;
     leaving the block before the last token cancels the session everywhere."""
 
     def __init__(
@@ -154,36 +154,28 @@ class TokenStream:
         self._queue.put_nowait(_Item(error=error))
 
 
-def open_frames(
-    *,
-    session: str,
-    request_id: str,
-    prompt: Sequence[int],
-    max_tokens: int,
-    sampling: SamplingParams,
-    stop_ids: Sequence[int],
-    model: str = "",
-) -> list[Any]:
-    """The OPEN for a request, encoded; SessionError(bad_request) for one the broker would
-    drop as malformed (ids outside 1-64 of [A-Za-z0-9_-], an empty prompt, a value out of
-    range): it must fail now, not after the first-token deadline."""
+def open_frames(request: GenerateRequest) -> list[Any]:
+    """The OPEN for ``request`` (its ``session`` set), encoded: the one place a request
+    becomes an OPEN. SessionError(bad_request) for one the broker would drop as malformed
+    (ids outside 1-64 of [A-Za-z0-9_-], an empty prompt, a value out of range): it must
+    fail now, not after the first-token deadline."""
 
     def build() -> Open:
-        tokens = np.asarray(prompt, dtype=np.int32)
+        tokens = np.asarray(request.prompt, dtype=np.int32)
         if tokens.size and int(tokens.min()) < 0:
             raise ValueError("token ids must be >= 0")
         return Open(
-            session=session,
-            request_id=request_id,
-            max_tokens=int(max_tokens),
+            session=request.session,
+            request_id=request.request_id,
+            max_tokens=int(request.max_tokens),
             prompt_len=len(tokens),
-            sampling=sampling,
-            stop_ids=tuple(int(t) for t in stop_ids),
+            sampling=request.sampling,
+            stop_ids=tuple(int(t) for t in request.stop_ids),
             tokens=Payload(tokens, "int32"),
-            model=model,
+            model=request.model,
         )
 
-    return _sendable(session, request_id, build)
+    return _sendable(request.session, request.request_id, build)
 
 
 def ask_frames(

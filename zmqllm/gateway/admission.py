@@ -1,4 +1,8 @@
-"""Admission: how many generations run at once, and the bounded FIFO queue of the rest.
+"""Admission: which generations run, and when.
+
+``Gate`` admits one request's generations: its API key's share (``key_shares``), a live
+broker link, then a slot of ``Admission``, the bound on generations running at once and
+the bounded FIFO queue of the rest. What it refuses becomes the HTTP answer (429, 503).
 
 Past ``max_concurrent`` running generations a request waits for a slot in arrival order
 instead of being refused; only past ``max_queued`` waiting requests is it refused (429),
@@ -13,13 +17,32 @@ cannot overtake the queue between a release and the waiter waking up.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
+from starlette.requests import Request
 
-__all__ = ["Admission", "ClientGone", "QueueFull", "QueueTimeout"]
+from zmqllm.client.request import GenerateRequest
+from zmqllm.config.settings import GatewaySettings
+from zmqllm.gateway.backend import BrokerClientLike
+from zmqllm.gateway.errors import CLIENT_CLOSED, RETRY_AFTER_S, APIError, broker_failure
+from zmqllm.gateway.key_shares import KeyShares, OverShare
+from zmqllm.gateway.request_context import RequestRecord, client_disconnected
+
+__all__ = ["Admission", "ClientGone", "Gate", "QueueFull", "QueueTimeout", "Release"]
+
+# Seconds a request gives a broker link that looks dead to show it is alive. The link's
+# liveness is the time since the broker's last message was read, and while the event loop
+# was busy (a burst of requests parsed and tokenized at once) the broker's messages wait
+# unread: the link only looks stale until the loop gets to them.
+LINK_GRACE_S = 0.5
+LINK_POLL_S = 0.01
+
+# Gives an admitted generation's slot and KV share back; calling it again does nothing.
+Release = Callable[[], Awaitable[None]]
 
 
 class QueueFull(Exception):
@@ -115,3 +138,114 @@ class Admission:
         else:
             with contextlib.suppress(ValueError):
                 self._waiters.remove(waiter)
+
+
+class Gate:
+    """Admits generations: the key's share, the broker link, a slot (``Admission``)."""
+
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        client: BrokerClientLike,
+        cluster_kv_tokens: Callable[[], int | None],
+    ) -> None:
+        self.settings = s = settings
+        self.client = client
+        self.queue = Admission(s.max_concurrent, s.max_queued, s.queue_timeout)
+        self.shares = KeyShares(
+            s.key_max_concurrent or max(1, s.max_concurrent // 2),
+            s.key_max_kv_tokens,
+            cluster_kv_tokens,
+        )
+
+    def check_share(self, record: RequestRecord, requests: Sequence[GenerateRequest]) -> None:
+        """429 at once if the request's key would hold more than its share (key_shares)."""
+        kv = sum(r.kv_tokens for r in requests)
+        try:
+            self.shares.check(record.tenant, len(requests), kv)
+        except OverShare as over:
+            record.error = "key_share_exceeded"
+            raise APIError(
+                429,
+                over.message(),
+                code="key_share_exceeded",
+                type="rate_limit_error",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from None
+
+    async def admit(
+        self, record: RequestRecord, request: Request | None, kv_tokens: int
+    ) -> Release:
+        """Wait for a slot; errors become APIError. The slot and ``kv_tokens`` count
+        against the request's key (check_share) until the returned release is called."""
+        # Held from here (queued too), so concurrent requests of one key see each other.
+        self.shares.take(record.tenant, kv_tokens)
+        try:
+            # Fail fast: an OPEN sent into a dead link would only time out much later.
+            # Checked before queueing (no wait for a dead broker) and again once a slot
+            # is free.
+            await self._check_broker_link(record)
+            await self._admit(record, request)
+        except BaseException:
+            self.shares.give(record.tenant, kv_tokens)
+            raise
+        try:
+            await self._check_broker_link(record)
+        except BaseException:
+            self.queue.release()
+            self.shares.give(record.tenant, kv_tokens)
+            raise
+        released = False
+
+        async def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.queue.release()
+                self.shares.give(record.tenant, kv_tokens)
+
+        return release
+
+    async def _check_broker_link(self, record: RequestRecord) -> None:
+        """503 unless the broker link is alive, or shows it is within LINK_GRACE_S."""
+        deadline = time.monotonic() + LINK_GRACE_S
+        while not self.client.connected:
+            if time.monotonic() >= deadline:
+                record.error = "broker_unreachable"
+                raise broker_failure(
+                    "broker_unreachable",
+                    f"the gateway has no connection to the broker at {self.settings.broker}; "
+                    "retry shortly",
+                )
+            await anyio.sleep(LINK_POLL_S)
+
+    async def _admit(self, record: RequestRecord, request: Request | None) -> None:
+        """Take a generation slot, waiting in the queue if all are taken."""
+        s = self.settings
+        disconnected = None if request is None else (lambda: client_disconnected(request))
+        try:
+            await self.queue.acquire(disconnected)
+        except QueueFull:
+            record.error = "too_many_requests"
+            raise APIError(
+                429,
+                f"the gateway is at its limit of {s.max_concurrent} running and "
+                f"{s.max_queued} queued requests; retry shortly",
+                code="too_many_requests",
+                type="rate_limit_error",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from None
+        except QueueTimeout:
+            record.error = "queue_timeout"
+            raise APIError(
+                503,
+                f"no generation slot became free within the queue timeout of "
+                f"{s.queue_timeout:g} s; retry shortly",
+                code="queue_timeout",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from None
+        except ClientGone:
+            record.error = record.finish_reason = "cancelled"
+            raise APIError(
+                CLIENT_CLOSED, "the client closed the request while it was queued"
+            ) from None

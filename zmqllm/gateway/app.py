@@ -70,7 +70,15 @@ def create_app(
     """
     if api_keys is None and settings.api_keys_file:
         api_keys = ApiKeys.from_file(settings.api_keys_file)
-    service = GatewayService(client, settings, tokenizer, model_name, context_length)
+    gateway_metrics = GatewayMetrics(prefix_stats=settings.prefix_stats)
+    service = GatewayService(
+        client,
+        settings,
+        tokenizer,
+        model_name,
+        context_length,
+        on_failover=gateway_metrics.failover,
+    )
     readiness = Readiness(
         client,
         _warmup_prompt(tokenizer) if tokenizer is not None else [],
@@ -106,8 +114,7 @@ def create_app(
     app.state.gateway = service
     app.state.readiness = readiness
     install_error_handlers(app)
-    app.state.metrics = GatewayMetrics(prefix_stats=settings.prefix_stats)
-    app.state.gateway.on_failover = app.state.metrics.failover
+    app.state.metrics = gateway_metrics
     app.state.api_keys = api_keys
     if api_keys is not None:
         # Added first, so it runs inside RequestContextMiddleware (the last added is the

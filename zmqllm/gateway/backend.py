@@ -8,12 +8,12 @@ sockets. ``zmqllm.client.broker_client.BrokerClient`` satisfies them; failures a
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from types import TracebackType
 from typing import Any, Protocol
 
 from zmqllm.bus.messages import AskKind, SessionError
-from zmqllm.bus.sampling_params import SamplingParams
+from zmqllm.client.request import GenerateRequest
 
 __all__ = [
     "BrokerClientLike",
@@ -76,17 +76,7 @@ class BrokerClientLike(Protocol):
         """Messages from the broker the client dropped or failed on, by reason (/metrics)."""
         ...
 
-    def generate(
-        self,
-        *,
-        request_id: str,
-        prompt: Sequence[int],
-        max_tokens: int,
-        sampling: SamplingParams,
-        stop_ids: Sequence[int],
-        session: str | None = None,
-        model: str = "",
-    ) -> TokenStreamLike: ...
+    def generate(self, request: GenerateRequest) -> TokenStreamLike: ...
 
     def ask(
         self,
@@ -98,7 +88,7 @@ class BrokerClientLike(Protocol):
         max_tokens: int,
         session: str | None = None,
     ) -> TokenStreamLike:
-        """A text model's answer: its events are client_streams.DeltaEvent."""
+        """A text model's answer: its events are zmqllm.client.streams.DeltaEvent."""
         ...
 
     async def status(self, timeout: float = 2.0) -> dict[str, Any]: ...

@@ -1,5 +1,6 @@
-"""Several answers to one request (OpenAI's ``n``): one session per choice, opened together
-so the workers batch their steps, read and closed as one.
+"""Several answers to one request (OpenAI's ``n``): how many, their seeds, and their
+streams read and closed as one (``zmqllm.gateway.generations`` opens one session per
+choice, all together, so the workers batch their steps).
 
 Each choice samples with a seed of its own (the request's ``seed + i`` when it gives one),
 so sampled choices differ and a seeded request is reproducible; greedy ones are equal.
@@ -9,34 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 from collections.abc import AsyncIterator
 
 import anyio
-from starlette.requests import Request
 
 from zmqllm.bus.sampling_params import MAX_SEED
 from zmqllm.gateway.errors import APIError
-from zmqllm.gateway.request_context import RequestRecord
-from zmqllm.gateway.service import GatewayService, GenerationPlan
 from zmqllm.gateway.streaming import TextStream
 
-__all__ = ["MAX_CHOICES", "Choices", "check_choices", "choice_plans", "open_choices"]
+__all__ = ["MAX_CHOICES", "Choices", "check_choices", "choice_seeds"]
 
 MAX_CHOICES = 8
 
 
-def choice_plans(plan: GenerationPlan, n: int) -> list[GenerationPlan]:
-    """``n`` plans, choice i with seed ``plan.sampling.seed + i`` (wrapping at 2**63)."""
-    return [
-        dataclasses.replace(
-            plan,
-            sampling=dataclasses.replace(
-                plan.sampling, seed=(plan.sampling.seed + i) % (MAX_SEED + 1)
-            ),
-        )
-        for i in range(n)
-    ]
+def choice_seeds(seed: int, n: int) -> list[int]:
+    """The seeds of ``n`` choices: choice i samples with ``seed + i`` (wrapping at 2**63)."""
+    return [(seed + i) % (MAX_SEED + 1) for i in range(n)]
 
 
 def check_choices(n: int | None, max_concurrent: int) -> int:
@@ -59,7 +48,7 @@ def check_choices(n: int | None, max_concurrent: int) -> int:
 
 
 class Choices:
-    """The streams of one request's choices, index i for plan i."""
+    """The streams of one request's choices, index i for choice i."""
 
     def __init__(self, streams: list[TextStream]) -> None:
         self.streams = streams
@@ -110,24 +99,3 @@ class Choices:
                 future.cancel()
             with contextlib.suppress(BaseException):
                 await asyncio.gather(*pending, return_exceptions=True)
-
-
-async def open_choices(
-    service: GatewayService,
-    plans: list[GenerationPlan],
-    record: RequestRecord,
-    request: Request,
-) -> Choices:
-    """Open every choice's session at once; if one fails, close the others and raise."""
-    results: list[TextStream | BaseException] = list(
-        await asyncio.gather(
-            *(service.open(p, record, request) for p in plans),
-            return_exceptions=True,
-        )
-    )
-    streams = [r for r in results if isinstance(r, TextStream)]
-    failures = [r for r in results if not isinstance(r, TextStream)]
-    if failures:
-        await Choices(streams).close()
-        raise failures[0]
-    return Choices(streams)

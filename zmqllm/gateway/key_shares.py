@@ -11,7 +11,8 @@ than half the cluster while others wait. A request past its key's share gets 429
 ``Retry-After`` at once, before it queues. Shares apply when the gateway has two API keys
 or more (one key is one tenant; an open gateway has none to tell apart).
 
-Socket-free: the service claims and gives back, tests drive it directly.
+Socket-free: the admission gate (``admission.Gate``) claims and gives back, tests drive
+it directly.
 """
 
 from __future__ import annotations

@@ -19,9 +19,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from zmqllm.bus.messages import AskKind
 from zmqllm.gateway.body import read_json_object
-from zmqllm.gateway.choices import Choices, check_choices, choice_plans, open_choices
+from zmqllm.gateway.choices import Choices
 from zmqllm.gateway.errors import (
     CLIENT_CLOSED,
     APIError,
@@ -30,9 +29,7 @@ from zmqllm.gateway.errors import (
     validation_failure,
 )
 from zmqllm.gateway.logprobs import chat_logprobs, completion_logprobs
-from zmqllm.gateway.remote_requests import remote_fields
 from zmqllm.gateway.request_context import RequestRecord, record_of
-from zmqllm.gateway.response_format import grammar_of
 from zmqllm.gateway.responses import GenerationResponse, collect_unless_disconnected
 from zmqllm.gateway.schemas import (
     ChatChoice,
@@ -51,13 +48,7 @@ from zmqllm.gateway.schemas import (
     unsupported_field,
 )
 from zmqllm.gateway.served_models import ServedModel
-from zmqllm.gateway.service import (
-    GatewayService,
-    GenerationPlan,
-    check_messages,
-    check_prompt,
-    service_of,
-)
+from zmqllm.gateway.service import Opened, service_of
 from zmqllm.gateway.streaming import GenerationError, TextStream
 from zmqllm.log import get_logger
 from zmqllm.models.tokenizer import Tokenizer
@@ -219,19 +210,27 @@ def _usage(prompt: int, choices: Choices) -> Usage:
 
 async def _answer(
     request: Request,
-    choices: Choices,
+    opened: Opened,
+    body: ChatCompletionRequest | CompletionRequest,
     shapes: _Shapes,
-    logprobs: _Logprobs,
-    prompt_tokens: Callable[[], int],
     *,
-    stream: bool,
-    include_usage: bool,
+    chat: bool,
 ) -> Response:
-    """The answer of opened ``choices``: streamed as events, or whole.
-    ``prompt_tokens`` is read at the end (a remote model tells it last)."""
+    """The answer of the opened request in the endpoint's shapes: streamed as events, or
+    whole."""
     record = record_of(request)
-    if stream:
-        events = _events(choices, prompt_tokens, shapes, logprobs, record, include_usage)
+    choices = opened.choices
+    own = not opened.model.text_model  # only the gateway's own model gives log-probabilities
+    logprobs = _Logprobs(
+        service_of(request).tokenizer if own else None,
+        body.logprobs_top if own else None,
+        chat=chat,
+        choices=len(choices.streams),
+    )
+    if body.stream:
+        events = _events(
+            choices, opened.prompt_tokens, shapes, logprobs, record, body.include_usage
+        )
         return GenerationResponse(events, choices, record, media_type="text/event-stream")
     try:
         texts = await collect_unless_disconnected(choices, request, record)
@@ -245,8 +244,8 @@ async def _answer(
         (text, s.finish_reason, logprobs.take(s, i))
         for i, (text, s) in enumerate(zip(texts, choices.streams, strict=True))
     ]
-    body = shapes.whole(answers, _usage(prompt_tokens(), choices))
-    return JSONResponse(body.model_dump(mode="json"))
+    whole = shapes.whole(answers, _usage(opened.prompt_tokens(), choices))
+    return JSONResponse(whole.model_dump(mode="json"))
 
 
 async def _events(
@@ -282,124 +281,18 @@ async def _events(
         yield _sse(error_payload("internal error in the gateway", "server_error", None, "internal"))
 
 
-def _plans(
-    service: GatewayService,
-    body: ChatCompletionRequest | CompletionRequest,
-    prompt_ids: list[int],
-    prompt_param: str,
-) -> list[GenerationPlan]:
-    """The sampling fields both endpoints share, checked against the context: one plan
-    per choice (``n``)."""
-    n = check_choices(body.n, service.settings.max_concurrent)
-    if isinstance(body, ChatCompletionRequest) and body.top_logprobs and not body.logprobs:
-        raise APIError(
-            400,
-            "top_logprobs needs logprobs: true",
-            param="top_logprobs",
-            code="invalid_value",
-        )
-    plan = service.plan(
-        prompt_ids,
-        max_tokens=body.token_limit,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        seed=body.seed,
-        stops=body.stop or (),
-        prompt_param=prompt_param,
-        ignore_eos=body.ignore_eos,
-        logprobs=body.logprobs_top,
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        grammar=grammar_of(body.response_format),
-    )
-    return choice_plans(plan, n)
-
-
 @router.post("/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    service = service_of(request)
     body: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
-    model = await service.model(body.model)
-    messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
-        for m in body.messages
-    ]
-    shapes = _ChatShapes(model.name)
-    if model.text_model:
-        check_messages(messages)
-        return await _remote_answer(
-            request, model, body, AskKind.CHAT, {"messages": messages}, shapes, chat=True
-        )
-    plans = _plans(service, body, await service.encode_chat(messages), "messages")
-    return await _own_answer(request, plans, body, shapes, chat=True)
+    opened = await service_of(request).chat_completion(body, request)
+    return await _answer(request, opened, body, _ChatShapes(opened.model.name), chat=True)
 
 
 @router.post("/completions")
 async def completions(request: Request) -> Response:
-    service = service_of(request)
     body: CompletionRequest = await _parse(request, CompletionRequest)
-    model = await service.model(body.model)
-    shapes = _CompletionShapes(model.name)
-    if model.text_model:
-        check_prompt(body.prompt)
-        return await _remote_answer(
-            request, model, body, AskKind.COMPLETION, {"prompt": body.prompt}, shapes, chat=False
-        )
-    plans = _plans(service, body, await service.encode_text(body.prompt), "prompt")
-    return await _own_answer(request, plans, body, shapes, chat=False)
-
-
-async def _own_answer(
-    request: Request,
-    plans: list[GenerationPlan],
-    body: ChatCompletionRequest | CompletionRequest,
-    shapes: _Shapes,
-    *,
-    chat: bool,
-) -> Response:
-    """An answer of the gateway's own model: one session per choice."""
-    service, record = service_of(request), record_of(request)
-    service.check_share(record, plans)
-    choices = await open_choices(service, plans, record, request)
-    return await _answer(
-        request,
-        choices,
-        shapes,
-        _Logprobs(service.tokenizer, body.logprobs_top, chat=chat, choices=len(plans)),
-        lambda: len(plans[0].prompt_ids),
-        stream=bool(body.stream),
-        include_usage=body.include_usage,
-    )
-
-
-async def _remote_answer(
-    request: Request,
-    model: ServedModel,
-    body: ChatCompletionRequest | CompletionRequest,
-    kind: AskKind,
-    prompt: dict[str, Any],
-    shapes: _Shapes,
-    *,
-    chat: bool,
-) -> Response:
-    """An answer of a remote (text) model: the request goes to its worker as it is."""
-    service = service_of(request)
-    fields = {**prompt, **remote_fields(body)}
-    max_tokens = body.token_limit or service.settings.default_max_tokens
-    if max_tokens < 1:
-        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-    stream = await service.open_text(model, kind, fields, max_tokens, record_of(request), request)
-    choices = Choices([stream])
-    return await _answer(
-        request,
-        choices,
-        shapes,
-        _Logprobs(None, None, chat=chat, choices=1),
-        lambda: stream.prompt_tokens or 0,
-        stream=bool(body.stream),
-        include_usage=body.include_usage,
-    )
+    opened = await service_of(request).completion(body, request)
+    return await _answer(request, opened, body, _CompletionShapes(opened.model.name), chat=False)
 
 
 def _card(model: ServedModel) -> ModelCard:

@@ -15,12 +15,12 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from zmqllm.bus.messages import AskKind
 from zmqllm.gateway.body import read_text
 from zmqllm.gateway.errors import APIError
+from zmqllm.gateway.planning import PlainQuery
 from zmqllm.gateway.request_context import RequestRecord, record_of
 from zmqllm.gateway.responses import GenerationResponse
-from zmqllm.gateway.service import DEFAULT_TEMPERATURE, service_of
+from zmqllm.gateway.service import service_of
 from zmqllm.gateway.streaming import GenerationError, TextStream
 from zmqllm.log import get_logger
 
@@ -53,21 +53,8 @@ async def chat(
     prompt = await read_text(request, settings.max_body_bytes, settings.body_timeout)
     if not prompt.strip():
         raise APIError(400, "the prompt (request body) is empty", code="empty_prompt")
-    served = await service.model(model)
-    if served.text_model:
-        sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
-        fields = {k: v for k, v in sampling.items() if v is not None}
-        fields.setdefault("temperature", DEFAULT_TEMPERATURE)
-        budget = settings.default_max_tokens if max_tokens is None else max_tokens
-        if budget < 1:
-            raise APIError(400, f"max_tokens must be at least 1, got {budget}", param="max_tokens")
-        messages = [{"role": "user", "content": prompt}]
-        ask = {"messages": messages, **fields}
-        generation = await service.open_text(served, AskKind.CHAT, ask, budget, record, request)
-    else:
-        generation = await _own_generation(
-            request, prompt, max_tokens, temperature, top_p, top_k, seed
-        )
+    query = PlainQuery(model, max_tokens, temperature, top_p, top_k, seed)
+    generation = await service.plain_chat(prompt, query, request)
     return GenerationResponse(
         _text_chunks(generation, record),
         generation,
@@ -75,36 +62,6 @@ async def chat(
         media_type="text/plain; charset=utf-8",
         abort_on_error=True,  # curl exits non-zero: a script can tell
     )
-
-
-async def _own_generation(
-    request: Request,
-    prompt: str,
-    max_tokens: int | None,
-    temperature: float | None,
-    top_p: float | None,
-    top_k: int | None,
-    seed: int | None,
-) -> TextStream:
-    """The gateway's own model: the prompt through its chat template."""
-    service = service_of(request)
-    if service.own_tokenizer.has_chat_template:
-        prompt_ids = await service.encode_chat([{"role": "user", "content": prompt}])
-    else:
-        # A base model without a template still answers: the text is its prompt.
-        prompt_ids = await service.encode_text(prompt)
-    plan = service.plan(
-        prompt_ids,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        prompt_param=None,
-    )
-    record = record_of(request)
-    service.check_share(record, [plan])
-    return await service.open(plan, record, request)
 
 
 def _check_query(request: Request) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import anyio
 
 from zmqllm.bus.sampling_params import SamplingParams
+from zmqllm.client.request import GenerateRequest
 from zmqllm.gateway.backend import BrokerClientLike, broker_error_fields
 from zmqllm.gateway.served_models import ModelDirectory, complete_route
 from zmqllm.log import bind_request, get_logger, new_request_id
@@ -45,7 +46,7 @@ class Readiness:
         directory: ModelDirectory | None = None,
     ) -> None:
         self._client = client
-        self._warmup_prompt = list(warmup_prompt)  # empty: no model of our own
+        self._warmup_prompt = tuple(warmup_prompt)  # empty: no model of our own
         self._model = model
         self._directory = directory
         self._poll_interval = poll_interval
@@ -124,14 +125,14 @@ class Readiness:
         with bind_request(request_id):
             try:
                 with anyio.fail_after(self._warmup_timeout):
-                    stream = self._client.generate(
+                    warm_up = GenerateRequest(
                         request_id=request_id,
                         prompt=self._warmup_prompt,
                         max_tokens=1,
                         sampling=SamplingParams(),
-                        stop_ids=(),
                         model=self.model,
                     )
+                    stream = self._client.generate(warm_up)
                     async with stream:
                         async for event in stream:
                             if event.finish is not None:

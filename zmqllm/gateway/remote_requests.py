@@ -4,16 +4,58 @@ such a model). What the upstream cannot be asked for here is a 400 naming the fi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+from zmqllm.bus.messages import AskKind
 from zmqllm.gateway.errors import APIError
+from zmqllm.gateway.planning import DEFAULT_TEMPERATURE, PlainQuery
 from zmqllm.gateway.schemas import ChatCompletionRequest, CompletionRequest
-from zmqllm.gateway.service import DEFAULT_TEMPERATURE
 
-__all__ = ["remote_fields"]
+__all__ = ["RemoteAsk", "openai_ask", "plain_ask", "remote_fields"]
 
 # Passed on as given when set; the upstream checks them against its own model.
 _SAMPLING = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty")
+
+
+@dataclass(frozen=True)
+class RemoteAsk:
+    """What an ASK carries: the kind of request, its body's fields and the token budget."""
+
+    kind: AskKind
+    fields: dict[str, Any]
+    max_tokens: int
+
+
+def openai_ask(
+    body: ChatCompletionRequest | CompletionRequest,
+    kind: AskKind,
+    prompt: dict[str, Any],
+    default_max_tokens: int,
+) -> RemoteAsk:
+    """The ASK of an OpenAI endpoint; ``prompt`` holds its messages or prompt."""
+    fields = {**prompt, **remote_fields(body)}
+    max_tokens = body.token_limit or default_max_tokens
+    if max_tokens < 1:
+        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    return RemoteAsk(kind, fields, max_tokens)
+
+
+def plain_ask(prompt: str, query: PlainQuery, default_max_tokens: int) -> RemoteAsk:
+    """The ASK of ``POST /chat``: the text as one user message."""
+    sampling = {
+        "temperature": query.temperature,
+        "top_p": query.top_p,
+        "top_k": query.top_k,
+        "seed": query.seed,
+    }
+    fields = {k: v for k, v in sampling.items() if v is not None}
+    fields.setdefault("temperature", DEFAULT_TEMPERATURE)
+    budget = default_max_tokens if query.max_tokens is None else query.max_tokens
+    if budget < 1:
+        raise APIError(400, f"max_tokens must be at least 1, got {budget}", param="max_tokens")
+    messages = [{"role": "user", "content": prompt}]
+    return RemoteAsk(AskKind.CHAT, {"messages": messages, **fields}, budget)
 
 
 def _refuse(param: str, why: str) -> APIError:

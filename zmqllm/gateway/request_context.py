@@ -1,4 +1,5 @@
-"""Per-request id, log binding and the one "request finished" log line.
+"""Per-request id, log binding, the one "request finished" log line, and the client's
+hang-up.
 
 A plain ASGI middleware rather than Starlette's BaseHTTPMiddleware: the latter runs the
 endpoint in a separate task and buffers through a memory stream, which gets in the way of
@@ -24,6 +25,7 @@ __all__ = [
     "REQUEST_ID_HEADER",
     "RequestContextMiddleware",
     "RequestRecord",
+    "client_disconnected",
     "record_in",
     "record_of",
 ]
@@ -120,6 +122,14 @@ def record_of(request: Request) -> RequestRecord:
         record = RequestRecord(new_request_id(), request.method, request.url.path)
         request.scope.setdefault("state", {})[_STATE_KEY] = record
     return record
+
+
+async def client_disconnected(request: Request) -> None:
+    """Return once the client has hung up (call only after the body was read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 class RequestContextMiddleware:

@@ -10,7 +10,7 @@ import pytest
 
 from tests.fake_broker_client import FakeBrokerClient
 from zmqllm.config.settings import Config, ConfigError, ModelSettings
-from zmqllm.gateway import server
+from zmqllm.gateway import main
 from zmqllm.models.tiny_tokenizer import write_tiny_tokenizer
 
 CONFIG = {
@@ -40,13 +40,13 @@ def model_dir(tmp_path: Path) -> Path:
 
 
 def test_local_directory_is_used_as_is(model_dir: Path) -> None:
-    assert server.model_files_dir(ModelSettings(path=str(model_dir))) == model_dir
+    assert main.model_files_dir(ModelSettings(path=str(model_dir))) == model_dir
 
 
 @pytest.mark.parametrize("path", ["/no/such/dir", "./relative", "a/b/c", "justaname"])
 def test_missing_directory_is_a_clear_error(path: str) -> None:
     with pytest.raises(ConfigError, match="not a directory"):
-        server.model_files_dir(ModelSettings(path=path))
+        main.model_files_dir(ModelSettings(path=path))
 
 
 def test_hub_repo_downloads_only_the_small_files(
@@ -61,9 +61,9 @@ def test_hub_repo_downloads_only_the_small_files(
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
     settings = ModelSettings(path="mistralai/Some-Model", revision="main")
-    assert server.model_files_dir(settings) == model_dir
+    assert main.model_files_dir(settings) == model_dir
     assert asked["repo_id"] == "mistralai/Some-Model" and asked["revision"] == "main"
-    assert set(asked["allow_patterns"]) == set(server.META_FILES)
+    assert set(asked["allow_patterns"]) == set(main.META_FILES)
     assert not any("safetensors" in pattern for pattern in asked["allow_patterns"])
 
 
@@ -92,14 +92,14 @@ def test_serve_wires_client_app_and_uvicorn(
         }
 
     monkeypatch.setattr(zmqllm.client.broker_client, "BrokerClient", fake_client)
-    monkeypatch.setattr(server._QuietServer, "run", fake_run)
+    monkeypatch.setattr(main._QuietServer, "run", fake_run)
     cfg = Config()
     cfg.model.path = str(model_dir)
     cfg.gateway.port = 0
     cfg.gateway.broker = "tcp://127.0.0.1:7001"
     cfg.broker.heartbeat_interval = 0.25
     cfg.log.format = "json"
-    server.serve(cfg)
+    main.serve(cfg)
     assert made["address"] == "tcp://127.0.0.1:7001"
     assert made["heartbeat_interval"] == 0.25 and made["liveness"] == cfg.broker.heartbeat_liveness
     assert made["run"]["host"] == "127.0.0.1" and made["run"]["port"] == 0
@@ -117,7 +117,7 @@ def test_gateway_flags_reach_the_settings(monkeypatch: pytest.MonkeyPatch) -> No
     from zmqllm import cli
 
     seen: list[Config] = []
-    monkeypatch.setattr(server, "serve", lambda cfg: seen.append(cfg) or 0)
+    monkeypatch.setattr(main, "serve", lambda cfg: seen.append(cfg) or 0)
     flags = ["--max-concurrent", "8", "--max-queued", "3", "--queue-timeout", "7"]
     flags += ["--first-token-timeout", "9", "--inter-token-timeout", "4.5"]
     assert cli.main(["gateway", *flags]) == 0
