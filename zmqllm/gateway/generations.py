@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import anyio
 from starlette.requests import Request
@@ -43,7 +44,11 @@ class Generations:
         gate: Gate,
         tokenizer: Tokenizer | None,
         on_failover: Callable[[FailoverEvent], None] | None = None,
+        route_name: Callable[[], str] | None = None,
     ) -> None:
+        # The model's name on the bus, read when a session opens (after the wait for a
+        # slot): the broker's status may rename it meanwhile.
+        self.route_name = route_name
         self.client = client
         self.settings = settings
         self.gate = gate
@@ -101,8 +106,11 @@ class Generations:
         stop_ids = frozenset(generate.stop_ids)
 
         def make(release: Release) -> TextStream:
+            opened = generate
+            if self.route_name is not None:
+                opened = replace(generate, model=self.route_name())
             return self._text_stream(
-                self._token_stream(generate),
+                self._token_stream(opened),
                 tok.incremental_decoder(prompt_ids=generate.prompt),
                 generate.max_tokens,
                 release,

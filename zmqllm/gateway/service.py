@@ -81,7 +81,12 @@ class GatewayService:
         self.planner = Planner(self.tokenizer, self.context_length, self.settings)
         self.gate = Gate(self.settings, self.client, self._cluster_kv_tokens)
         self.generations = Generations(
-            self.client, self.settings, self.gate, self.tokenizer, self.on_failover
+            self.client,
+            self.settings,
+            self.gate,
+            self.tokenizer,
+            self.on_failover,
+            route_name=lambda: self.models.route_name,
         )
 
     # --- the endpoints ---------------------------------------------------------------
