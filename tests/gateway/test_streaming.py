@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from tests.fake_broker_client import FakeBrokerClient, FakeBrokerError, Script
