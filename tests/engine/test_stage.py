@@ -432,7 +432,8 @@ def test_coalesce_wait_only_while_some_sessions_are_elsewhere(
     assert not stage.others_pending()
     stage.run()  # both prompts in one forward; now the stage knows its forward time
     stage.step("a", 1, 9)
-    wait = stage.coalesce_wait(time.monotonic())
+    # Asked the moment a's step came (its own timestamp), not some time after it.
+    wait = stage.coalesce_wait(stage.oldest_ready())
     assert 0.0 < wait <= COALESCE_MAX_S  # b is on another stage: may wait for it
     assert stage.coalesce_wait(time.monotonic() + COALESCE_MAX_S) == 0.0  # bounded
     # ... from when it was last stalled elsewhere (the worker's `since`), if later.

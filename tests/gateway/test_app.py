@@ -138,18 +138,20 @@ async def test_chat_max_tokens_gives_a_cut_answer(client: Any, tok: Tokenizer) -
 
 
 def test_chat_streams_chunks_as_tokens_are_made(tok: Tokenizer) -> None:
-    fake = FakeBrokerClient(answer_script(tok, delay=0.03))
+    script = answer_script(tok, delay=0.03)
+    # Half way, the model stops for 2 s: the client has its first piece meanwhile.
+    script.stall_after, script.stall = len(script.tokens) // 2, 2.0
+    fake = FakeBrokerClient(script)
     with running_server(make_app(fake, tok)) as url, httpx.Client(timeout=10) as http:
-        arrivals: list[tuple[float, str]] = []
+        arrivals: list[tuple[int, str]] = []  # tokens made by then, and the piece
         with http.stream("POST", f"{url}/chat", content=b"Hi") as response:
             assert response.status_code == 200
             for text in response.iter_text():
-                arrivals.append((time.perf_counter(), text))
+                arrivals.append((len(fake.request_streams[0].produced_at), text))
     assert "".join(text for _, text in arrivals) == CHAT_ANSWER
     assert len(arrivals) >= 3
-    produced = fake.request_streams[0].produced_at
     # The first piece was on the client before the model had made the last token.
-    assert arrivals[0][0] < produced[-1] - 0.1
+    assert arrivals[0][0] < len(script.tokens), arrivals
 
 
 async def test_stop_strings_for_openai_completions(client: Any, fake: FakeBrokerClient) -> None:

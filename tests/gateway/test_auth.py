@@ -296,7 +296,6 @@ def test_a_tls_handshake_that_never_ends_is_cut_at_the_header_deadline(
     """A client that connects to the https port and sends nothing (no ClientHello) holds
     a socket only until header_timeout, as a slow plain-http client does."""
     import socket
-    import time
 
     cert, key = self_signed(tmp_path)
     app = make_app_with_keys(fake, tok)
@@ -305,12 +304,12 @@ def test_a_tls_handshake_that_never_ends_is_cut_at_the_header_deadline(
     )
     with serving(app) as (url, _server):
         host, port = url.removeprefix("http://").split(":")
+        # Waited for 30 s at most (socket.timeout fails the test): 30 times the header
+        # deadline, and only half of asyncio's own 60 s bound on a handshake.
         silent = socket.create_connection((host, int(port)), timeout=30)
-        started = time.monotonic()
         try:
             assert silent.recv(1024) == b""  # closed by the server
         except ConnectionResetError:
             pass
         finally:
             silent.close()
-        assert time.monotonic() - started < 20  # not asyncio's 60 s

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from tests.fake_broker_client import FakeBrokerClient, FakeBrokerError, Script
@@ -231,11 +229,10 @@ async def test_first_token_timeout(tok: Tokenizer) -> None:
         )
     )
     text_stream = TextStream(stream, tok.incremental_decoder(), max_tokens=8, timeout=0.05)
-    started = time.perf_counter()
+    # Without the timeout the first token would come after 5 s, and open() would succeed.
     with pytest.raises(GenerationError) as caught:
         await text_stream.open()
     assert caught.value.code == "timeout"
-    assert time.perf_counter() - started < 2
     assert fake.cancels == ["s1"]
 
 

@@ -487,26 +487,25 @@ def test_encode_leaves_other_threads_running(tiny: Tokenizer) -> None:
     import time
 
     text = "The quick brown fox jumps over the lazy dog. " * 40_000  # 1.8 MB
-    started = time.perf_counter()
-    tiny.encode(text)
-    alone = time.perf_counter() - started
-    gaps: list[float] = []
+    ticks = 0
     done = threading.Event()
 
     def tick() -> None:
-        last = time.perf_counter()
+        nonlocal ticks
         while not done.is_set():
-            time.sleep(0.005)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
+            time.sleep(0.001)
+            ticks += 1
 
     ticker = threading.Thread(target=tick)
     ticker.start()
     try:
+        before = ticks
         tiny.encode(text)
+        during = ticks - before
     finally:
         done.set()
         ticker.join()
-    # Holding the GIL, the ticker would stop for the whole encode.
-    assert max(gaps) < alone / 3, (max(gaps), alone)
+    # Holding the GIL (Tokenizer.encode through the library's encode), the ticker counts
+    # a handful of times at most, at the edges (3 in seconds, on the machine it was tried
+    # on); letting go of it, it counts on all the while the encode works (thousands).
+    assert during >= 50, during

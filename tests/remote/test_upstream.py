@@ -9,7 +9,6 @@ import io
 import pickle
 import socket
 import threading
-import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -202,12 +201,13 @@ def test_a_stream_closed_early_is_an_error(up: FakeUpstream) -> None:
 
 def test_a_stalled_stream_times_out(up: FakeUpstream) -> None:
     up.mode = "stall"
-    started = time.monotonic()
+    # The stall timeout fired (the fake would close the stream itself after 60 s: an
+    # upstream_error, not a timeout).
     deltas, error = run(settings(up.url, stall_timeout=0.5))
     assert text_of(deltas) == "echo: hello"
-    assert error is not None and error.code == "timeout" and "0.5 s" in error.message
-    assert time.monotonic() - started < 5
-    assert up.wait_disconnect(2)  # the connection was closed, not left open
+    assert error is not None and error.code == "timeout"
+    assert "sent nothing for 0.5 s mid-stream" in error.message
+    assert up.wait_disconnect(30)  # the connection was closed, not left open
 
 
 async def _two_slow_deltas(

@@ -1,11 +1,14 @@
 """cpu_lock turns without sockets: a real tiny-model stage, the lock file taken by hand as
-another stage would. The wait constants are scaled far above scheduling noise, so no
-assertion depends on two statements running within a few milliseconds."""
+another stage would. CpuTurns reads a clock that stands still unless a test moves it (to
+the stage's own timestamp of new work, right after it is made; timestamps are then moved
+by hand), and the wait constants are scaled far above scheduling noise besides: no
+assertion depends on how fast two statements follow."""
 
 from __future__ import annotations
 
 import fcntl
 import os
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
@@ -35,6 +38,28 @@ def slow_waits(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     monkeypatch.setattr(turns_module, "LOCK_WAIT_MAX_S", t.lock_max)
     monkeypatch.setattr(batching_module, "COALESCE_MAX_S", t.bound)
     return t
+
+
+class Clock:
+    """A monotonic clock that moves only when told."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def catch_up(self) -> None:
+        """To the real time: past the timestamps of the work the stage has just taken."""
+        self.now = max(self.now, time.monotonic())
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    """CpuTurns' time: from the real one now, then standing still."""
+    c = Clock(time.monotonic())
+    monkeypatch.setattr(turns_module, "time", SimpleNamespace(monotonic=c))
+    return c
 
 
 def stage_with(tiny_model_dir: Path, sessions: Sequence[str]) -> Stage:
@@ -74,7 +99,7 @@ def lock_is_free(path: str) -> bool:
 
 
 def test_waits_for_sessions_while_another_stage_computes(
-    tiny_model_dir: Path, lock_path: str, other: int, slow_waits: SimpleNamespace
+    tiny_model_dir: Path, lock_path: str, other: int, slow_waits: SimpleNamespace, clock: Clock
 ) -> None:
     """Ready work waits while another stage holds the lock and, once it lets go, until
     the other sessions' messages stop coming; then it runs."""
@@ -82,6 +107,7 @@ def test_waits_for_sessions_while_another_stage_computes(
     stage = stage_with(tiny_model_dir, ("a", "b"))
     turns = CpuTurns(lock_path, stage)
     stage.step("a", 1, 9)
+    clock.catch_up()
     fcntl.flock(other, fcntl.LOCK_EX)
     assert turns.wait() == LOCK_POLL_S  # it computes: b is coming
     fcntl.flock(other, fcntl.LOCK_UN)
@@ -110,6 +136,7 @@ def test_waits_for_sessions_while_another_stage_computes(
     turns.release()
     assert not turns.holding and lock_is_free(lock_path)
     stage.step("a", 2, 9)
+    clock.catch_up()
 
     # A stage that never lets go for long is queued on, not polled, forever.
     fcntl.flock(other, fcntl.LOCK_EX)
@@ -118,6 +145,7 @@ def test_waits_for_sessions_while_another_stage_computes(
     assert turns.wait() == 0.0
     fcntl.flock(other, fcntl.LOCK_UN)
     stage.step("b", 1, 9)
+    clock.catch_up()
     assert turns.wait() == 0.0  # everyone is ready
     turns.close()
 
@@ -132,7 +160,7 @@ def test_no_wait_when_every_session_is_ready(tiny_model_dir: Path, lock_path: st
 
 
 def test_waits_for_the_rest_of_a_group_it_has_seen_part_of(
-    tiny_model_dir: Path, lock_path: str, slow_waits: SimpleNamespace
+    tiny_model_dir: Path, lock_path: str, slow_waits: SimpleNamespace, clock: Clock
 ) -> None:
     """Tagged results say how many of their forward come here: the stage waits for the
     rest (a few ms late is no reason to split the batch) and runs once they are all in."""
@@ -140,15 +168,16 @@ def test_waits_for_the_rest_of_a_group_it_has_seen_part_of(
     stage = stage_with(tiny_model_dir, ("a", "b", "c", "d"))
     turns = CpuTurns(lock_path, stage)
     stage.step("a", 1, 9)  # b, c, d are elsewhere
+    clock.catch_up()
     assert turns.wait() == 0.0  # nothing says they are coming
-    stage.note_arrival(("g7", 3))
+    stage.note_arrival(("g7", 3), clock.now)
     assert t.hop < turns.wait() <= t.group  # 2 more of group 7
-    stage.note_arrival(("g7", 3))
+    stage.note_arrival(("g7", 3), clock.now)
     assert turns.wait() > t.hop
-    stage.note_arrival(("g7", 3))
+    stage.note_arrival(("g7", 3), clock.now)
     assert stage.scheduler.arrivals.groups == {}
     assert turns.wait() == 0.0  # the group is complete: run now
-    stage.note_arrival(("g8", 2))
+    stage.note_arrival(("g8", 2), clock.now)
     stage.scheduler.arrivals.groups["g8"].last -= t.group  # the rest never came (cancelled)
     assert turns.wait() == 0.0
     turns.close()
