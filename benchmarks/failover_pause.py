@@ -88,7 +88,7 @@ def run_round(c: Cluster, stage: tuple[int, int], args: argparse.Namespace) -> d
         "replayed_tokens": done,
         "kill_to_next_s": after[0] - killed_at,
         "gap_s": after[0] - stamps[done - 1],
-        "replay_prefill_s": cold.ttft,
+        "replay_prefill_s": cold.latency,  # its one token may have no text of its own
         "itl_median_s": median(out.itl),
     }
 

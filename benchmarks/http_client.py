@@ -72,6 +72,7 @@ class RequestOutput:
     error: str = ""
     start: float = 0.0  # when the request was sent
     stamps: list[float] = field(default_factory=list)  # arrival of each token event
+    end: float = 0.0  # arrival of the stream's last event (0: none came)
     pieces: list[str] = field(default_factory=list)  # each token event's text
     prompt_tokens: int = 0  # from the usage event (0: the server sent none)
     completion_tokens: int = 0
@@ -88,8 +89,11 @@ class RequestOutput:
 
     @property
     def latency(self) -> float:
-        """Seconds from the request to the last token."""
-        return self.stamps[-1] - self.start if self.stamps else float("nan")
+        """Seconds from the request to the end of its stream (the last token where no
+        end was stamped: the in-process baselines). A token without text of its own (a
+        partial character) sends no event, but the stream still ends after it."""
+        end = self.end or (self.stamps[-1] if self.stamps else 0.0)
+        return end - self.start if end else float("nan")
 
     @property
     def generated_tokens(self) -> int:
@@ -198,6 +202,8 @@ async def stream(
             buf += piece.replace(b"\r\n", b"\n")
             while b"\n\n" in buf:
                 event, buf = buf.split(b"\n\n", 1)
+                if event.startswith(b"data:"):
+                    out.end = now
                 if not event.startswith(b"data: {"):
                     continue  # [DONE], comments
                 before = len(out.stamps)

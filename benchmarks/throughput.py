@@ -103,10 +103,12 @@ def burst(
     over the sockets ``connect`` makes: a gateway on a test host)."""
     if connect is None:
         assert isinstance(c, Cluster)
-    port = c.http_port if connect is None else 80  # with connect: the Host header's only
+        url = f"http://127.0.0.1:{c.http_port}/v1/chat/completions"
+    else:  # the sockets reach the gateway; the URL gives the path and the Host header
+        url = "http://127.0.0.1/v1/chat/completions"
     inputs = [
         RequestInput(
-            f"http://127.0.0.1:{port}/v1/chat/completions",
+            url,
             messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
             max_tokens=n,
             ignore_eos=True,
