@@ -42,8 +42,8 @@ class RequestInput:
     model: str | None = None  # None: the server's only (or default) model
     extra: dict[str, Any] = field(default_factory=dict)  # more fields of the body
     timeout: float = 600.0  # seconds without a byte before the request fails
-    # A connected socket to use instead of one to the URL's host (a testbed host's
-    # namespace: see netns_socket).
+    # Makes the connected socket to send on instead of one to the URL's host (from
+    # inside a testbed host: see netns_socket); the URL still gives path and Host.
     connect: Callable[[], socket.socket] | None = None
 
     def body(self) -> dict[str, Any]:
@@ -199,18 +199,21 @@ async def stream(
         buf = b""
         async for piece in _pieces(reader, headers, inp.timeout):
             now = time.perf_counter()
-            buf += piece.replace(b"\r\n", b"\n")
+            buf = (buf + piece).replace(b"\r\n", b"\n")
             while b"\n\n" in buf:
                 event, buf = buf.split(b"\n\n", 1)
-                if event.startswith(b"data:"):
+                for line in event.split(b"\n"):
+                    if not line.startswith(b"data:"):
+                        continue  # comments, event names
                     out.end = now
-                if not event.startswith(b"data: {"):
-                    continue  # [DONE], comments
-                before = len(out.stamps)
-                if not _event(out, json.loads(event[6:]), now):
-                    return out
-                if on_token is not None and len(out.stamps) > before:
-                    on_token(out)
+                    data = line[5:].strip()
+                    if not data.startswith(b"{"):
+                        continue  # [DONE]
+                    before = len(out.stamps)
+                    if not _event(out, json.loads(data), now):
+                        return out
+                    if on_token is not None and len(out.stamps) > before:
+                        on_token(out)
         out.ok = True
     except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"
