@@ -19,19 +19,22 @@ Writes benchmarks/results/aggregate_streams[_NAME].json and .png.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # see benchmarks/__init__.py
+
 import argparse
 import ctypes
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-import repo_root  # noqa: F401  (testbed is imported from the checkout)
-from paired import spread
-from report import write_json, write_plot
-from throughput import PROMPTS, burst
 
+from benchmarks.report import write_json, write_plot
+from benchmarks.stats import spread
+from benchmarks.throughput import PROMPTS, burst
 from testbed.cluster import Cluster
 from zmqllm.config.settings import default_model_dir
 from zmqllm.models.model_args import ModelArgs

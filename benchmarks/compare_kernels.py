@@ -19,19 +19,20 @@ Writes benchmarks/results/compare_kernels.json.
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import subprocess
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # see benchmarks/__init__.py
+
+import argparse
+import subprocess
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-import repo_root  # noqa: F401  (this checkout first on sys.path)
-from paired import alternate, compare, describe
-from report import write_json
-
+from benchmarks.paired import alternate, compare, describe
+from benchmarks.report import write_json
+from benchmarks.stats import median
 from zmqllm.engine import native
 
 REPO = Path(__file__).resolve().parent.parent
@@ -95,7 +96,7 @@ def time_build(so: str, what: str, threads: int, context: int) -> float:
         t0 = time.perf_counter()
         once()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return median(times) * 1e3
 
 
 def run_child(so: Path, what: str, a: argparse.Namespace) -> float:

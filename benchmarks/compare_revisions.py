@@ -18,19 +18,27 @@ whose `zmqllm` is imported from the tree under test; the older tree must have
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # see benchmarks/__init__.py
+
 import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
-from pathlib import Path
 
-from paired import alternate, compare, describe
-from report import write_json
+from benchmarks.http_client import RequestInput, run
+from benchmarks.paired import alternate, compare, describe
+from benchmarks.report import write_json
+from benchmarks.stats import ms, pct
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+REPO = Path(__file__).resolve().parents[1]
+# per_token_latency.py's request, made again here: that module imports this tree's
+# testbed and zmqllm, which must not load into an older tree's process (the shared
+# modules imported above import neither).
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
 def measure(
@@ -38,8 +46,14 @@ def measure(
 ) -> float:
     """In a fresh process whose sys.path starts at ``root``: ITL p50 in ms."""
     sys.path.insert(0, str(root))
-    import numpy as np
-    from per_token_latency import stream_once
+
+    def stream_once(port: int, n: int) -> list[float]:
+        """The inter-token gaps of one streamed completion, the first token's left out."""
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        body = RequestInput(
+            url, prompt=PROMPT, max_tokens=n, ignore_eos=True, temperature=0, timeout=300
+        )
+        return run(body).itl[1:]
 
     if (root / "zmqllm" / "config" / "__init__.py").is_file():
         from zmqllm.config.layers import split_layers
@@ -73,9 +87,8 @@ def measure(
             stream_once(cluster.http_port, 16)  # warm-up
             gaps: list[float] = []
             for _ in range(requests):
-                stamps = stream_once(cluster.http_port, new_tokens)
-                gaps += list(np.diff(stamps[2:]))  # inter-token gaps, first token left out
-            return float(np.median(gaps) * 1e3)
+                gaps += stream_once(cluster.http_port, new_tokens)
+            return ms(pct(gaps, 50))
         finally:
             cluster.stop()
 
@@ -84,7 +97,7 @@ def run_round(root: Path, a: argparse.Namespace, cache: Path | None) -> float:
     cmd = [sys.executable, __file__, "--measure", str(root)]
     cmd += ["--stages", str(a.stages), "--new-tokens", str(a.new_tokens)]
     cmd += ["--requests", str(a.requests), "--threads", str(a.threads), "--quant", a.quant]
-    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{HERE}")
+    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{REPO}")
     if cache is not None:  # the older tree builds and caches its own native kernel
         env["XDG_CACHE_HOME"] = str(cache)
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)

@@ -14,16 +14,20 @@ hops.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # see benchmarks/__init__.py
+
 import argparse
-import statistics
 import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import zmq
 
+from benchmarks.stats import median
 from zmqllm.bus.auth import Authenticator
 from zmqllm.bus.keys import (
     ALLOWED_FOLDERS,
@@ -96,8 +100,8 @@ def measure(blocks: int, n: int) -> dict[str, Any]:
     ctx.term()
     extra = [(c - p) / 2 for p, c in zip(rtt["plain"], rtt["curve"], strict=True)]
     return {
-        "rtt_us": {k: statistics.median(v) for k, v in rtt.items()},
-        "curve_us_per_hop": statistics.median(extra),
+        "rtt_us": {k: median(v) for k, v in rtt.items()},
+        "curve_us_per_hop": median(extra),
         "curve_us_per_hop_range": [min(extra), max(extra)],
         "message_bytes": len(HEADER) + len(HIDDEN),
     }

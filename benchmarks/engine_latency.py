@@ -18,17 +18,20 @@ Prints a table and writes JSON + PNG (default benchmarks/results/engine_latency.
 
 from __future__ import annotations
 
-import argparse
-import platform
-import statistics
-import time
-from collections.abc import Callable
+import sys
 from pathlib import Path
 
-import repo_root  # noqa: F401  (this checkout first on sys.path)
-import torch
-from report import write_json, write_plot
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # see benchmarks/__init__.py
 
+import argparse
+import platform
+import time
+from collections.abc import Callable
+
+import torch
+
+from benchmarks.report import write_json, write_plot
+from benchmarks.stats import median, spread
 from zmqllm.config.settings import default_model_dir
 from zmqllm.engine.generator import Generator
 from zmqllm.engine.gguf_weights import gguf_source
@@ -85,7 +88,7 @@ def llama_cpp_run(gguf: Path, ids: list[int], n: int, threads: int) -> Callable[
 def draw_bars(decode: dict[str, list[float]], title: str) -> Callable[[object], object]:
     def draw(plt: object) -> object:
         names = list(decode)
-        med = [statistics.median(decode[k]) for k in names]
+        med = [median(decode[k]) for k in names]
         lo = [m - min(decode[k]) for k, m in zip(names, med, strict=True)]
         hi = [max(decode[k]) - m for k, m in zip(names, med, strict=True)]
         fig, ax = plt.subplots(figsize=(8, 4))  # type: ignore[attr-defined]
@@ -198,9 +201,6 @@ def main() -> None:
             decode["floor_int4"].append(rate * int4_bytes * 1e3)
         print(f"  round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in decode.items()))
 
-    def spread(xs: list[float]) -> dict[str, float]:
-        return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
-
     results = {
         name: {"prefill_ms": spread(prefill[name]), "decode_ms_per_token": spread(decode[name])}
         for name in runs
@@ -211,7 +211,7 @@ def main() -> None:
             return None
         return spread([x / y for x, y in zip(decode[num], decode[den], strict=True)])
 
-    floor = statistics.median(decode["floor"])
+    floor = median(decode["floor"])
     summary = {
         "ratio_decode_zmqllm_over_hf": per_round("zmqllm_engine", "hf_generate"),
         "weight_bytes_per_token": weight_bytes,
@@ -233,7 +233,7 @@ def main() -> None:
     print(f"{'':20} {'prefill ms':>11} {'decode ms/tok (range)':>24} {'tok/s':>7}")
     for name in [*runs, *floors]:
         d = spread(decode[name])
-        pre = f"{statistics.median(prefill[name]):11.1f}" if name in prefill else " " * 11
+        pre = f"{median(prefill[name]):11.1f}" if name in prefill else " " * 11
         print(
             f"{name:20} {pre} {d['median']:9.2f} ({d['min']:5.2f}-{d['max']:6.2f}) "
             f"{1e3 / d['median']:7.1f}"

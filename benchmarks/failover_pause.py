@@ -19,20 +19,20 @@ Writes benchmarks/results/failover_pause.json and .png.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # see benchmarks/__init__.py
+
 import argparse
-import http.client
-import itertools
-import json
 import signal
-import statistics
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-import repo_root  # noqa: F401  (testbed is imported from the checkout)
-from report import write_json, write_plot
-
+from benchmarks.http_client import RequestInput, RequestOutput, run
+from benchmarks.report import write_json, write_plot
+from benchmarks.stats import median, spread_text
 from testbed.cluster import Cluster
 from zmqllm.config.settings import default_model_dir
 from zmqllm.models.model_args import ModelArgs
@@ -42,28 +42,22 @@ PROMPT = "Write a short story about a lighthouse keeper who finds a message in a
 
 
 def stream(c: Cluster, prompt: str, tokens: int, kill_after: int, kill: Any) -> dict[str, Any]:
-    """One streamed completion: token arrival stamps, the text, and when the kill was."""
-    body = {"prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "stream": True}
-    conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=300)
-    started = time.perf_counter()
-    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    stamps: list[float] = []
-    text: list[str] = []
-    killed_at = None
-    while line := resp.readline():
-        if not line.startswith(b"data: {"):
-            continue
-        event = json.loads(line[len(b"data: ") :])
-        if "error" in event:
-            raise RuntimeError(f"the stream failed: {event['error']}")
-        stamps.append(time.perf_counter())
-        text.append(event["choices"][0].get("text") or "")
-        if len(stamps) == kill_after and kill is not None:
+    """One streamed completion, and when the kill was (after ``kill_after`` tokens)."""
+    inp = RequestInput(
+        f"http://127.0.0.1:{c.http_port}/v1/completions",
+        prompt=prompt,
+        max_tokens=tokens,
+        ignore_eos=True,
+        timeout=300,
+    )
+    killed_at: list[float] = []
+
+    def on_token(out: RequestOutput) -> None:
+        if out.generated_tokens == kill_after and kill is not None:
             kill()
-            killed_at = time.perf_counter()
-    conn.close()
-    return {"started": started, "stamps": stamps, "text": text, "killed_at": killed_at}
+            killed_at.append(time.perf_counter())
+
+    return {"out": run(inp, on_token), "killed_at": killed_at[0] if killed_at else None}
 
 
 def kill_serving(c: Cluster, layers: tuple[int, int]) -> None:
@@ -80,27 +74,23 @@ def kill_serving(c: Cluster, layers: tuple[int, int]) -> None:
 
 def run_round(c: Cluster, stage: tuple[int, int], args: argparse.Namespace) -> dict[str, Any]:
     disturbed = stream(c, PROMPT, args.new_tokens, args.kill_after, lambda: kill_serving(c, stage))
-    stamps, killed_at = disturbed["stamps"], disturbed["killed_at"]
+    out, killed_at = disturbed["out"], disturbed["killed_at"]
+    stamps = out.stamps
     after = [t for t in stamps if t > killed_at]
     if not after:
         raise RuntimeError("the stream ended before the kill took effect; raise --new-tokens")
-    gaps = [b - a for a, b in itertools.pairwise(stamps)]
     # The replay prefills the prompt plus what was streamed up to the failure.
     done = len(stamps) - len(after)
-    history = PROMPT + "".join(disturbed["text"][:done])
-    cold = stream(c, history, 1, 0, None)
+    history = PROMPT + "".join(out.pieces[:done])
+    cold = stream(c, history, 1, 0, None)["out"]
     return {
         "stage": f"{stage[0]}:{stage[1]}",
         "replayed_tokens": done,
         "kill_to_next_s": after[0] - killed_at,
         "gap_s": after[0] - stamps[done - 1],
-        "replay_prefill_s": cold["stamps"][0] - cold["started"],
-        "itl_median_s": statistics.median(gaps),
+        "replay_prefill_s": cold.latency,  # its one token may have no text of its own
+        "itl_median_s": median(out.itl),
     }
-
-
-def spread(xs: list[float]) -> str:
-    return f"{statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"
 
 
 def main() -> None:
@@ -149,10 +139,10 @@ def main() -> None:
     net = [k - p for k, p in zip(kill, prefill, strict=True)]
     itl = [r["itl_median_s"] for r in rounds]
     print(f"\nmodel {'tiny' if args.tiny else 'default'}, {len(rounds)} rounds: median (range)")
-    print(f"  kill -> next token        {spread(kill)} s")
-    print(f"  replay prefill            {spread(prefill)} s")
-    print(f"  pause less the prefill    {spread(net)} s")
-    print(f"  inter-token (undisturbed) {spread([x * 1e3 for x in itl])} ms")
+    print(f"  kill -> next token        {spread_text(kill)} s")
+    print(f"  replay prefill            {spread_text(prefill)} s")
+    print(f"  pause less the prefill    {spread_text(net)} s")
+    print(f"  inter-token (undisturbed) {spread_text([x * 1e3 for x in itl])} ms")
     out = Path(args.out)
     write_json(out, {"model": "tiny" if args.tiny else "default", "rounds": rounds})
 

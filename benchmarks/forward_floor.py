@@ -18,14 +18,19 @@ Writes benchmarks/results/forward_floor.json.
 
 from __future__ import annotations
 
-import argparse
-import multiprocessing as mp
-import statistics
-import time
+import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # see benchmarks/__init__.py
+
+import argparse
+import multiprocessing as mp
+import time
+
 import zmq
-from report import write_json
+
+from benchmarks.report import write_json
+from benchmarks.stats import median
 
 HEADER = b"h" * 60
 PAYLOAD = b"x" * 2304
@@ -97,9 +102,9 @@ def main() -> None:
         wall = [w for _, w in runs]
         name = "bytes" if copy else "frames"
         results[name] = {
-            "cpu_us_per_message": round(statistics.median(cpu), 1),
+            "cpu_us_per_message": round(median(cpu), 1),
             "cpu_us_range": [round(min(cpu), 1), round(max(cpu), 1)],
-            "round_trip_us": round(statistics.median(wall), 1),
+            "round_trip_us": round(median(wall), 1),
         }
         r = results[name]
         print(

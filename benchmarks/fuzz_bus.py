@@ -16,19 +16,22 @@ Writes benchmarks/results/fuzz_bus.json.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # see benchmarks/__init__.py
+
 import argparse
 import tempfile
 import time
 import urllib.request
-from pathlib import Path
 from typing import Any
 
-import repo_root  # noqa: F401  (testbed is imported from the checkout)
 import torch
 import zmq
-from report import write_json
 from transformers import MistralForCausalLM
 
+from benchmarks.report import write_json
 from testbed.cluster import Cluster
 from testbed.fake_upstream import FakeUpstream
 from testbed.fuzz_messages import REMOTE_MODEL

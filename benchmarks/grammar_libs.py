@@ -14,18 +14,21 @@ is missing or fails is reported as such. Writes benchmarks/results/grammar_libs.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # see benchmarks/__init__.py
+
 import argparse
 import json
-import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import repo_root  # noqa: F401
 import torch
-from report import write_json
 
+from benchmarks.report import write_json
+from benchmarks.stats import median
 from zmqllm.config.settings import default_model_dir
 from zmqllm.models.prepare import prepare_default_model
 
@@ -175,9 +178,9 @@ def measure(lib: Lib, schema: dict[str, Any] | None, ids: list[int], repeats: in
             lib.advance(state, t)
         per_token.append((time.perf_counter() - t0) / len(ids))
     return {
-        "compile_ms": round(statistics.median(compiles) * 1e3, 2),
+        "compile_ms": round(median(compiles) * 1e3, 2),
         "compile_ms_range": [round(min(compiles) * 1e3, 2), round(max(compiles) * 1e3, 2)],
-        "mask_us_per_token": round(statistics.median(per_token) * 1e6, 1),
+        "mask_us_per_token": round(median(per_token) * 1e6, 1),
         "mask_us_range": [round(min(per_token) * 1e6, 1), round(max(per_token) * 1e6, 1)],
     }
 

@@ -17,18 +17,21 @@ Prints median and range of ms per token for each; writes JSON
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
-from collections.abc import Callable
+import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # see benchmarks/__init__.py
+
+import argparse
+import time
+from collections.abc import Callable
+
 import numpy as np
-import repo_root  # noqa: F401  (this checkout first on sys.path)
 import torch
 import torch.nn.functional as F
-from report import write_json
 
+from benchmarks.report import write_json
+from benchmarks.stats import median
 from zmqllm.config.settings import default_model_dir
 from zmqllm.engine import native, quant
 from zmqllm.engine.generator import load_shard
@@ -140,7 +143,7 @@ def main() -> None:
             times[name].append(timed(fn, a.inner) * 1e3)
         times["floor"].append(floor_seconds_per_byte(buf) * nbytes * 1e3)
 
-    floor = statistics.median(times["floor"])
+    floor = median(times["floor"])
     print(
         f"\none token's matrix-vector products: {nbytes / 1e6:.0f} MB of float32 weights, "
         f"{a.threads} threads, {a.rounds} alternating rounds"
@@ -149,7 +152,7 @@ def main() -> None:
     print("(GB/s: the bytes each reads; x floor: against the float32 bytes' floor)")
     summary = {}
     for name, ts in times.items():
-        med = statistics.median(ts)
+        med = median(ts)
         gbs = sizes.get(name, nbytes) / med / 1e6
         print(f"{name:28} {med:10.2f} {min(ts):7.2f}-{max(ts):<7.2f} {gbs:6.1f} {med / floor:8.2f}")
         summary[name] = {"median_ms": med, "min_ms": min(ts), "max_ms": max(ts), "gb_s": gbs}

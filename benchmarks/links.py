@@ -4,28 +4,22 @@ Host 1 runs the broker and the gateway, host 2 the first stage, host 3 the secon
 testbed/hosts.py); every link is rate limited when asked, and the worker hosts' links are
 delayed (netem, or the testbed's relay where the kernel has none). The delay changes
 while the cluster runs (``HostCluster.set_delay``), so rounds at different delays need
-no restart. Needs root. (The scripts run as files: imported as the top-level module
-``links``.)
+no restart. Needs root. A request reaches the gateway over
+``http_client.netns_socket(cluster.http())``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import http.client
-import json
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
-
-import repo_root  # noqa: F401  (testbed)
 
 from testbed.hosts import HostCluster
 from testbed.netns import Testbed, unusable_reason
 
-__all__ = ["CROSSINGS", "across_hosts", "stream_stamps"]
+__all__ = ["CROSSINGS", "across_hosts"]
 
 # One-way link crossings per token at 2 stages, the broker on its own host: STEP to
 # stage 0, its ACTIVATION back, on to stage 1, its TOKEN back.
@@ -70,33 +64,3 @@ def across_hosts(
         c.stop()
         bed.close()
         shutil.rmtree(root, ignore_errors=True)
-
-
-def stream_stamps(conn: http.client.HTTPConnection, body: dict[str, Any]) -> list[float]:
-    """Start time, then the arrival time of each token event of one streamed
-    /v1/completions request (``"stream": True`` is set here)."""
-    t0 = time.perf_counter()
-    conn.request(
-        "POST",
-        "/v1/completions",
-        body=json.dumps({**body, "stream": True}),
-        headers={"Content-Type": "application/json"},
-    )
-    resp = conn.getresponse()
-    if resp.status != 200:
-        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:500]!r}")
-    stamps = [t0]
-    buf = b""
-    while piece := resp.read1(65536):
-        now = time.perf_counter()
-        buf += piece
-        while b"\n\n" in buf:
-            event, buf = buf.split(b"\n\n", 1)
-            if event.startswith(b"data: {"):
-                data = json.loads(event[6:])
-                if "error" in data:
-                    raise RuntimeError(f"stream failed: {data['error']}")
-                if data.get("choices"):
-                    stamps.append(now)
-    conn.close()
-    return stamps

@@ -15,15 +15,17 @@ Writes benchmarks/results/omp_spin.json.
 
 from __future__ import annotations
 
-import argparse
-import os
-import subprocess
 import sys
 from pathlib import Path
 
-import repo_root  # noqa: F401  (this checkout first on sys.path)
-from paired import against
-from report import write_json
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # see benchmarks/__init__.py
+
+import argparse
+import os
+import subprocess
+
+from benchmarks.paired import against
+from benchmarks.report import write_json
 
 CHILD = """
 import statistics, sys, time

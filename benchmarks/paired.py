@@ -3,15 +3,15 @@
 The cores of a shared machine drift by more than a few percent between runs minutes
 apart, so two single runs cannot show a small difference. Alternating the variants, the
 order flipped every round, and taking each round's ratio cancels most of the drift; the
-median and the range of those ratios are the figures to report. (The benchmark scripts
-run as files, so this is imported as the top-level module ``paired``.)
+median and the range of those ratios are the figures to report.
 """
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from typing import Any
+
+from benchmarks.stats import spread
 
 
 def alternate(
@@ -37,10 +37,6 @@ def alternate(
     if not out[base[0]]:
         raise SystemExit("every round failed")
     return out
-
-
-def spread(xs: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
 def against(values: dict[str, list[float]], base: str, measure: str) -> dict[str, Any]:

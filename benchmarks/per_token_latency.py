@@ -19,55 +19,52 @@ against the workers' added one-way link delay, beside compute + 4 crossings x de
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # see benchmarks/__init__.py
+
 import argparse
 import contextlib
-import http.client
 import os
 import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from links import CROSSINGS, across_hosts, stream_stamps
-from process_cpu import Usage, measured
-from report import write_json, write_plot
 
+from benchmarks import http_client
+from benchmarks.http_client import RequestInput, RequestOutput, netns_socket
+from benchmarks.links import CROSSINGS, across_hosts
+from benchmarks.process_cpu import Usage, measured
+from benchmarks.report import write_json, write_plot
+from benchmarks.stats import median, ms, pct, spread, tokens_per_s
+from testbed.cluster import Cluster
 from zmqllm.config.settings import default_model_dir
 from zmqllm.engine.generator import Generator
+from zmqllm.models.model_args import ModelArgs
 from zmqllm.models.prepare import prepare_default_model
 from zmqllm.models.tokenizer import Tokenizer
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def pct(xs: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
-
-
-def measure(once: Callable[[], list[float]], requests: int) -> dict[str, float]:
-    """Run ``once`` (the start time, then each token's arrival) requests + 1 times, the
-    first to warm up, and summarize the rest."""
-    ttfts: list[float] = []
-    itls: list[float] = []
-    tokens, total = 0, 0.0
-    for r in range(requests + 1):
-        stamps = once()
-        if r:
-            ttfts.append(stamps[1] - stamps[0])
-            itls += list(np.diff(stamps[1:]))
-            tokens += len(stamps) - 1
-            total += stamps[-1] - stamps[0]
+def measure(once: Callable[[], RequestOutput], requests: int) -> dict[str, float]:
+    """Run ``once`` requests + 1 times, the first to warm up, and summarize the rest."""
+    outs = [once() for _ in range(requests + 1)][1:]
+    itls = [gap for o in outs for gap in o.itl]
     return {
-        "ttft_ms_p50": pct(ttfts, 50) * 1e3,
-        "itl_ms_p50": pct(itls, 50) * 1e3,
-        "itl_ms_p95": pct(itls, 95) * 1e3,
-        "itl_ms_p99": pct(itls, 99) * 1e3,
-        "itl_ms_mean": statistics.fmean(itls) * 1e3 if itls else float("nan"),
-        "tokens_per_s": tokens / total if total else float("nan"),
+        "ttft_ms_p50": ms(pct([o.ttft for o in outs], 50)),
+        "itl_ms_p50": ms(pct(itls, 50)),
+        "itl_ms_p95": ms(pct(itls, 95)),
+        "itl_ms_p99": ms(pct(itls, 99)),
+        "itl_ms_mean": ms(statistics.fmean(itls)) if itls else float("nan"),
+        "tokens_per_s": tokens_per_s(
+            sum(o.generated_tokens for o in outs), sum(o.latency for o in outs)
+        ),
     }
 
 
@@ -97,7 +94,7 @@ def bench_hf(model_dir: Path, ids: list[int], n: int, requests: int) -> dict[str
 
     x = torch.tensor([ids])
 
-    def once() -> list[float]:
+    def once() -> RequestOutput:
         st = Stamps()
         t0 = time.perf_counter()
         model.generate(
@@ -108,27 +105,35 @@ def bench_hf(model_dir: Path, ids: list[int], n: int, requests: int) -> dict[str
             eos_token_id=None,
             streamer=st,
         )
-        return [t0, *st.t[1:]]  # put() is first called with the prompt itself
+        # put() is first called with the prompt itself
+        return RequestOutput(ok=True, start=t0, stamps=st.t[1:])
 
     return measure(once, requests)
 
 
-def engine_stamps(gen: Generator, ids: list[int], n: int) -> list[float]:
-    """The start time, then each token's, of one greedy generation in this process."""
-    stamps = [time.perf_counter()]
+def engine_stamps(gen: Generator, ids: list[int], n: int) -> RequestOutput:
+    """One greedy generation in this process, timed as a request."""
+    out = RequestOutput(ok=True, start=time.perf_counter())
     for _ in gen.generate(ids, n):
-        stamps.append(time.perf_counter())
-    return stamps
+        out.stamps.append(time.perf_counter())
+    return out
 
 
-def stream_once(port: int, n: int) -> list[float]:
-    """Arrival time of every token event of one streamed completion (t0 first)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-    return stream_stamps(conn, completion(n))
+def completion(n: int, url: str, connect: Callable[[], Any] | None = None) -> RequestInput:
+    """The request every cluster row streams: ``n`` greedy tokens of PROMPT."""
+    return RequestInput(
+        url,
+        prompt=PROMPT,
+        max_tokens=n,
+        ignore_eos=True,
+        temperature=0,
+        timeout=300,
+        connect=connect,
+    )
 
 
-def completion(n: int) -> dict[str, Any]:
-    return {"prompt": PROMPT, "max_tokens": n, "ignore_eos": True, "temperature": 0}
+def stream_once(port: int, n: int) -> RequestOutput:
+    return http_client.run(completion(n, f"http://127.0.0.1:{port}/v1/completions"))
 
 
 @contextlib.contextmanager
@@ -141,13 +146,6 @@ def running_cluster(
     cpu_lock: bool = False,
 ) -> Iterator[Any]:
     """A local cluster of ``stages`` workers, ready, stopped on the way out."""
-    # Imported here, not at the top: compare_revisions.py loads this module's stream_once
-    # into older trees, which have no testbed/ (and must keep their own zmqllm first).
-    import repo_root  # noqa: F401
-
-    from testbed.cluster import Cluster
-    from zmqllm.models.model_args import ModelArgs
-
     layers = ModelArgs.from_dir(model_dir).stage_ranges(stages)
     with tempfile.TemporaryDirectory() as tmp:
         c = Cluster(
@@ -185,9 +183,8 @@ def bench_cluster(
 
 def curve_cost(model_dir: Path, a: argparse.Namespace) -> None:
     """ITL p50 of each cluster with and without CURVE, in alternating rounds."""
-    import curve_hop
-    from paired import alternate, compare, describe
-
+    from benchmarks import curve_hop
+    from benchmarks.paired import alternate, compare, describe
     from zmqllm.bus.keys import init_keys
 
     results: dict[str, Any] = {}
@@ -218,9 +215,6 @@ def curve_cost(model_dir: Path, a: argparse.Namespace) -> None:
 def link_sweep(model_dir: Path, a: argparse.Namespace) -> None:
     """The 2-stage cluster across three hosts: ITL at each added one-way delay, in
     alternating rounds, beside compute + CROSSINGS x delay."""
-    from paired import spread
-
-    from zmqllm.models.model_args import ModelArgs
 
     (a0, b0), (a1, b1) = ModelArgs.from_dir(model_dir).stage_ranges(2)
     delays = sorted(a.link_delay_ms)
@@ -234,15 +228,17 @@ def link_sweep(model_dir: Path, a: argparse.Namespace) -> None:
         threads=a.threads,
         worker_flags=flags,
     )
-    body = completion(a.new_tokens)
     # The engine in this process (the root host), measured each round beside the hosts.
     gen = Generator(model_dir, quant=a.quant)
     ids = Tokenizer.from_dir(model_dir).encode(PROMPT)
     engine: list[float] = []
     with hosts as c:
+        body = completion(
+            a.new_tokens, "http://127.0.0.1/v1/completions", lambda: netns_socket(c.http(300))
+        )
 
-        def once() -> list[float]:
-            return stream_stamps(c.http(300), body)
+        def once() -> RequestOutput:
+            return http_client.run(body)
 
         for r in range(a.rounds):
             for d in delays if r % 2 == 0 else delays[::-1]:
@@ -257,10 +253,10 @@ def link_sweep(model_dir: Path, a: argparse.Namespace) -> None:
                 f"  round {r + 1}: engine {engine[-1]:.2f}, "
                 + ", ".join(f"{d:g} ms {itl[d][-1]:.2f}" for d in delays)
             )
-    base = statistics.median(itl[delays[0]])  # compute + the path's own cost, at the least delay
+    base = median(itl[delays[0]])  # compute + the path's own cost, at the least delay
     rows = []
     for d in delays:
-        mid = statistics.median(itl[d])
+        mid = median(itl[d])
         extra = d - delays[0]
         rows.append(
             {
@@ -310,7 +306,7 @@ def link_sweep(model_dir: Path, a: argparse.Namespace) -> None:
         fig, ax = plt.subplots(figsize=(6, 4))
         for d in delays:
             ax.scatter([d] * len(itl[d]), itl[d], color="tab:blue", s=12)
-        ax.plot(delays, [statistics.median(itl[d]) for d in delays], "o-", label="measured")
+        ax.plot(delays, [median(itl[d]) for d in delays], "o-", label="measured")
         ax.plot(delays, [r["model_ms"] for r in rows], "--", label=f"{CROSSINGS} x delay model")
         ax.set_xlabel("added one-way delay per link (ms)")
         ax.set_ylabel("inter-token latency p50 (ms)")
@@ -322,14 +318,14 @@ def link_sweep(model_dir: Path, a: argparse.Namespace) -> None:
 
 
 def median_row(runs: list[dict[str, float]]) -> dict[str, Any]:
-    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    return {k: median(r[k] for r in runs) for k in runs[0]}
 
 
 def per_token_rows(model_dir: Path, ids: list[int], a: argparse.Namespace) -> dict[str, Any]:
     """HF, the engine, and each cluster alternating with the engine round by round: the
     cluster's ITL over the engine's is taken per round, so the drift of a shared
     machine's cores between runs cancels."""
-    from paired import alternate, spread
+    from benchmarks.paired import alternate
 
     n = a.new_tokens
     rows: dict[str, Any] = {}
@@ -344,7 +340,7 @@ def per_token_rows(model_dir: Path, ids: list[int], a: argparse.Namespace) -> di
 
             def run(
                 name: str,
-                once: Callable[[], list[float]],
+                once: Callable[[], RequestOutput],
                 runs: dict[str, list[dict[str, float]]] = runs,
             ) -> float:
                 runs[name].append(measure(once, a.requests))
@@ -354,7 +350,7 @@ def per_token_rows(model_dir: Path, ids: list[int], a: argparse.Namespace) -> di
                 # measure() makes requests + 1 answers of n tokens each (ignore_eos).
                 tokens = (a.requests + 1) * n
 
-                def once() -> list[float]:
+                def once() -> RequestOutput:
                     return stream_once(c.http_port, n)
 
                 return float(measured(c, usage, tokens, lambda: run("cluster", once)))

@@ -20,20 +20,24 @@ Writes benchmarks/results/pipeline_scaling.json (or --out) and a PNG beside it.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # see benchmarks/__init__.py
+
 import argparse
 import contextlib
 import functools
 import os
+import socket
 import tempfile
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
-import repo_root  # noqa: F401  (testbed is imported from the checkout)
-from paired import spread
-from report import cpu_name, write_json, write_plot
-from throughput import ClusterLike, Connect, burst
-
+from benchmarks.http_client import netns_socket
+from benchmarks.report import cpu_name, write_json, write_plot
+from benchmarks.stats import spread
+from benchmarks.throughput import ClusterLike, burst
 from testbed.cluster import Cluster
 from zmqllm.config.settings import default_model_dir
 from zmqllm.models.model_args import ModelArgs
@@ -79,7 +83,7 @@ def worker_flags(a: argparse.Namespace, micro_batches: int) -> tuple[str, ...]:
 @contextlib.contextmanager
 def local_cluster(
     model_dir: Path, layers: list[tuple[int, int]], a: argparse.Namespace, micro: int
-) -> Iterator[tuple[ClusterLike, Connect | None]]:
+) -> Iterator[tuple[ClusterLike, Callable[[], socket.socket] | None]]:
     with tempfile.TemporaryDirectory() as tmp:
         c = Cluster(
             Path(tmp), model_dir, heartbeat=1.0, threads=1, worker_flags=worker_flags(a, micro)
@@ -98,12 +102,12 @@ def host_cluster(
     a: argparse.Namespace,
     micro: int,
     peer: bool = True,
-) -> Iterator[tuple[ClusterLike, Connect | None]]:
+) -> Iterator[tuple[ClusterLike, Callable[[], socket.socket] | None]]:
     """The 2 stages on test hosts of their own. The testbed delays the links to the
     broker only (a relay on its host); the workers' peer link carries the decode loop
     with the rate limit but no delay, so ``peer=False`` (every hop through the broker)
     is the run where each hop pays the delay."""
-    from links import across_hosts
+    from benchmarks.links import across_hosts
 
     spans = (f"{layers[0][0]}:{layers[0][1]}", f"{layers[1][0]}:{layers[1][1]}")
     flags = worker_flags(a, micro) + (() if peer else ("--peer", "off"))
@@ -115,7 +119,7 @@ def host_cluster(
         threads=1,
         worker_flags=flags,
     ) as c:
-        yield c, lambda: c.http(timeout=600)
+        yield c, lambda: netns_socket(c.http(timeout=600))
 
 
 Config = tuple[str, int, int, Callable[..., Any]]  # name, stages, micro_batches, cluster

@@ -16,19 +16,20 @@ Writes benchmarks/results/prefix_cache.json and .png.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # see benchmarks/__init__.py
+
 import argparse
-import http.client
-import json
 import os
-import statistics
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-import repo_root  # noqa: F401
-from report import write_json, write_plot
-
+from benchmarks.http_client import RequestInput, run
+from benchmarks.report import write_json, write_plot
+from benchmarks.stats import median
 from testbed.cluster import Cluster
 from zmqllm.config.settings import default_model_dir
 from zmqllm.models.model_args import ModelArgs
@@ -60,33 +61,15 @@ def system_prompt(tok: Tokenizer, round_no: int, tokens: int) -> str:
 
 def chat(port: int, messages: list[dict[str, str]], max_tokens: int) -> tuple[float, str]:
     """Stream one greedy chat completion: (seconds to the first content, the reply)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    t0 = time.perf_counter()
-    conn.request(
-        "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+    out = run(
+        RequestInput(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            messages=messages,
+            max_tokens=max_tokens,
+            temperature=0,
+        )
     )
-    resp = conn.getresponse()
-    if resp.status != 200:
-        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:500]!r}")
-    first, parts, buf = 0.0, [], b""
-    while piece := resp.read1(65536):
-        now = time.perf_counter()
-        buf += piece
-        while b"\n\n" in buf:
-            event, buf = buf.split(b"\n\n", 1)
-            if not event.startswith(b"data: {"):
-                continue
-            data = json.loads(event[6:])
-            if "error" in data:
-                raise RuntimeError(f"stream failed: {data['error']}")
-            for choice in data.get("choices", []):
-                text = choice.get("delta", {}).get("content") or ""
-                if text and not first:
-                    first = now - t0
-                parts.append(text)
-    conn.close()
-    return first, "".join(parts)
+    return (out.ttft if out.stamps else 0.0), out.text
 
 
 def cluster(root: Path, model: Path, threads: int, flags: tuple[str, ...]) -> Cluster:
@@ -167,7 +150,7 @@ def main() -> None:
         "reused_tokens": [w["hit_tokens"] for w in rows],
         "ttft_ms_cached": [round(w["ttft_s"] * 1e3, 1) for w in rows],
         "ttft_ms_cold": [round(w["cold_ttft_s"] * 1e3, 1) for w in rows],
-        "ratio_median": statistics.median(ratios),
+        "ratio_median": median(ratios),
         "ratio_range": [min(ratios), max(ratios)],
         "identical_replies": all(w["identical"] for w in rows),
     }

@@ -14,16 +14,19 @@ zmqllm/engine/csrc/quant.cpp.)
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # see benchmarks/__init__.py
+
 import argparse
 import math
-from pathlib import Path
 from typing import Any
 
-import repo_root  # noqa: F401
 import torch
 import torch.nn.functional as F
-from report import write_json
 
+from benchmarks.report import write_json
 from zmqllm.config.settings import default_model_dir
 from zmqllm.engine.generator import Generator
 from zmqllm.models.prepare import prepare_default_model

@@ -1,6 +1,5 @@
 """What every benchmark script does with its figures: a JSON file, and a PNG beside
-it where matplotlib is installed (the scripts run as files, so this is imported as
-the top-level module ``report``)."""
+it where matplotlib is installed."""
 
 from __future__ import annotations
 

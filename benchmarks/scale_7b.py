@@ -22,6 +22,11 @@ Writes benchmarks/results/scale_7b.json and .png.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # see benchmarks/__init__.py
+
 import argparse
 import itertools
 import json
@@ -29,14 +34,12 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import repo_root  # noqa: F401  (this checkout first on sys.path)
-from report import write_json, write_plot
+from benchmarks.report import write_json, write_plot
+from benchmarks.stats import median, spread
 
 RUNTIMES = (
     "zmqllm_int4",
@@ -168,7 +171,7 @@ def child(a: argparse.Namespace) -> None:
                 "rss_bytes": rss,
                 "prefill_s": prefill_s,
                 "prompt_tokens": len(ids),
-                "decode_ms": statistics.median(steps) * 1e3,
+                "decode_ms": median(steps) * 1e3,
                 "decode_mean_ms": statistics.fmean(steps) * 1e3,
             }
         )
@@ -211,10 +214,6 @@ def bytes_per_token(model: Path) -> dict[str, int]:
             )
             out["int8"] = weights * 34 // 32
     return out
-
-
-def spread(xs: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
 def projection(
@@ -353,7 +352,7 @@ def main() -> None:
             f"({d['min']:.1f}-{d['max']:.1f})"
         )
     for fmt, fl in floors.items():
-        print(f"{'floor_' + fmt:16} {'':32} {statistics.median(fl):9.1f}")
+        print(f"{'floor_' + fmt:16} {'':32} {median(fl):9.1f}")
     for key, value in summary.items():
         if isinstance(value, dict) and "median" in value:
             print(f"{key}: {value['median']:.2f} ({value['min']:.2f}-{value['max']:.2f})")
@@ -397,7 +396,7 @@ def _draw(results: dict[str, Any], floors: dict[str, list[float]], title: str) -
     def draw(plt: Any) -> Any:
         names = [*results, *(f"floor_{k}" for k in floors)]
         med = [results[n]["decode_ms"]["median"] for n in results]
-        med += [statistics.median(v) for v in floors.values()]
+        med += [median(v) for v in floors.values()]
         fig, ax = plt.subplots(figsize=(8, 4))
         ax.barh(names, med, color="#4477aa")
         ax.invert_yaxis()

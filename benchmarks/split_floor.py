@@ -26,21 +26,23 @@ Writes benchmarks/results/split_floor.json.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # see benchmarks/__init__.py
+
 import argparse
 import json
 import multiprocessing as mp
 import os
-import statistics
 import subprocess
-import sys
 import tempfile
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
-import repo_root  # noqa: F401  (this checkout first on sys.path)
-from paired import against
-from report import write_json
+from benchmarks.paired import against
+from benchmarks.report import write_json
+from benchmarks.stats import median
 
 VARIANTS = ("one", "pipe", "zmq-tcp", "zmq-ipc")
 PROMPT = list(range(100, 160))
@@ -165,7 +167,7 @@ def one_round(a: Any) -> dict[str, float]:
             for s in socks.values():
                 s.close(linger=0)
             ctx.term()
-        return {v: statistics.median(ts) * 1e3 for v, ts in times.items()}
+        return {v: median(ts) * 1e3 for v, ts in times.items()}
 
 
 def main() -> None:

@@ -20,14 +20,17 @@ Writes benchmarks/results/stage_forward[_QUANT].json.
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # see benchmarks/__init__.py
+
+import argparse
+import time
 from typing import Any
 
-import repo_root  # noqa: F401  (this checkout first on sys.path)
-from report import cpu_name, write_json
+from benchmarks.report import cpu_name, write_json
+from benchmarks.stats import median
 
 
 def load(model_dir: Path, start: int, end: int, quant: str) -> tuple[Any, Any]:
@@ -100,7 +103,7 @@ def main() -> None:
             results[span] = {}
             for m in a.rows:
                 ts = [t * 1e3 for t in time_rows(shard, pool, m, a.context, a.reps)]
-                med = statistics.median(ts)
+                med = median(ts)
                 lo, hi = min(ts), max(ts)
                 results[span][m] = {"ms": med, "min": lo, "max": hi, "ms_per_row": med / m}
                 spread = f"({lo:.1f}-{hi:.1f})"

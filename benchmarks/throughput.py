@@ -16,22 +16,24 @@ Writes benchmarks/results/throughput.json and .png.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # see benchmarks/__init__.py
+
 import argparse
-import http.client
-import json
 import os
+import socket
 import tempfile
-import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
-import repo_root  # noqa: F401  (testbed is imported from the checkout)
 import torch
-from report import write_json, write_plot
 
+from benchmarks.http_client import RequestInput, run_all
+from benchmarks.report import write_json, write_plot
+from benchmarks.stats import ms, pct, tokens_per_s
 from testbed.cluster import Cluster
 from zmqllm.config.settings import default_model_dir
 from zmqllm.launch.child_process import ChildProcess
@@ -76,54 +78,6 @@ TOPICS = [
 PROMPTS = [f"Write a short poem about {t}." for t in TOPICS]
 
 
-def pct(xs: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(xs), q)) * 1e3 if xs else float("nan")
-
-
-Connect = Callable[[], http.client.HTTPConnection]
-
-
-def local(port: int) -> Connect:
-    """Connections to a gateway on this host's loopback."""
-    return lambda: http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-
-
-def stream(connect: Connect, prompt: str, n: int, out: list[float]) -> None:
-    """One streamed chat completion; appends the arrival time of each token event."""
-    body = json.dumps(
-        {
-            "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": n,
-            "stream": True,
-            "ignore_eos": True,
-            "temperature": 0,
-        }
-    )
-    conn = connect()
-    out.append(time.perf_counter())
-    conn.request(
-        "POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"}
-    )
-    resp = conn.getresponse()
-    if resp.status != 200:
-        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
-    buf = b""
-    while True:
-        piece = resp.read1(65536)
-        if not piece:
-            break
-        now = time.perf_counter()
-        buf += piece
-        while b"\n\n" in buf:
-            event, buf = buf.split(b"\n\n", 1)
-            if event.startswith(b"data: {"):
-                data = json.loads(event[6:])
-                ch = data.get("choices") or [{}]
-                if ch[0].get("delta", {}).get("content"):
-                    out.append(now)
-    conn.close()
-
-
 class ClusterLike(Protocol):
     """A local Cluster or one across test hosts (testbed.hosts.HostCluster)."""
 
@@ -142,30 +96,38 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def burst(c: ClusterLike, level: int, n: int, connect: Connect | None = None) -> dict[str, Any]:
-    """``level`` streams at once (to a local Cluster's gateway, or through ``connect``)."""
+def burst(
+    c: ClusterLike, level: int, n: int, connect: Callable[[], socket.socket] | None = None
+) -> dict[str, Any]:
+    """``level`` streamed chat completions at once, to a local Cluster's gateway (or
+    over the sockets ``connect`` makes: a gateway on a test host)."""
     if connect is None:
         assert isinstance(c, Cluster)
-        connect = local(c.http_port)
-    before = stage_stats(c)
-    cpu_before = {p.name: cpu_seconds(p.popen.pid) for p in c.procs if p.alive()}
-    stamps: list[list[float]] = [[] for _ in range(level)]
-    threads = [
-        threading.Thread(target=stream, args=(connect, PROMPTS[i % len(PROMPTS)], n, stamps[i]))
+        url = f"http://127.0.0.1:{c.http_port}/v1/chat/completions"
+    else:  # the sockets reach the gateway; the URL gives the path and the Host header
+        url = "http://127.0.0.1/v1/chat/completions"
+    inputs = [
+        RequestInput(
+            url,
+            messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+            max_tokens=n,
+            ignore_eos=True,
+            temperature=0,
+            connect=connect,
+        )
         for i in range(level)
     ]
+    before = stage_stats(c)
+    cpu_before = {p.name: cpu_seconds(p.popen.pid) for p in c.procs if p.alive()}
     t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    outs = run_all(inputs)
     wall = time.perf_counter() - t0
     cpu_after = {name: cpu_seconds(p.popen.pid) for p in c.procs if (name := p.name) in cpu_before}
     time.sleep(1.2)  # one heartbeat, so the workers' figures reach the broker
     after = stage_stats(c)
-    ttfts = [s[1] - s[0] for s in stamps]
-    itls = [float(d) for s in stamps for d in np.diff(s[1:])]
-    tokens = sum(len(s) - 1 for s in stamps)
+    ttfts = [o.ttft for o in outs]
+    itls = [gap for o in outs for gap in o.itl]
+    tokens = sum(o.generated_tokens for o in outs)
     stages = {}
     for name, a in after.items():
         b = before.get(name, {})
@@ -178,15 +140,15 @@ def burst(c: ClusterLike, level: int, n: int, connect: Connect | None = None) ->
             "max_batch": a.get("max_batch", 0),
         }
     return {
-        "tokens_per_s": tokens / wall,
-        "itl_ms_p50": pct(itls, 50),
-        "itl_ms_p99": pct(itls, 99),
-        "ttft_ms_p50": pct(ttfts, 50),
-        "ttft_ms_p99": pct(ttfts, 99),
+        "tokens_per_s": tokens_per_s(tokens, wall),
+        "itl_ms_p50": ms(pct(itls, 50)),
+        "itl_ms_p99": ms(pct(itls, 99)),
+        "ttft_ms_p50": ms(pct(ttfts, 50)),
+        "ttft_ms_p99": ms(pct(ttfts, 99)),
         "tokens": tokens,
         "wall_s": wall,
         "stages": stages,
-        "stamps": stamps,  # per stream: its start, then each token event's arrival
+        "stamps": [[o.start, *o.stamps] for o in outs],  # per stream: start, each token
         # Where the CPU went: core-milliseconds per generated token, per process.
         "cpu_ms_per_token": {
             k: round((cpu_after[k] - cpu_before[k]) * 1e3 / max(1, tokens), 2) for k in cpu_after
@@ -270,8 +232,7 @@ def run_levels(
 
 def curve_cost(model_dir: Path, layers: list[tuple[int, int]], a: argparse.Namespace) -> None:
     """Aggregate tokens/s at each level with and without CURVE, in alternating rounds."""
-    from paired import alternate, compare, describe
-
+    from benchmarks.paired import alternate, compare, describe
     from zmqllm.bus.keys import init_keys
 
     runs: dict[str, list[dict[int, dict[str, Any]]]] = {"insecure": [], "curve": []}

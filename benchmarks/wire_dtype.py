@@ -17,19 +17,24 @@ Writes benchmarks/results/wire_dtype.json.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # see benchmarks/__init__.py
+
 import argparse
 import asyncio
 import statistics
 import tempfile
-from pathlib import Path
 from typing import Any
 
-import repo_root  # noqa: F401  (testbed and tests.e2e.test_cluster)
 import torch
-from links import across_hosts, stream_stamps
-from paired import alternate, compare, describe
-from report import write_json
 
+from benchmarks.http_client import RequestInput, netns_socket, run
+from benchmarks.links import across_hosts
+from benchmarks.paired import alternate, compare, describe
+from benchmarks.report import write_json
+from benchmarks.stats import median, ms
 from testbed.cluster import Cluster
 from tests.e2e.test_cluster import PROMPTS
 from zmqllm.bus.sampling_params import SamplingParams
@@ -127,7 +132,6 @@ def prefill_on_link(model_dir: Path, a: argparse.Namespace) -> dict[str, Any]:
     """TTFT of LONG_PROMPT (and ITL) with stage 0 sending float32 or bfloat16."""
     first, _ = stages(model_dir)
     n_prompt = len(Tokenizer.from_dir(model_dir).encode(LONG_PROMPT))
-    body = {"prompt": LONG_PROMPT, "max_tokens": 16, "ignore_eos": True, "temperature": 0}
     out: dict[str, Any] = {"prompt_tokens": n_prompt}
     with across_hosts(
         model_dir,
@@ -138,19 +142,25 @@ def prefill_on_link(model_dir: Path, a: argparse.Namespace) -> dict[str, Any]:
         worker_flags=("--wire-dtype", "float32"),
     ) as c:
         itls: dict[str, list[float]] = {"float32": [], "bfloat16": []}
+        body = RequestInput(
+            "http://127.0.0.1/v1/completions",
+            prompt=LONG_PROMPT,
+            max_tokens=16,
+            ignore_eos=True,
+            temperature=0,
+            timeout=300,
+            connect=lambda: netns_socket(c.http(300)),
+        )
 
         def ttft_ms(wire: str) -> float:
             c.restart_worker(first, ("--wire-dtype", wire))
-            stream_stamps(c.http(300), body)  # warm-up
+            run(body)  # warm-up
             ttfts = []
             for _ in range(a.requests):
-                stamps = stream_stamps(c.http(300), body)
-                ttfts.append((stamps[1] - stamps[0]) * 1000)
-                itls[wire].append(
-                    statistics.median(stamps[j + 1] - stamps[j] for j in range(1, len(stamps) - 1))
-                    * 1000
-                )
-            return statistics.median(ttfts)
+                out = run(body)
+                ttfts.append(ms(out.ttft))
+                itls[wire].append(ms(median(out.itl)))
+            return median(ttfts)
 
         values = alternate(
             a.rounds,
@@ -158,7 +168,7 @@ def prefill_on_link(model_dir: Path, a: argparse.Namespace) -> dict[str, Any]:
             ("bfloat16", lambda: ttft_ms("bfloat16")),
         )
     out["ttft_ms"] = compare(values, "float32", "bfloat16")
-    out["itl_ms_p50"] = {w: statistics.median(v) for w, v in itls.items() if v}
+    out["itl_ms_p50"] = {w: median(v) for w, v in itls.items() if v}
     print(
         f"prefill of {n_prompt} tokens across links of {a.link_rate}, "
         f"{a.link_delay_ms:g} ms each way:"
