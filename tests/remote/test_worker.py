@@ -1,5 +1,6 @@
-"""The remote worker (zmqllm/remote/worker.py) without a broker: its messages go through
-a fake link, its upstream is a fake OpenAI-compatible server in this process. No torch.
+"""The remote worker (zmqllm/remote/worker.py; remote/main.py starts it) without a broker:
+its messages go through a fake link, its upstream is a fake OpenAI-compatible server in
+this process. No torch.
 
 The broker loop's part (``handle``, ``drain_inbox``, ``flush_outbox``) runs in the test's
 thread, as the worker's own loop would; the streams run on the worker's upstream thread.
@@ -37,8 +38,9 @@ from zmqllm.bus.protocol import (
 )
 from zmqllm.config.settings import Config, ConfigError
 from zmqllm.log import configure_logging
+from zmqllm.remote.main import MAX_KEY_BYTES, read_api_key, serve
 from zmqllm.remote.upstream import UpstreamSettings
-from zmqllm.remote.worker import MAX_KEY_BYTES, RemoteWorker, read_api_key, serve
+from zmqllm.remote.worker import RemoteWorker
 from zmqllm.worker.broker_link import RESET, session_key
 
 KEY = "sk-unit-SECRET-31337"
@@ -507,7 +509,7 @@ def test_a_bad_key_file_fails_before_anything_starts(tmp_path: Path) -> None:
 
 
 def test_the_url_may_come_from_a_file(tmp_path: Path) -> None:
-    from zmqllm.remote.worker import read_remote_url
+    from zmqllm.remote.main import read_remote_url
 
     assert read_remote_url("http://u.test/v1") == "http://u.test/v1"
     path = tmp_path / "url"

@@ -51,9 +51,9 @@ from zmqllm.worker.cpu_turns import CpuTurns
 from zmqllm.worker.peer_link import PeerLink, PeerRoute, peer_bind
 from zmqllm.worker.routing import group_tags, route_result
 from zmqllm.worker.shard_loader import Loaded, load_stage, max_frame_bytes, register_message
-from zmqllm.worker.shell import IDLE_POLL_S, Handler, WorkerShell, worker_keys
+from zmqllm.worker.shell import IDLE_POLL_S, Handler, WorkerShell
 
-__all__ = ["Worker", "load_stage", "serve"]
+__all__ = ["Worker", "load_stage"]
 
 log = get_logger("zmqllm.worker")
 
@@ -380,10 +380,3 @@ class Worker(WorkerShell):
         self.stage.close(key)
         err = Error.of(ErrorCode.INTERNAL, why, session, attempt=attempt, request_id=s.request_id)
         self.send(err, key)
-
-
-def serve(cfg: Config) -> int:
-    keys = worker_keys(cfg)  # a key problem is told before the model loads
-    worker = Worker(cfg, load_stage(cfg), keys=keys)
-    worker.install_signals()
-    return worker.run()
