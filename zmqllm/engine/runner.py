@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zmqllm.bus.messages import Finish
+from zmqllm.bus.messages import Finish, SessionKey
 from zmqllm.bus.sampling_params import NO_LOGPROBS
 from zmqllm.engine.batching import Refusal, Work
 from zmqllm.engine.cache import CachePool, bytes_free, is_out_of_memory
@@ -40,14 +40,14 @@ def _bytes_asked(exc: BaseException) -> int | None:
 class BatchFailed(RuntimeError):
     """A forward raised; ``keys`` are the sessions that were in its batch."""
 
-    def __init__(self, keys: list[str], cause: BaseException) -> None:
+    def __init__(self, keys: list[SessionKey], cause: BaseException) -> None:
         super().__init__(f"forward of {len(keys)} sessions failed: {type(cause).__name__}")
         self.keys = keys
 
 
 @dataclass
 class Output:
-    session: str
+    session: SessionKey
     request_id: str
     step: int
     final: bool

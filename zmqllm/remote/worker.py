@@ -30,7 +30,7 @@ import zmq
 
 from zmqllm.bus.ask_body import AskBodyError, upstream_body
 from zmqllm.bus.keys import PeerKeys
-from zmqllm.bus.messages import MAX_CONTEXT, MAX_DELTA, AskKind
+from zmqllm.bus.messages import MAX_CONTEXT, MAX_DELTA, AskKind, SessionKey
 from zmqllm.bus.protocol import (
     PROTOCOL_VERSION,
     Ask,
@@ -45,7 +45,6 @@ from zmqllm.config.settings import Config
 from zmqllm.log import bind_request, get_logger
 from zmqllm.remote.upstream import Upstream, UpstreamError, UpstreamSettings, shown_url
 from zmqllm.version import __version__
-from zmqllm.worker.broker_link import session_key
 from zmqllm.worker.shell import (
     IDLE_POLL_S,
     MAX_MESSAGES_PER_TURN,
@@ -114,8 +113,8 @@ class RemoteWorker(WorkerShell):
     ) -> None:
         self.served = served
         self.capacity = cfg.worker.max_sessions
-        self.outbox: deque[tuple[str, Message | _Forget]] = deque()
-        self.tasks: dict[str, concurrent.futures.Future[None]] = {}
+        self.outbox: deque[tuple[SessionKey, Message | _Forget]] = deque()
+        self.tasks: dict[SessionKey, concurrent.futures.Future[None]] = {}
         register = register_message(upstream, served, self.capacity)
         super().__init__(cfg, "remote", register, context=context, keys=keys)
         self.loop = asyncio.new_event_loop()
@@ -129,7 +128,7 @@ class RemoteWorker(WorkerShell):
     def sessions(self) -> int:
         return len(self.tasks)
 
-    def close_session(self, key: str) -> bool:
+    def close_session(self, key: SessionKey) -> bool:
         future = self.tasks.pop(key, None)
         if future is None:
             return False
@@ -189,7 +188,7 @@ class RemoteWorker(WorkerShell):
         self.fail(msg, ErrorCode.BAD_REQUEST, f"a remote worker takes no {msg.TYPE.value}")
 
     def on_ask(self, msg: Ask) -> None:
-        key = session_key(msg.session, msg.attempt)
+        key = msg.key
         with bind_request(msg.request_id, msg.session):
             if key in self.tasks:
                 return  # a duplicate: the first one runs
@@ -207,7 +206,7 @@ class RemoteWorker(WorkerShell):
             self.tasks[key] = future
             future.add_done_callback(functools.partial(self._done, key))
 
-    def _done(self, key: str, future: concurrent.futures.Future[None]) -> None:
+    def _done(self, key: SessionKey, future: concurrent.futures.Future[None]) -> None:
         # On the upstream thread (or the broker loop's, for a cancel): the broker loop
         # forgets the session once it has sent what the task left in the outbox before
         # this mark. The mark names its task: the key may be taken anew meanwhile.
@@ -227,7 +226,7 @@ class RemoteWorker(WorkerShell):
                 self.send(msg, key)
 
     # -- one session, on the upstream thread -------------------------------------------
-    async def _stream(self, key: str, ask: Ask, body: dict[str, Any]) -> None:
+    async def _stream(self, key: SessionKey, ask: Ask, body: dict[str, Any]) -> None:
         def out(msg: Message) -> None:
             self.outbox.append((key, msg))
 
