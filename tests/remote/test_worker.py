@@ -23,7 +23,7 @@ import pytest
 import zmq
 
 from testbed.fake_upstream import FakeUpstream
-from zmqllm.bus.messages import AskKind, Payload, SessionKey
+from zmqllm.bus.messages import AskKind, Payload
 from zmqllm.bus.protocol import (
     Ask,
     Cancel,
@@ -36,6 +36,7 @@ from zmqllm.bus.protocol import (
     decode,
     encode,
 )
+from zmqllm.bus.wire_types import SessionKey
 from zmqllm.config.settings import Config, ConfigError
 from zmqllm.log import configure_logging
 from zmqllm.remote.main import MAX_KEY_BYTES, read_api_key, serve

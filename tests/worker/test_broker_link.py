@@ -15,7 +15,6 @@ import pytest
 import zmq
 
 import zmqllm.worker.broker_link as link_module
-from zmqllm.bus.messages import SessionKey
 from zmqllm.bus.protocol import (
     MAX_FRAMES,
     Activation,
@@ -28,6 +27,7 @@ from zmqllm.bus.protocol import (
     decode,
     encode,
 )
+from zmqllm.bus.wire_types import SessionKey
 from zmqllm.log import get_logger
 from zmqllm.worker.broker_link import BrokerLink, LinkSettings
 from zmqllm.worker.faults import Faults
@@ -113,7 +113,7 @@ def linked() -> Iterator[Linked]:
 
 
 def test_keys_name_one_try_of_one_session() -> None:
-    assert Step(session="chat-1_x", attempt=3, token=1).key == ("chat-1_x", 3)
+    assert SessionKey.of(Step(session="chat-1_x", attempt=3, token=1)) == ("chat-1_x", 3)
     assert named_key({"session": "s", "attempt": 2, "request_id": "r"}) == (SessionKey("s", 2), "r")
     assert named_key({"session": "s", "request_id": "bad id"}) == (SessionKey("s", 0), "")
     for bad in ({"session": "a/b"}, {"session": "s", "attempt": -1}, {"session": 5}, {}):

@@ -12,9 +12,9 @@ import pytest
 import zmq
 
 from zmqllm.bus.keys import PeerKeys
-from zmqllm.bus.messages import Activation, SessionKey, Step
+from zmqllm.bus.messages import Activation, Step
 from zmqllm.bus.protocol import decode, encode
-from zmqllm.bus.wire_types import Payload
+from zmqllm.bus.wire_types import Payload, SessionKey
 from zmqllm.config.settings import ConfigError
 from zmqllm.log import get_logger
 from zmqllm.worker import peer_link

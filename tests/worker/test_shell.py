@@ -16,7 +16,6 @@ import msgpack
 import pytest
 import zmq
 
-from zmqllm.bus.messages import SessionKey
 from zmqllm.bus.protocol import (
     Cached,
     Cancel,
@@ -32,6 +31,7 @@ from zmqllm.bus.protocol import (
     decode,
     encode,
 )
+from zmqllm.bus.wire_types import SessionKey
 from zmqllm.config.settings import Config
 from zmqllm.worker.broker_link import LinkLost
 from zmqllm.worker.inbox import Refusal, Reset, take_in

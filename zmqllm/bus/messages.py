@@ -31,7 +31,7 @@ import dataclasses
 import enum
 import json
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import msgpack
 import numpy as np
@@ -84,7 +84,6 @@ __all__ = [
     "Register",
     "Registered",
     "SessionError",
-    "SessionKey",
     "SessionMessage",
     "Status",
     "StatusReply",
@@ -274,17 +273,6 @@ class Message:
         """Checks that span fields; raise ProtocolError."""
 
 
-class SessionKey(NamedTuple):
-    """One try of one client session: what a worker keys its sessions by (a route's
-    workers hold each try apart, so a replay never meets the try it replaces)."""
-
-    session: str
-    attempt: int
-
-    def __str__(self) -> str:
-        return f"{self.session}/{self.attempt}"  # how logs name it
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SessionMessage(Message):
     """A message about one session: the id its client chose, and which try of it."""
@@ -292,10 +280,6 @@ class SessionMessage(Message):
     session: str = wire(ident())
     attempt: int = wire(integer(0, MAX_ATTEMPTS), 0)
     step: int = wire(integer(0, MAX_STEP), 0)
-
-    @property
-    def key(self) -> SessionKey:
-        return SessionKey(self.session, self.attempt)
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {}

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from zmqllm.bus.messages import SessionKey
+from zmqllm.bus.wire_types import SessionKey
 from zmqllm.engine.micro_batches import Arrivals, Member, MicroBatches
 
 if TYPE_CHECKING:

@@ -28,7 +28,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from zmqllm.bus.messages import SessionKey
+from zmqllm.bus.wire_types import SessionKey
 
 __all__ = [
     "GROUP_WAIT_S",

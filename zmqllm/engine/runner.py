@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from zmqllm.bus.messages import Finish, SessionKey
+from zmqllm.bus.messages import Finish
 from zmqllm.bus.sampling_params import NO_LOGPROBS
+from zmqllm.bus.wire_types import SessionKey
 from zmqllm.engine.batching import Refusal, Work
 from zmqllm.engine.cache import CachePool, bytes_free, is_out_of_memory
 from zmqllm.engine.model import MistralShard, Segment

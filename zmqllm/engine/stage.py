@@ -7,7 +7,7 @@ to a token budget); its :class:`~zmqllm.engine.runner.ModelRunner` runs that as 
 batched forward over the shard. Sessions join and leave between calls of
 :meth:`Stage.run`.
 
-Sessions are keyed by a :class:`~zmqllm.bus.messages.SessionKey` (session, attempt).
+Sessions are keyed by a :class:`~zmqllm.bus.wire_types.SessionKey` (session, attempt).
 Work is validated when it arrives, before any tensor op sees it: a token id outside the
 vocabulary, a hidden state of the wrong shape or dtype, a step out of order or for an
 unknown session raises :class:`BadWork`, which costs that session alone. A forward that
@@ -21,8 +21,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from zmqllm.bus.messages import SessionKey
 from zmqllm.bus.prefix import PREFIX_BLOCK, prefix_blocks
+from zmqllm.bus.wire_types import SessionKey
 from zmqllm.engine.batching import Refusal, Scheduler, SessionState, Work
 from zmqllm.engine.cache import (
     CacheFullError,

@@ -30,7 +30,7 @@ import zmq
 
 from zmqllm.bus.ask_body import AskBodyError, upstream_body
 from zmqllm.bus.keys import PeerKeys
-from zmqllm.bus.messages import MAX_CONTEXT, MAX_DELTA, AskKind, SessionKey
+from zmqllm.bus.messages import MAX_CONTEXT, MAX_DELTA, AskKind
 from zmqllm.bus.protocol import (
     PROTOCOL_VERSION,
     Ask,
@@ -41,6 +41,7 @@ from zmqllm.bus.protocol import (
     ProtocolError,
     Register,
 )
+from zmqllm.bus.wire_types import SessionKey
 from zmqllm.config.settings import Config
 from zmqllm.log import bind_request, get_logger
 from zmqllm.remote.upstream import Upstream, UpstreamError, UpstreamSettings, shown_url
@@ -188,7 +189,7 @@ class RemoteWorker(WorkerShell):
         self.fail(msg, ErrorCode.BAD_REQUEST, f"a remote worker takes no {msg.TYPE.value}")
 
     def on_ask(self, msg: Ask) -> None:
-        key = msg.key
+        key = SessionKey.of(msg)
         with bind_request(msg.request_id, msg.session):
             if key in self.tasks:
                 return  # a duplicate: the first one runs

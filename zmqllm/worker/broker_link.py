@@ -40,7 +40,6 @@ from typing import Any
 import zmq
 
 from zmqllm.bus.keys import PeerKeys, as_client
-from zmqllm.bus.messages import SessionKey, SessionMessage
 from zmqllm.bus.protocol import (
     MAX_FRAMES,
     Disconnect,
@@ -55,10 +54,19 @@ from zmqllm.bus.protocol import (
     encode,
 )
 from zmqllm.bus.sockets import recv_bounded
+from zmqllm.bus.wire_types import SessionKey
 from zmqllm.log import get_logger
 from zmqllm.worker.faults import Faults
 from zmqllm.worker.health import NET, process_figures
-from zmqllm.worker.inbox import SESSION_TYPES, Entry, Refusal, Reset, Undecodable, take_in
+from zmqllm.worker.inbox import (
+    SESSION_TYPES,
+    Entry,
+    Refusal,
+    Reset,
+    Undecodable,
+    session_of,
+    take_in,
+)
 
 __all__ = [
     "BrokerLink",
@@ -357,13 +365,11 @@ class BrokerLink:
             self.inbox.append(entry)
             return
         self.faults.report("overloaded", "compute loop inbox full; message refused")
-        named = entry if isinstance(entry, Undecodable | SessionMessage) else None
-        if named is not None and named.key is not None:
-            key, why = named.key, "worker overloaded"
-            rid = named.request_id
-            self._send(
-                Error.of(ErrorCode.INTERNAL, why, key.session, attempt=key.attempt, request_id=rid)
-            )
+        named = session_of(entry)
+        if named is not None:
+            (session, attempt), rid = named
+            why = "worker overloaded"
+            self._send(Error.of(ErrorCode.INTERNAL, why, session, attempt=attempt, request_id=rid))
 
     def _send(self, msg: Message) -> None:
         try:

@@ -35,11 +35,11 @@ from zmqllm.bus.messages import (
     Close,
     Message,
     Open,
-    SessionKey,
+    SessionMessage,
     Step,
 )
 from zmqllm.bus.protocol import decode, decode_header
-from zmqllm.bus.wire_types import ProtocolError, is_valid_id
+from zmqllm.bus.wire_types import ProtocolError, SessionKey, is_valid_id
 from zmqllm.worker.faults import Faults
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "Reset",
     "Undecodable",
     "named_key",
+    "session_of",
     "take_in",
 ]
 
@@ -97,6 +98,15 @@ def named_key(head: dict[str, Any]) -> tuple[SessionKey, str] | None:
     if type(attempt) is not int or not 0 <= attempt <= MAX_ATTEMPTS:
         return None
     return SessionKey(session, attempt), rid if isinstance(rid, str) and is_valid_id(rid) else ""
+
+
+def session_of(entry: Entry) -> tuple[SessionKey, str] | None:
+    """The session key and request id an entry names (None: it names none)."""
+    if isinstance(entry, Undecodable):
+        return None if entry.key is None else (entry.key, entry.request_id)
+    if isinstance(entry, SessionMessage):
+        return SessionKey.of(entry), entry.request_id
+    return None
 
 
 def take_in(frames: Sequence[Any], faults: Faults, source: str) -> Message | Undecodable | None:

@@ -46,9 +46,10 @@ import zmq.utils.z85
 
 from zmqllm.bus.auth import ZapHandler, peer_key
 from zmqllm.bus.keys import PeerKeys, as_client, as_server
-from zmqllm.bus.messages import Message, SessionKey
+from zmqllm.bus.messages import Message
 from zmqllm.bus.protocol import MAX_FRAMES
 from zmqllm.bus.sockets import recv_bounded
+from zmqllm.bus.wire_types import SessionKey
 from zmqllm.config.settings import ConfigError
 from zmqllm.log import get_logger
 from zmqllm.worker.faults import Faults

@@ -22,7 +22,6 @@ import torch
 import zmq
 
 from zmqllm.bus.keys import PeerKeys
-from zmqllm.bus.messages import SessionKey
 from zmqllm.bus.protocol import (
     Activation,
     Cached,
@@ -35,6 +34,7 @@ from zmqllm.bus.protocol import (
     Token,
     encode,
 )
+from zmqllm.bus.wire_types import SessionKey
 from zmqllm.config.settings import Config
 from zmqllm.engine.cache import CacheFullError
 from zmqllm.engine.frames import (
@@ -47,7 +47,7 @@ from zmqllm.engine.runner import BatchFailed, Output
 from zmqllm.engine.stage import BadWork
 from zmqllm.log import bind_request, get_logger
 from zmqllm.worker.cpu_turns import CpuTurns
-from zmqllm.worker.inbox import Undecodable
+from zmqllm.worker.inbox import Undecodable, session_of
 from zmqllm.worker.peer_link import PeerLink, PeerMessage, PeerRoute, peer_bind
 from zmqllm.worker.routing import group_tags, route_result
 from zmqllm.worker.shard_loader import Loaded, load_stage, max_frame_bytes, register_message
@@ -181,10 +181,11 @@ class Worker(WorkerShell):
         as that peer; one for a session not open here yet waits for its OPEN."""
         entry = msg.entry
         kind = entry.kind if isinstance(entry, Undecodable) else type(entry)
-        key = entry.key if isinstance(entry, Undecodable | Activation | Step) else None
-        if kind not in (Activation, Step) or key is None:
+        named = session_of(entry)
+        if kind not in (Activation, Step) or named is None:
             self.faults.report("peer_refused", "peer message dropped", type=kind.TYPE.value)
             return
+        key = named[0]
         s = self.stage.sessions.get(key)
         if s is None:
             self.peers.hold(key, msg)
@@ -196,12 +197,12 @@ class Worker(WorkerShell):
     # -- messages ----------------------------------------------------------------
     def on_step(self, msg: Step) -> None:
         self._arrived(msg.group)
-        self.stage.step(msg.key, msg.step, msg.token)
+        self.stage.step(SessionKey.of(msg), msg.step, msg.token)
 
     def on_activation(self, msg: Activation) -> None:
         self._arrived(msg.group)
         hidden = payload_to_tensor(msg.hidden)
-        self.stage.activation(msg.key, msg.step, hidden, msg.final, msg.prefix)
+        self.stage.activation(SessionKey.of(msg), msg.step, hidden, msg.final, msg.prefix)
 
     def _arrived(self, group: tuple[str, int] | None) -> None:
         """Counted before the message is validated: a refused member still came."""
@@ -210,10 +211,10 @@ class Worker(WorkerShell):
             self.turns.note_arrival(group)
 
     def on_cached(self, msg: Cached) -> None:
-        self.stage.cached(msg.key, msg.tokens)
+        self.stage.cached(SessionKey.of(msg), msg.tokens)
 
     def on_open(self, msg: Open) -> None:
-        key = msg.key
+        key = SessionKey.of(msg)
         with bind_request(msg.request_id, msg.session):
             if self.draining:
                 self.fail(msg, ErrorCode.FULL, "worker is draining", None)

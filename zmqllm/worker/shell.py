@@ -33,7 +33,6 @@ from typing import Any
 import zmq
 
 from zmqllm.bus.keys import PeerKeys, keys_dir, load_peer_keys
-from zmqllm.bus.messages import SessionKey
 from zmqllm.bus.protocol import (
     Cancel,
     Close,
@@ -45,6 +44,7 @@ from zmqllm.bus.protocol import (
     SessionMessage,
     encode,
 )
+from zmqllm.bus.wire_types import SessionKey
 from zmqllm.config.names import is_name
 from zmqllm.config.settings import Config
 from zmqllm.log import bind_request, get_logger
@@ -315,7 +315,7 @@ class WorkerShell(abc.ABC):
         self.faults.report("unexpected", "unexpected message dropped", type=msg.TYPE.value)
 
     def on_close(self, msg: Close | Cancel) -> None:
-        if self.close_session(msg.key):
+        if self.close_session(SessionKey.of(msg)):
             with bind_request(msg.request_id, msg.session):
                 log.info("session closed", reason=msg.TYPE.value, attempt=msg.attempt)
 
@@ -325,7 +325,7 @@ class WorkerShell(abc.ABC):
         the fault it counts as (None: none, the worker is fine and so was the message)."""
         if not isinstance(msg, SessionMessage):
             return
-        key = msg.key
+        key = SessionKey.of(msg)
         if reason is not None:
             self.faults.report(reason, "message refused", session=str(key), why=why[:200])
         self.close_session(key)
