@@ -40,6 +40,7 @@ FRONT_END_MODULES = [
     "zmqllm.gateway.main",
     "zmqllm.remote.upstream",
     "zmqllm.bus.ask_body",
+    "zmqllm.remote.main",
     "zmqllm.remote.worker",
     "zmqllm.broker.route_search",
     "zmqllm.broker.session_records",

@@ -214,7 +214,7 @@ def cmd_worker(ns: argparse.Namespace) -> int:
     configure_logging("worker", cfg.log.level, cfg.log.format)
     if cfg.worker.remote:
         # A whole model behind an HTTP API: no torch, no model files.
-        from zmqllm.remote.worker import serve as serve_remote
+        from zmqllm.remote.main import serve as serve_remote
 
         return serve_remote(cfg)
     worker_served_name(cfg)  # a name the bus cannot carry is told before the model loads
@@ -222,7 +222,7 @@ def cmd_worker(ns: argparse.Namespace) -> int:
         os.environ.setdefault(key, value)  # before torch (and its OpenMP) loads
     from zmqllm.engine.memory_plan import StageDoesNotFit
     from zmqllm.log import get_logger
-    from zmqllm.worker.pipeline import serve
+    from zmqllm.worker.main import serve
 
     if resolve_model_path(cfg.model.path) == str(default_model_dir()):
         _model_dir(cfg.model.path)  # convert the default model on first use

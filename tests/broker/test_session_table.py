@@ -221,7 +221,7 @@ def test_activations_go_to_the_next_stage_only_from_the_route() -> None:
     hidden = Payload(np.zeros((3, 8), np.float32), "float32")
     act = Activation(session=wire, attempt=1, hidden=hidden)
     outs = t.on_activation(t.registry.workers["w0"], act, ["frames"], 0.0)
-    assert outs == [Out(True, b"w1", frames=["frames"])]
+    assert outs == [Out.to_worker(b"w1", frames=["frames"])]
     assert t.on_activation(t.registry.workers["x"], act, ["f"], 0.0) == []  # off the route
     assert t.on_activation(t.registry.workers["w1"], act, ["f"], 0.0) == []  # the last stage
 

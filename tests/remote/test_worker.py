@@ -1,5 +1,6 @@
-"""The remote worker (zmqllm/remote/worker.py) without a broker: its messages go through
-a fake link, its upstream is a fake OpenAI-compatible server in this process. No torch.
+"""The remote worker (zmqllm/remote/worker.py; remote/main.py starts it) without a broker:
+its messages go through a fake link, its upstream is a fake OpenAI-compatible server in
+this process. No torch.
 
 The broker loop's part (``handle``, ``drain_inbox``, ``flush_outbox``) runs in the test's
 thread, as the worker's own loop would; the streams run on the worker's upstream thread.
@@ -35,11 +36,13 @@ from zmqllm.bus.protocol import (
     decode,
     encode,
 )
+from zmqllm.bus.wire_types import SessionKey
 from zmqllm.config.settings import Config, ConfigError
 from zmqllm.log import configure_logging
+from zmqllm.remote.main import MAX_KEY_BYTES, read_api_key, serve
 from zmqllm.remote.upstream import UpstreamSettings
-from zmqllm.remote.worker import MAX_KEY_BYTES, RemoteWorker, read_api_key, serve
-from zmqllm.worker.broker_link import RESET, session_key
+from zmqllm.remote.worker import RemoteWorker
+from zmqllm.worker.inbox import Reset, take_in
 
 KEY = "sk-unit-SECRET-31337"
 SETTLE_S = 10.0  # the longest any session here may take to end
@@ -51,11 +54,11 @@ class FakeLink:
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
-        self.inbox: deque[tuple[str, Any]] = deque()
-        self.sent: list[tuple[str, Message]] = []
+        self.inbox: deque[Any] = deque()
+        self.sent: list[tuple[SessionKey | None, Message]] = []
         self.refuse = ""  # when set: why send fails
 
-    def send(self, frames: list[Any], key: str = "") -> str:
+    def send(self, frames: list[Any], key: SessionKey | None = None) -> str:
         if self.refuse:
             return self.refuse
         self.sent.append((key, decode(frames)))
@@ -133,7 +136,7 @@ def ask(
 
 def settle(w: RemoteWorker, session: str = "s1", timeout: float = SETTLE_S) -> list[Message]:
     """Run the broker loop's side until the session is over; what it sent."""
-    key = session_key(session, 1)
+    key = SessionKey(session, 1)
     deadline = time.monotonic() + timeout
     while key in w.tasks:
         assert time.monotonic() < deadline, "the session did not end"
@@ -316,7 +319,7 @@ def test_a_close_of_another_attempt_leaves_the_session(
     up.mode = "slow"
     worker.handle(ask())
     worker.handle(Close(session="s1", attempt=2, request_id="r1"))
-    assert session_key("s1", 1) in worker.tasks
+    assert SessionKey("s1", 1) in worker.tasks
     worker.handle(Close(session="s1", attempt=1, request_id="r1"))
     assert worker.tasks == {}
 
@@ -356,7 +359,7 @@ def test_a_full_worker_refuses_a_session(up: FakeUpstream) -> None:
         w.handle(ask("s1"))
         w.handle(ask("s2"))
         assert only_error(link_of(w).of("s2")).code is ErrorCode.FULL
-        assert list(w.tasks) == [session_key("s1", 1)]
+        assert list(w.tasks) == [SessionKey("s1", 1)]
     finally:
         w.close()
         w.ctx.term()
@@ -408,7 +411,8 @@ def test_a_layer_message_is_refused(worker: RemoteWorker) -> None:
 
 
 def test_a_malformed_message_costs_nothing(worker: RemoteWorker) -> None:
-    worker.handle_frames([b"garbage"])
+    entry = take_in([b"garbage"], worker.faults, "the test")  # as the link takes it in
+    assert entry is None
     assert link_of(worker).sent == []
     assert worker.faults.counts["malformed"] == 1
 
@@ -419,14 +423,14 @@ def test_a_reset_forgets_every_session_but_not_a_new_one(
     up.mode = "slow"
     worker.handle(ask())
     pump_until(worker, 1)  # the upstream stream is open
-    link_of(worker).inbox.append((RESET, "the broker restarted"))
+    link_of(worker).inbox.append(Reset("the broker restarted"))
     worker.drain_inbox()
     assert worker.tasks == {}
     assert up.wait_disconnect(5)
     # The same key, taken anew before the old task's end mark was flushed.
     worker.handle(ask())
     worker.flush_outbox()
-    assert session_key("s1", 1) in worker.tasks
+    assert SessionKey("s1", 1) in worker.tasks
     # It runs on: its pieces go out (the old task's were dropped with it).
     before = len(link_of(worker).of("s1"))
     pump_until(worker, before + 2)
@@ -439,7 +443,7 @@ def test_a_reply_that_cannot_be_encoded_fails_its_session(
     worker.handle(ask())
     pump_until(worker, 1)
     bad = Delta(session="s1", attempt=1, request_id="r1", step=0, text="a\ud800b")
-    worker.send(bad, session_key("s1", 1))
+    worker.send(bad, SessionKey("s1", 1))
     assert worker.tasks == {}
     error = only_error(link_of(worker).of("s1"))
     assert error.code is ErrorCode.INTERNAL
@@ -507,7 +511,7 @@ def test_a_bad_key_file_fails_before_anything_starts(tmp_path: Path) -> None:
 
 
 def test_the_url_may_come_from_a_file(tmp_path: Path) -> None:
-    from zmqllm.remote.worker import read_remote_url
+    from zmqllm.remote.main import read_remote_url
 
     assert read_remote_url("http://u.test/v1") == "http://u.test/v1"
     path = tmp_path / "url"

@@ -27,17 +27,11 @@ from zmqllm.bus.protocol import (
     decode,
     encode,
 )
+from zmqllm.bus.wire_types import SessionKey
 from zmqllm.log import get_logger
-from zmqllm.worker.broker_link import (
-    DELIVER,
-    RESET,
-    BrokerLink,
-    LinkSettings,
-    named_session,
-    session_key,
-    split_key,
-)
+from zmqllm.worker.broker_link import BrokerLink, LinkSettings
 from zmqllm.worker.faults import Faults
+from zmqllm.worker.inbox import Reset, named_key
 
 TIMEOUT = 10.0
 INTERVAL = 0.05
@@ -68,7 +62,7 @@ class Linked:
     def send(self, frames: list[Any]) -> None:
         self.router.send_multipart([self.identity, *frames])
 
-    def from_link(self, pump: bool = True) -> tuple[str, Any]:
+    def from_link(self, pump: bool = True) -> Any:
         """The next event for the compute loop: pumped by the test, or (``pump=False``)
         taken in by the keeper."""
         return next_event(self.link, pump)
@@ -78,7 +72,7 @@ class Linked:
         self.send(encode(Registered(worker_id="w", boot="b1")))
 
 
-def next_event(link: BrokerLink, pump: bool = True) -> tuple[str, Any]:
+def next_event(link: BrokerLink, pump: bool = True) -> Any:
     deadline = time.monotonic() + TIMEOUT
     while not link.inbox:
         assert time.monotonic() < deadline, "nothing from the link"
@@ -119,11 +113,11 @@ def linked() -> Iterator[Linked]:
 
 
 def test_keys_name_one_try_of_one_session() -> None:
-    assert split_key(session_key("chat-1_x", 3)) == ("chat-1_x", 3)
-    assert named_session({"session": "s", "attempt": 2, "request_id": "r"}) == ("s", 2, "r")
-    assert named_session({"session": "s", "request_id": "bad id"}) == ("s", 0, "")
+    assert SessionKey.of(Step(session="chat-1_x", attempt=3, token=1)) == ("chat-1_x", 3)
+    assert named_key({"session": "s", "attempt": 2, "request_id": "r"}) == (SessionKey("s", 2), "r")
+    assert named_key({"session": "s", "request_id": "bad id"}) == (SessionKey("s", 0), "")
     for bad in ({"session": "a/b"}, {"session": "s", "attempt": -1}, {"session": 5}, {}):
-        assert named_session(bad) is None
+        assert named_key(bad) is None
 
 
 def test_heartbeats_go_on_while_the_compute_loop_reads_nothing(linked: Linked) -> None:
@@ -147,9 +141,7 @@ def test_session_messages_go_to_the_compute_loop_whole(linked: Linked, pump: boo
     hidden = np.arange(128, dtype=np.float32).reshape(2, 64)
     act = Activation(session="s", attempt=1, step=0, hidden=Payload(hidden, "float32"))
     linked.send(encode(act))
-    kind, frames = linked.from_link(pump)
-    assert kind == DELIVER
-    got = decode(frames)
+    got = linked.from_link(pump)  # delivered decoded
     assert isinstance(got, Activation) and got.attempt == 1
     np.testing.assert_array_equal(got.hidden.array, hidden)
 
@@ -158,7 +150,7 @@ def test_results_go_to_the_broker_from_the_compute_loop(linked: Linked) -> None:
     linked.registered()
     step = Step(session="s", step=1, token=5)
     with linked.link.lock:
-        assert linked.link.send(encode(step), "s/0") == ""
+        assert linked.link.send(encode(step), SessionKey("s", 0)) == ""
     while not isinstance(msg := linked.recv(), Step):
         assert isinstance(msg, Heartbeat)
     assert msg.token == 5
@@ -168,17 +160,15 @@ def test_an_over_long_message_is_dropped_and_the_next_one_delivered(linked: Link
     linked.registered()
     linked.send([b"x"] * (MAX_FRAMES + 100))
     linked.send(encode(Step(session="s", step=1, token=5)))
-    kind, frames = linked.from_link()
-    assert kind == DELIVER
-    assert isinstance(decode(frames), Step)
+    assert isinstance(linked.from_link(), Step)
     assert linked.link.faults.count("malformed") == 1
 
 
 def test_disconnect_resets_the_sessions_and_registers_again(linked: Linked) -> None:
     linked.registered()
     linked.send(encode(Disconnect(reason="unknown worker")))
-    kind, reason = linked.from_link()
-    assert kind == RESET and "unknown worker" in reason
+    event = linked.from_link()
+    assert isinstance(event, Reset) and "unknown worker" in event.reason
     while not isinstance(msg := linked.recv(), Register):
         assert isinstance(msg, Heartbeat)
 
@@ -213,8 +203,8 @@ def test_a_message_that_cannot_be_queued_fails_its_session(
 def test_a_silent_broker_is_left_and_rejoined() -> None:
     with linked_to_a_router(liveness=3) as linked:
         linked.registered()
-        kind, reason = linked.from_link(pump=False)  # no word: gone after 3 intervals
-        assert kind == RESET and "no word" in reason
+        event = linked.from_link(pump=False)  # no word: gone after 3 intervals
+        assert isinstance(event, Reset) and "no word" in event.reason
         # A fresh socket registers again (after the heartbeats the broker never read).
         while not isinstance(msg := linked.recv(), Register):
             assert isinstance(msg, Heartbeat)

@@ -14,12 +14,12 @@ import zmq
 from zmqllm.bus.keys import PeerKeys
 from zmqllm.bus.messages import Activation, Step
 from zmqllm.bus.protocol import decode, encode
-from zmqllm.bus.wire_types import Payload
+from zmqllm.bus.wire_types import Payload, SessionKey
 from zmqllm.config.settings import ConfigError
 from zmqllm.log import get_logger
 from zmqllm.worker import peer_link
 from zmqllm.worker.faults import Faults
-from zmqllm.worker.peer_link import PeerLink, PeerRoute, peer_bind
+from zmqllm.worker.peer_link import PeerLink, PeerMessage, PeerRoute, peer_bind
 
 HIDDEN = Payload(np.arange(8, dtype=np.float32).reshape(2, 4), "float32")
 
@@ -97,11 +97,11 @@ def test_messages_arrive_with_the_sender_id_and_only_the_named_sender_is_accepte
         assert a.send(endpoint, encode(Step(session="s", attempt=1, step=4, token=9)))
         assert not a.send("tcp://127.0.0.1:1", encode(act))  # no link there: the broker's
         got = receive_all(b, 2)
-        assert [(sender, user) for sender, user, _ in got] == [("w-a", None)] * 2
-        first = decode(got[0][2])
+        assert [(m.sender, m.user) for m in got] == [("w-a", None)] * 2
+        first = got[0].entry  # decoded once, as received
         assert isinstance(first, Activation) and first.step == 3
         assert np.array_equal(first.hidden.array, HIDDEN.array)
-        assert isinstance(decode(got[1][2]), Step)
+        assert isinstance(got[1].entry, Step)
         route = PeerRoute(next_peer="", prev="w-a", prev_key="")
         assert PeerLink.accepts(route, "w-a", None)
         assert not PeerLink.accepts(route, "w-x", None)
@@ -131,7 +131,7 @@ def test_curve_peer_links_admit_only_keys_the_broker_named(
         got = receive_all(b, 2, timeout=1.5)
         # Only a's message, stamped with a's key; x's handshake is refused once it has
         # waited ZAP_HOLD_S for an OPEN naming its key.
-        assert [(s, u) for s, u, _ in got] == [("w-a", ka.public.decode())]
+        assert [(m.sender, m.user) for m in got] == [("w-a", ka.public.decode())]
         assert b.zap is not None
         deadline = time.monotonic() + peer_link.ZAP_HOLD_S + 2
         while not b.zap.denied.counts.get(peer_link.PEERS) and time.monotonic() < deadline:
@@ -149,15 +149,18 @@ def test_messages_held_for_an_open_are_bounded(
     b = link(ctxs, "w-b")
     monkeypatch.setattr(peer_link, "EARLY_MAX", 3)
     frames = [zmq.Frame(f) for f in encode(Step(session="s", token=1))]
+    size = sum(len(f.buffer) for f in frames)
+    msg = PeerMessage("w-a", None, decode(frames), size)
     for i in range(5):
-        b.hold(f"s{i % 2}/0", "w-a", None, frames)
+        b.hold(SessionKey(f"s{i % 2}", 0), msg)
     assert len(b.early) == 3 and b.faults.count("peer_refused") == 2
-    assert [m[0] for m in b.take_held("s0/0")] == ["w-a", "w-a"]
-    assert [e[0] for e in b.early] == ["s1/0"] and b.take_held("s0/0") == []
+    assert [m[0] for m in b.take_held(SessionKey("s0", 0))] == ["w-a", "w-a"]
+    assert [e[0] for e in b.early] == [SessionKey("s1", 0)]
+    assert b.take_held(SessionKey("s0", 0)) == []
     b.expire(time.monotonic() + peer_link.EARLY_S + 1)
     assert not b.early and b.early_bytes == 0
     monkeypatch.setattr(peer_link, "EARLY_BYTES", 10)
-    b.hold("s2/0", "w-a", None, frames)  # larger than all the room there is
+    b.hold(SessionKey("s2", 0), msg)  # larger than all the room there is
     assert not b.early and b.faults.count("peer_refused") == 3
 
 
@@ -191,7 +194,7 @@ def test_a_link_whose_key_is_named_late_gets_through_once_it_is(
         b.expect(ka.public.decode())
         assert send_when_linked(a, endpoint, Step(session="s", token=1))
         got = receive_all(b, 1, timeout=5.0)
-        assert [(s, u) for s, u, _ in got] == [("w-a", ka.public.decode())]
+        assert [(m.sender, m.user) for m in got] == [("w-a", ka.public.decode())]
     finally:
         a.close()
         b.close()

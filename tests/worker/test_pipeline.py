@@ -613,9 +613,9 @@ def test_a_step_for_a_session_still_in_prefill_is_refused(setup: Setup) -> None:
     stepped = threading.Event()
     deliver, run = worker.link._deliver, worker.stage.run
 
-    def deliver_noting_steps(head: dict[str, Any], frames: Any) -> None:
-        deliver(head, frames)
-        if head["type"] == "step":
+    def deliver_noting_steps(entry: Any) -> None:
+        deliver(entry)
+        if isinstance(entry, Step):
             stepped.set()
 
     def run_after_the_step() -> list[Output]:

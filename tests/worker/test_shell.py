@@ -31,8 +31,10 @@ from zmqllm.bus.protocol import (
     decode,
     encode,
 )
+from zmqllm.bus.wire_types import SessionKey
 from zmqllm.config.settings import Config
-from zmqllm.worker.broker_link import DELIVER, REFUSED, RESET, LinkLost, session_key
+from zmqllm.worker.broker_link import LinkLost
+from zmqllm.worker.inbox import Refusal, Reset, take_in
 from zmqllm.worker.shell import (
     Handler,
     WorkerShell,
@@ -51,7 +53,7 @@ REGISTER = Register(
     version="t",
     fingerprint="f",
 )
-KEY = session_key("s1", 1)
+KEY = SessionKey("s1", 1)
 
 
 class FakeLink:
@@ -59,13 +61,13 @@ class FakeLink:
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
-        self.inbox: deque[tuple[str, Any]] = deque()
-        self.sent: list[tuple[str, Message]] = []
+        self.inbox: deque[Any] = deque()
+        self.sent: list[tuple[SessionKey | None, Message]] = []
         self.published: list[dict[str, Any]] = []
         self.refuse = ""
         self.up = True
 
-    def send(self, frames: list[Any], key: str = "") -> str:
+    def send(self, frames: list[Any], key: SessionKey | None = None) -> str:
         if self.refuse:
             return self.refuse
         self.sent.append((key, decode(frames)))
@@ -88,7 +90,7 @@ class StepWorker(WorkerShell):
 
     def __init__(self, cfg: Config, ctx: zmq.Context[Any]) -> None:
         super().__init__(cfg, "test", REGISTER, context=ctx)
-        self.open: set[str] = {KEY}
+        self.open: set[SessionKey] = {KEY}
         self.steps: list[Step] = []
         self.turns: list[str] = []  # what each turn does: "ok", "raise", "lost"
         self.closed = False
@@ -106,7 +108,7 @@ class StepWorker(WorkerShell):
     def sessions(self) -> int:
         return len(self.open)
 
-    def close_session(self, key: str) -> bool:
+    def close_session(self, key: SessionKey) -> bool:
         if key not in self.open:
             return False
         self.open.discard(key)
@@ -146,6 +148,13 @@ def worker() -> Iterator[StepWorker]:
 def link_of(w: StepWorker) -> FakeLink:
     assert isinstance(w.link, FakeLink)
     return w.link
+
+
+def deliver(w: StepWorker, frames: list[Any]) -> None:
+    """As a link takes a message in: decoded once, then dispatched by the shell."""
+    entry = take_in(frames, w.faults, "the test")
+    if entry is not None:
+        w.dispatch(entry)
 
 
 def step(token: int = 5, session: str = "s1") -> Step:
@@ -195,13 +204,13 @@ def test_host_name_is_one_register_takes() -> None:
 
 # -- the dispatch tables ------------------------------------------------------------------
 def test_a_message_goes_to_the_handler_its_type_names(worker: StepWorker) -> None:
-    worker.handle_frames(encode(step()))
+    deliver(worker, encode(step()))
     assert [s.token for s in worker.steps] == [5] and link_of(worker).sent == []
 
 
 def test_an_unknown_message_type_is_dropped_and_counted_not_raised(worker: StepWorker) -> None:
     worker.handle(Heartbeat())
-    worker.handle_frames(encode(Cached(session="s1", attempt=1, request_id="r1", tokens=4)))
+    deliver(worker, encode(Cached(session="s1", attempt=1, request_id="r1", tokens=4)))
     assert worker.faults.count("unexpected") == 2
     assert link_of(worker).sent == [] and worker.open == {KEY}  # its session lives on
 
@@ -214,17 +223,17 @@ def test_close_and_cancel_are_the_shells(worker: StepWorker, kind: type[Close | 
 
 
 def test_a_handler_that_raises_costs_its_session_alone(worker: StepWorker) -> None:
-    worker.open.add(session_key("s2", 1))
-    worker.handle_frames(encode(step(666)))
+    worker.open.add(SessionKey("s2", 1))
+    deliver(worker, encode(step(666)))
     (err,) = link_of(worker).errors()
     assert (err.session, err.code) == ("s1", ErrorCode.INTERNAL) and "RuntimeError" in err.message
-    assert worker.open == {session_key("s2", 1)} and worker.faults.count("internal") == 1
-    worker.handle_frames(encode(step(5, "s2")))
+    assert worker.open == {SessionKey("s2", 1)} and worker.faults.count("internal") == 1
+    deliver(worker, encode(step(5, "s2")))
     assert [s.session for s in worker.steps] == ["s2"]
 
 
 def test_a_bad_message_answers_bad_request(worker: StepWorker) -> None:
-    worker.handle_frames(encode(step(13)))
+    deliver(worker, encode(step(13)))
     (err,) = link_of(worker).errors()
     assert err.code is ErrorCode.BAD_REQUEST and "unlucky" in err.message
     assert worker.faults.count("bad_request") == 1 and worker.open == set()
@@ -243,8 +252,8 @@ def test_an_undecodable_message_is_counted_and_by_default_fails_nothing(
 ) -> None:
     with pytest.raises(ProtocolError):
         decode(undecodable())
-    worker.handle_frames(undecodable())
-    worker.handle_frames([b"\xc1"])
+    deliver(worker, undecodable())
+    deliver(worker, [b"\xc1"])
     assert worker.faults.count("malformed") == 2
     assert link_of(worker).sent == [] and worker.open == {KEY}
 
@@ -253,8 +262,8 @@ def test_an_undecodable_message_fails_the_session_it_names_when_asked(
     worker: StepWorker,
 ) -> None:
     worker.refuses_undecodable = True
-    worker.handle_frames(undecodable())
-    worker.handle_frames([b"\xc1"])  # names no session: nothing to fail
+    deliver(worker, undecodable())
+    deliver(worker, [b"\xc1"])  # names no session: nothing to fail
     (err,) = link_of(worker).errors()
     assert (err.session, err.attempt, err.code) == ("s1", 1, ErrorCode.BAD_REQUEST)
     assert worker.open == set()
@@ -262,10 +271,10 @@ def test_an_undecodable_message_fails_the_session_it_names_when_asked(
 
 def test_the_inbox_goes_by_its_table(worker: StepWorker) -> None:
     link = link_of(worker)
-    link.inbox.extend([(DELIVER, encode(step())), (RESET, "the broker restarted")])
+    link.inbox.extend([decode(encode(step())), Reset("the broker restarted")])
     worker.drain_inbox()
     assert len(worker.steps) == 1 and worker.open == set() and not link.inbox
-    link.inbox.append((REFUSED, "another model"))
+    link.inbox.append(Refusal("another model"))
     with pytest.raises(Exception, match="another model") as refused:
         worker.drain_inbox()
     assert type(refused.value).__name__ == "WorkerRefused"
@@ -304,7 +313,7 @@ def test_a_dead_link_ends_the_loop_with_status_1(worker: StepWorker) -> None:
 
 
 def test_a_refusal_ends_the_loop_with_status_3(worker: StepWorker) -> None:
-    link_of(worker).inbox.append((REFUSED, "another model"))
+    link_of(worker).inbox.append(Refusal("another model"))
 
     def refused_turn() -> None:
         worker.drain_inbox()

@@ -264,7 +264,7 @@ class Broker:
                         f"protocol version {exc.version} differs from the broker's "
                         f"{PROTOCOL_VERSION}: run the same zmqllm release on both"
                     )
-                    self.send([Out(True, identity, Refused(reason=why))])
+                    self.send([Out.to_worker(identity, Refused(reason=why))])
                 continue
             except ProtocolError as exc:
                 self._status_body = None
@@ -301,7 +301,7 @@ class Broker:
                 err = Error.of(
                     ErrorCode.INTERNAL, "internal error", session, request_id=msg.request_id
                 )
-                self.send([Out(False, identity, err)])
+                self.send([Out.to_client(identity, err)])
         except Exception as exc:
             self.drops.error("fail-session", exc)
 
@@ -330,7 +330,7 @@ class Broker:
                     f"stopped answering for {silent:.1f}s",
                 )
             else:
-                self.send([Out(True, w.identity, frames=beat)])
+                self.send([Out.to_worker(w.identity, frames=beat)])
 
     def _revoke(self, now: float) -> None:
         """After a key file was removed: its workers are refused and removed, its
@@ -346,7 +346,9 @@ class Broker:
             self.send(self.table.client_lost(client, ErrorCode.CANCELLED, "key revoked", now))
         for w in list(self.registry.workers.values()):
             if not self.auth.admits(WORKERS, w.key):
-                self.send([Out(True, w.identity, Refused(reason="this worker's key was revoked"))])
+                self.send(
+                    [Out.to_worker(w.identity, Refused(reason="this worker's key was revoked"))]
+                )
                 self.remove_worker(
                     w, f"worker {w.worker_id} (layers {w.start}:{w.end}): key revoked"
                 )
@@ -361,7 +363,7 @@ class Broker:
         while todo:
             out = todo.popleft()
             frames = out.frames if out.frames is not None else encode(out.msg)  # type: ignore[arg-type]
-            sock = self.backend if out.to_worker else self.frontend
+            sock = self.backend if out.for_worker else self.frontend
             try:
                 sock.send_multipart([out.identity, *frames], copy=False, flags=zmq.NOBLOCK)
                 continue
@@ -369,7 +371,7 @@ class Broker:
                 error = exc
             now = time.monotonic()
             slow = error.errno == zmq.EAGAIN
-            if out.to_worker:
+            if out.for_worker:
                 w = self.registry.by_identity.get(out.identity)
                 if w is not None:
                     why = "not reading (queue full)" if slow else "unreachable"
@@ -400,7 +402,7 @@ class Broker:
         session = getattr(msg, "session", "")
         text = f"a client cannot send {msg.TYPE.value}"
         reply = Error.of(ErrorCode.BAD_REQUEST, text, session, request_id=msg.request_id)
-        self.send([Out(False, client, reply)])
+        self.send([Out.to_client(client, reply)])
 
     def _client_open(self, client: bytes, msg: Open | Ask, frames: list[Any], now: float) -> None:
         if self.auth is not None:
@@ -413,10 +415,10 @@ class Broker:
     def _client_heartbeat(
         self, client: bytes, msg: Heartbeat, frames: list[Any], now: float
     ) -> None:
-        self.send([Out(False, client, Heartbeat(boot=self.boot))])
+        self.send([Out.to_client(client, Heartbeat(boot=self.boot))])
 
     def _client_status(self, client: bytes, msg: Status, frames: list[Any], now: float) -> None:
-        self.send([Out(False, client, self._status_reply(msg.request_id, now))])
+        self.send([Out.to_client(client, self._status_reply(msg.request_id, now))])
 
     # -- workers ---------------------------------------------------------------
     def on_worker_message(self, identity: bytes, msg: Message, frames: list[Any]) -> None:
@@ -434,7 +436,7 @@ class Broker:
             self.drops.drop("backend:unknown_peer", type=msg.TYPE.value)
             if isinstance(msg, Heartbeat):
                 reply = Disconnect(reason="unknown worker: register again")
-                self.send([Out(True, identity, reply)])
+                self.send([Out.to_worker(identity, reply)])
             return
         now = time.monotonic()
         w.last_seen = now
@@ -482,7 +484,7 @@ class Broker:
             reason = claim_refusal(claims, reg.served, reg.start, reg.end) if claims else None
         if reason:
             self.drops.drop("backend:refused", why=reason)
-            self.send([Out(True, identity, Refused(reason=reason))])
+            self.send([Out.to_worker(identity, Refused(reason=reason))])
             return
         now = time.monotonic()
         old = self.registry.by_identity.get(identity)
@@ -491,7 +493,7 @@ class Broker:
         try:
             w = self.registry.add(identity, reg)
         except RegistryError as exc:  # refusal() said yes, but the state moved meanwhile
-            self.send([Out(True, identity, Refused(reason=str(exc)))])
+            self.send([Out.to_worker(identity, Refused(reason=str(exc)))])
             return
         w.key = key
         log.info(
@@ -503,7 +505,7 @@ class Broker:
             capacity=w.capacity,
             max_kv_tokens=w.max_kv_tokens,
         )
-        out = [Out(True, identity, Registered(worker_id=w.worker_id, boot=self.boot))]
+        out = [Out.to_worker(identity, Registered(worker_id=w.worker_id, boot=self.boot))]
         self.send(out + self.table.dispatch(now))
 
     def remove_worker(self, w: WorkerEntry, reason: str) -> None:

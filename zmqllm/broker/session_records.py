@@ -19,12 +19,23 @@ Key = tuple[bytes, str]  # (client routing id, client's session id)
 @dataclass(frozen=True, slots=True)
 class Out:
     """One message to send: to a worker (by routing id) or a client; ``frames`` are
-    pre-encoded frames forwarded as received (activations)."""
+    pre-encoded frames forwarded as received (activations). Made by ``to_worker`` or
+    ``to_client``, which name the socket it leaves on."""
 
-    to_worker: bool
+    for_worker: bool  # True: the backend socket; False: the frontend
     identity: bytes
     msg: Message | None = None
     frames: Sequence[Any] | None = None
+
+    @classmethod
+    def to_worker(
+        cls, identity: bytes, msg: Message | None = None, *, frames: Sequence[Any] | None = None
+    ) -> Out:
+        return cls(True, identity, msg, frames)
+
+    @classmethod
+    def to_client(cls, identity: bytes, msg: Message) -> Out:
+        return cls(False, identity, msg)
 
 
 @dataclass

@@ -217,7 +217,7 @@ class SessionTable:
         if isinstance(p.open, Ask):
             # The client's ASK under the wire id workers know the session by.
             ask = dataclasses.replace(p.open, session=wire, attempt=p.attempts, step=0)
-            return [Out(True, route[0].identity, ask)]
+            return [Out.to_worker(route[0].identity, ask)]
         out: list[Out] = []
         n = len(route)
         for w in route:
@@ -251,7 +251,7 @@ class SessionTable:
                 prev=prev.worker_id if peered else "",
                 prev_key=prev.key if peered else "",
             )
-            out.append(Out(True, route[i].identity, stage_open))
+            out.append(Out.to_worker(route[i].identity, stage_open))
         return out
 
     # -- workers ---------------------------------------------------------------
@@ -271,7 +271,7 @@ class SessionTable:
             return []  # from the last stage (a worker's bug), or the next one just left
         s.last_active = now
         self.stats.relayed += 1
-        return [Out(True, nxt.identity, frames=frames)]
+        return [Out.to_worker(nxt.identity, frames=frames)]
 
     def on_cached(self, w: WorkerEntry, msg: Cached, now: float) -> list[Out]:
         """A later stage says how much of the prompt it holds: stage 0 is told."""
@@ -283,7 +283,7 @@ class SessionTable:
             return []
         s.last_active = now
         told = Cached(session=s.wire, attempt=s.attempt, request_id=s.request_id, tokens=msg.tokens)
-        return [Out(True, stage0.identity, told)]
+        return [Out.to_worker(stage0.identity, told)]
 
     def on_token(self, w: WorkerEntry, msg: Token, now: float) -> list[Out]:
         s = self._session_of(w, msg.session, msg.attempt)
@@ -298,7 +298,7 @@ class SessionTable:
             logprob_ids=msg.logprob_ids,
             logprobs=msg.logprobs,
         )
-        to_client = Out(False, s.key[0], token)
+        to_client = Out.to_client(s.key[0], token)
         if msg.finish is not None:
             return [to_client, *self._finished(s, msg.finish.value, now)]
         stage0 = self.registry.workers.get(s.route[0])
@@ -307,7 +307,7 @@ class SessionTable:
         step = Step.following(msg, s.request_id)  # (msg names s: see _session_of)
         self.stats.relayed += 1
         # The next step first: stage 0 computes while the token goes on to the client.
-        return [Out(True, stage0.identity, step), to_client]
+        return [Out.to_worker(stage0.identity, step), to_client]
 
     def on_delta(self, w: WorkerEntry, msg: Delta, now: float) -> list[Out]:
         """A text worker's next piece: to the client; the worker drives its own steps."""
@@ -321,7 +321,7 @@ class SessionTable:
             prompt_tokens=msg.prompt_tokens,
             completion_tokens=msg.completion_tokens,
         )
-        out = [Out(False, s.key[0], delta)]
+        out = [Out.to_client(s.key[0], delta)]
         return out if msg.finish is None else out + self._finished(s, msg.finish, now)
 
     def _advance(self, s: Session, now: float) -> dict[str, Any]:
@@ -418,7 +418,7 @@ class SessionTable:
         self.registry.release(s.route, s.wire, s.request.max_len)
         close = Close(session=s.wire, attempt=s.attempt, request_id=s.request_id)
         return [
-            Out(True, w.identity, close)
+            Out.to_worker(w.identity, close)
             for wid in s.route
             if (w := self.registry.workers.get(wid)) is not None
         ]
@@ -455,4 +455,4 @@ class SessionTable:
 
     @staticmethod
     def _to_client(client: bytes, session: str, request_id: str, code: ErrorCode, text: str) -> Out:
-        return Out(False, client, Error.of(code, text, session, request_id=request_id))
+        return Out.to_client(client, Error.of(code, text, session, request_id=request_id))

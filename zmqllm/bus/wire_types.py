@@ -15,7 +15,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -30,6 +30,7 @@ __all__ = [
     "Check",
     "Payload",
     "ProtocolError",
+    "SessionKey",
     "WireField",
     "curve_key",
     "endpoint",
@@ -57,6 +58,23 @@ MAX_DIMS = 4
 # Ids a client supplies (sessions, requests): short and safe to log and to key tables by.
 MAX_ID_LEN = 64
 ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+class SessionKey(NamedTuple):
+    """One try of one client session (two ids a session message carries): what a worker
+    keys its sessions by, each try apart, so a replay never meets the try it replaces."""
+
+    session: str
+    attempt: int
+
+    @classmethod
+    def of(cls, msg: Any) -> SessionKey:
+        """The key of a session message (any message with ``session`` and ``attempt``)."""
+        return cls(msg.session, msg.attempt)
+
+    def __str__(self) -> str:
+        return f"{self.session}/{self.attempt}"  # how logs name it
+
 
 # Wire dtype name -> numpy dtype. Little-endian on the wire. numpy has no bfloat16: its raw
 # 2-byte words travel as a uint16 array under the wire name "bfloat16".

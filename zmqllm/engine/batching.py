@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from zmqllm.bus.wire_types import SessionKey
 from zmqllm.engine.micro_batches import Arrivals, Member, MicroBatches
 
 if TYPE_CHECKING:
@@ -46,12 +47,12 @@ COALESCE_MAX_S = 0.25
 
 # (session key, request id, reason): work refused before or after a forward; the
 # socket side reports and closes those sessions. One bad session must not fail a batch.
-Refusal = tuple[str, str, str]
+Refusal = tuple[SessionKey, str, str]
 
 
 @dataclass
 class SessionState:
-    id: str
+    id: SessionKey
     request_id: str
     max_tokens: int
     sampling: SamplingParams
@@ -110,7 +111,7 @@ class Scheduler:
 
     def __init__(
         self,
-        sessions: dict[str, SessionState],
+        sessions: dict[SessionKey, SessionState],
         prefill_chunk: int,
         first: bool = False,
         micro: MicroBatches | None = None,
@@ -174,13 +175,13 @@ class Scheduler:
         """A STEP or ACTIVATION came (valid or not): count it towards its group."""
         self.arrivals.note(group, time.monotonic() if now is None else now)
 
-    def plan(self, now: float) -> tuple[frozenset[str] | None, float]:
+    def plan(self, now: float) -> tuple[frozenset[SessionKey] | None, float]:
         """The sessions the next forward may take (None: any, off stage 0 or with one
         group) and, when it may take none, how long the ready work waits for the group
         it is to join."""
         if not self.first or self.micro.groups == 1:
             return None, 0.0
-        arrived: dict[str, float] = {}
+        arrived: dict[SessionKey, float] = {}
         for w in self.ready:
             arrived.setdefault(w.session.id, w.ready_at)
         routes: dict[str, list[Member]] = {}
@@ -193,7 +194,7 @@ class Scheduler:
             routes.setdefault(s.next_hop, []).append(member)
             stages[s.next_hop] = max(stages.get(s.next_hop, 1), s.stages)
         limit = self.micro.hold_limit(self.last_forward_s)
-        allowed: set[str] = set()
+        allowed: set[SessionKey] = set()
         waits: list[float] = []
         for hop, members in routes.items():
             share = self.micro.share(members, stages[hop], now, limit)
@@ -217,7 +218,7 @@ class Scheduler:
         that would overflow its cache is dropped into ``refused``."""
         allowed, _ = self.plan(time.monotonic() if now is None else now)
         batch: list[Work] = []
-        seen: set[str] = set()
+        seen: set[SessionKey] = set()
         later: deque[Work] = deque()
         budget = self.prefill_chunk
         while self.ready:

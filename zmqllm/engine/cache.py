@@ -8,6 +8,7 @@ with is measured here too (resident memory, or the cuda allocator's).
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -113,16 +114,16 @@ class CachePool:
         self.device = device
         self.max_sessions = max_sessions
         self.max_tokens = max_tokens
-        self._caches: dict[str, KVCache] = {}
+        self._caches: dict[Hashable, KVCache] = {}
         self._reserved = 0
 
-    def __contains__(self, session: str) -> bool:
+    def __contains__(self, session: Hashable) -> bool:
         return session in self._caches
 
     def __len__(self) -> int:
         return len(self._caches)
 
-    def get(self, session: str) -> KVCache:
+    def get(self, session: Hashable) -> KVCache:
         return self._caches[session]
 
     def can_admit(self, max_len: int) -> bool:
@@ -133,7 +134,7 @@ class CachePool:
     def reserved(self) -> int:
         return self._reserved
 
-    def allocate(self, session: str, max_len: int) -> KVCache:
+    def allocate(self, session: Hashable, max_len: int) -> KVCache:
         if session in self._caches:
             raise ValueError(f"session {session!r} already has a cache")
         if max_len > self.args.max_position_embeddings:
@@ -165,7 +166,7 @@ class CachePool:
         self._reserved += max_len
         return cache
 
-    def free(self, session: str) -> bool:
+    def free(self, session: Hashable) -> bool:
         """Drop a session's cache; False if it had none (closing twice is harmless)."""
         cache = self._caches.pop(session, None)
         if cache is None:

@@ -28,6 +28,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from zmqllm.bus.wire_types import SessionKey
+
 __all__ = [
     "GROUP_WAIT_S",
     "HOLD_MAX_S",
@@ -92,7 +94,7 @@ class Arrivals:
 class Member:
     """One session of a route at stage 0, as the planner sees it."""
 
-    id: str
+    id: SessionKey
     group: int  # the stage-0 forward it last went in (-1: none yet)
     # Since when it has work here: its decode step came, or its prompt (the rest of it)
     # could run; None: none is here.
@@ -105,7 +107,7 @@ class Share:
     """A route's share of the next forward: the sessions to run (in order), or, when
     none, how long to wait for the group that comes back next (0: nothing to run)."""
 
-    run: tuple[str, ...]
+    run: tuple[SessionKey, ...]
     wait: float = 0.0
 
 

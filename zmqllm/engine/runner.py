@@ -16,6 +16,7 @@ import torch
 
 from zmqllm.bus.messages import Finish
 from zmqllm.bus.sampling_params import NO_LOGPROBS
+from zmqllm.bus.wire_types import SessionKey
 from zmqllm.engine.batching import Refusal, Work
 from zmqllm.engine.cache import CachePool, bytes_free, is_out_of_memory
 from zmqllm.engine.model import MistralShard, Segment
@@ -40,14 +41,14 @@ def _bytes_asked(exc: BaseException) -> int | None:
 class BatchFailed(RuntimeError):
     """A forward raised; ``keys`` are the sessions that were in its batch."""
 
-    def __init__(self, keys: list[str], cause: BaseException) -> None:
+    def __init__(self, keys: list[SessionKey], cause: BaseException) -> None:
         super().__init__(f"forward of {len(keys)} sessions failed: {type(cause).__name__}")
         self.keys = keys
 
 
 @dataclass
 class Output:
-    session: str
+    session: SessionKey
     request_id: str
     step: int
     final: bool

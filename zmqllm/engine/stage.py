@@ -7,7 +7,7 @@ to a token budget); its :class:`~zmqllm.engine.runner.ModelRunner` runs that as 
 batched forward over the shard. Sessions join and leave between calls of
 :meth:`Stage.run`.
 
-Sessions are keyed by an opaque string (the worker uses ``"<session>/<attempt>"``).
+Sessions are keyed by a :class:`~zmqllm.bus.wire_types.SessionKey` (session, attempt).
 Work is validated when it arrives, before any tensor op sees it: a token id outside the
 vocabulary, a hidden state of the wrong shape or dtype, a step out of order or for an
 unknown session raises :class:`BadWork`, which costs that session alone. A forward that
@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from zmqllm.bus.prefix import PREFIX_BLOCK, prefix_blocks
+from zmqllm.bus.wire_types import SessionKey
 from zmqllm.engine.batching import Refusal, Scheduler, SessionState, Work
 from zmqllm.engine.cache import (
     CacheFullError,
@@ -77,7 +78,7 @@ class Stage:
         self._fixed_bytes = memory_in_use(shard.device) if max_memory_mb else 0
         self.prefixes = PrefixStore() if prefix_cache else None
         self.grammar_tokenizer = grammar_tokenizer
-        self.sessions: dict[str, SessionState] = {}
+        self.sessions: dict[SessionKey, SessionState] = {}
         # micro_batches: groups of sessions in flight per route (0: one per stage).
         self.scheduler = Scheduler(
             self.sessions, prefill_chunk, shard.is_first, MicroBatches(micro_batches)
@@ -117,7 +118,7 @@ class Stage:
     # -- session control ------------------------------------------------------
     def open(
         self,
-        session: str,
+        session: SessionKey,
         request_id: str,
         max_len: int,
         max_tokens: int,
@@ -212,7 +213,7 @@ class Stage:
                 f"{need >> 20} MiB for this session > max_memory_mb {self.max_memory >> 20}"
             )
 
-    def cached(self, session: str, tokens: int) -> None:
+    def cached(self, session: SessionKey, tokens: int) -> None:
         """Stage 0: a later stage holds ``tokens`` of the session's prompt; once every
         later stage has said, the prompt starts after the least of them."""
         if not self.shard.is_first:
@@ -233,7 +234,7 @@ class Stage:
         if self.prefixes is not None and s.chain:
             self.prefixes.stats.hit_tokens += s.held
 
-    def close(self, session: str) -> bool:
+    def close(self, session: SessionKey) -> bool:
         s = self.sessions.pop(session, None)
         self.pool.free(session)
         if s is not None:
@@ -244,7 +245,7 @@ class Stage:
         for sid in list(self.sessions):
             self.close(sid)
 
-    def step(self, session: str, step: int, token: int) -> None:
+    def step(self, session: SessionKey, step: int, token: int) -> None:
         """Stage 0: the next decode step of a session (its previous token)."""
         s = self._known(session)
         if not self.shard.is_first:
@@ -259,7 +260,7 @@ class Stage:
         self.scheduler.add(Work(s, step, torch.tensor([token], dtype=torch.long), True))
 
     def activation(
-        self, session: str, step: int, hidden: torch.Tensor, final: bool, prefix: int = 0
+        self, session: SessionKey, step: int, hidden: torch.Tensor, final: bool, prefix: int = 0
     ) -> None:
         """Later stages: hidden states from the previous stage ([n, hidden] on the CPU, a
         view on the received frame: only read, and moved to the shard's device and dtype
@@ -298,7 +299,7 @@ class Stage:
         hidden = hidden.to(device=self.shard.device, dtype=self.shard.dtype)
         self.scheduler.add(Work(s, step, hidden, final))
 
-    def _known(self, session: str) -> SessionState:
+    def _known(self, session: SessionKey) -> SessionState:
         s = self.sessions.get(session)
         if s is None:
             raise BadWork("no such session on this stage")
@@ -360,7 +361,7 @@ class Stage:
 
     def warmup(self) -> None:
         """One small forward through the shard, so the first request is not slow."""
-        sid = "__warmup__"
+        sid = SessionKey("__warmup__", 0)
         prompt = np.asarray([1, 2], np.int32) if self.shard.is_first else None
         self.open(sid, "", 8, 1, SamplingParams(), frozenset(), prompt)
         try:

@@ -10,8 +10,8 @@ upstream stream per session (``upstream.Upstream``).
 
 Messages cross between the two through ``outbox`` (the stream tasks append, the loop
 sends); CLOSE, CANCEL and a broker reset cancel the session's task, which closes its
-upstream connection. The upstream key is read from a file, sent only to the upstream,
-and never logged nor put in REGISTER.
+upstream connection. The upstream key (read from its file by ``main.py``, which starts
+this worker) goes only to the upstream, never to a log nor into REGISTER.
 """
 
 from __future__ import annotations
@@ -19,13 +19,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import dataclasses
 import functools
 import os
 import platform
 import threading
 from collections import deque
-from pathlib import Path
 from typing import Any
 
 import zmq
@@ -43,22 +41,20 @@ from zmqllm.bus.protocol import (
     ProtocolError,
     Register,
 )
-from zmqllm.config.names import NAME_RULE, is_name
-from zmqllm.config.settings import Config, ConfigError, worker_served_name
+from zmqllm.bus.wire_types import SessionKey
+from zmqllm.config.settings import Config
 from zmqllm.log import bind_request, get_logger
 from zmqllm.remote.upstream import Upstream, UpstreamError, UpstreamSettings, shown_url
 from zmqllm.version import __version__
-from zmqllm.worker.broker_link import session_key
 from zmqllm.worker.shell import (
     IDLE_POLL_S,
     MAX_MESSAGES_PER_TURN,
     Handler,
     WorkerShell,
     host_name,
-    worker_keys,
 )
 
-__all__ = ["RemoteWorker", "serve"]
+__all__ = ["RemoteWorker", "register_message"]
 
 log = get_logger("zmqllm.worker")
 
@@ -66,7 +62,6 @@ log = get_logger("zmqllm.worker")
 # long for the socket (the loop cannot be woken by the other thread's append).
 BUSY_POLL_S = 0.002
 MAX_KV_TOKENS = 1 << 40  # nothing to hold here: capacity is counted in sessions
-MAX_KEY_BYTES = 4096
 # ErrorCode for each UpstreamError code; anything else is an upstream error.
 UPSTREAM_CODES = {
     "bad_request": ErrorCode.BAD_REQUEST,
@@ -74,47 +69,6 @@ UPSTREAM_CODES = {
     "timeout": ErrorCode.TIMEOUT,
     "upstream_error": ErrorCode.UPSTREAM_ERROR,
 }
-
-
-def read_api_key(path: str) -> str:
-    """The upstream's key from its file ("" when none is configured); ConfigError naming
-    the file, never the content, when it cannot be used."""
-    if not path:
-        return ""
-    file = Path(path).expanduser()
-    try:
-        # Read no more than a key can be: the path may name something huge or endless.
-        with file.open("rb") as f:
-            raw = f.read(MAX_KEY_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"api_key_file {file}: cannot read it ({exc.strerror})") from None
-    key = raw.decode("utf-8", errors="replace").strip()
-    if not key or len(raw) > MAX_KEY_BYTES or any(c.isspace() for c in key):
-        raise ConfigError(f"api_key_file {file}: must hold one key on one line")
-    if not key.isascii() or not key.isprintable():
-        # An HTTP header carries ASCII only: httpx would fail on it at the first request.
-        raise ConfigError(f"api_key_file {file}: the key must be printable ASCII")
-    return key
-
-
-MAX_URL_BYTES = 8192
-
-
-def read_remote_url(value: str) -> str:
-    """``--remote``: the URL itself, or ``@FILE`` holding it (so that `ps` shows no URL,
-    which may name an internal host or carry a key). ConfigError naming the file."""
-    if not value.startswith("@"):
-        return value
-    file = Path(value[1:]).expanduser()
-    try:
-        with file.open("rb") as f:
-            raw = f.read(MAX_URL_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"remote URL file {file}: cannot read it ({exc.strerror})") from None
-    url = raw.decode("utf-8", errors="replace").strip()
-    if not url or len(raw) > MAX_URL_BYTES or any(c.isspace() for c in url):
-        raise ConfigError(f"remote URL file {file}: must hold one URL on one line")
-    return url
 
 
 def register_message(upstream: UpstreamSettings, served: str, capacity: int) -> Register:
@@ -160,8 +114,8 @@ class RemoteWorker(WorkerShell):
     ) -> None:
         self.served = served
         self.capacity = cfg.worker.max_sessions
-        self.outbox: deque[tuple[str, Message | _Forget]] = deque()
-        self.tasks: dict[str, concurrent.futures.Future[None]] = {}
+        self.outbox: deque[tuple[SessionKey, Message | _Forget]] = deque()
+        self.tasks: dict[SessionKey, concurrent.futures.Future[None]] = {}
         register = register_message(upstream, served, self.capacity)
         super().__init__(cfg, "remote", register, context=context, keys=keys)
         self.loop = asyncio.new_event_loop()
@@ -175,7 +129,7 @@ class RemoteWorker(WorkerShell):
     def sessions(self) -> int:
         return len(self.tasks)
 
-    def close_session(self, key: str) -> bool:
+    def close_session(self, key: SessionKey) -> bool:
         future = self.tasks.pop(key, None)
         if future is None:
             return False
@@ -235,7 +189,7 @@ class RemoteWorker(WorkerShell):
         self.fail(msg, ErrorCode.BAD_REQUEST, f"a remote worker takes no {msg.TYPE.value}")
 
     def on_ask(self, msg: Ask) -> None:
-        key = session_key(msg.session, msg.attempt)
+        key = SessionKey.of(msg)
         with bind_request(msg.request_id, msg.session):
             if key in self.tasks:
                 return  # a duplicate: the first one runs
@@ -253,7 +207,7 @@ class RemoteWorker(WorkerShell):
             self.tasks[key] = future
             future.add_done_callback(functools.partial(self._done, key))
 
-    def _done(self, key: str, future: concurrent.futures.Future[None]) -> None:
+    def _done(self, key: SessionKey, future: concurrent.futures.Future[None]) -> None:
         # On the upstream thread (or the broker loop's, for a cancel): the broker loop
         # forgets the session once it has sent what the task left in the outbox before
         # this mark. The mark names its task: the key may be taken anew meanwhile.
@@ -273,7 +227,7 @@ class RemoteWorker(WorkerShell):
                 self.send(msg, key)
 
     # -- one session, on the upstream thread -------------------------------------------
-    async def _stream(self, key: str, ask: Ask, body: dict[str, Any]) -> None:
+    async def _stream(self, key: SessionKey, ask: Ask, body: dict[str, Any]) -> None:
         def out(msg: Message) -> None:
             self.outbox.append((key, msg))
 
@@ -367,42 +321,3 @@ class _Forget:
 
     def __init__(self, future: concurrent.futures.Future[None]) -> None:
         self.future = future
-
-
-def serve(cfg: Config) -> int:
-    """Run a remote worker until SIGTERM/SIGINT (its upstream model looked up first)."""
-    keys = worker_keys(cfg)
-    w = cfg.worker
-    settings = UpstreamSettings(
-        url=read_remote_url(w.remote),
-        model=w.remote_model,
-        api_key=read_api_key(w.api_key_file),
-        stall_timeout=w.remote_stall_timeout,
-        retries=w.remote_retries,
-    )
-    if not settings.model:
-        probe = Upstream(settings)
-
-        async def resolve() -> str:
-            try:
-                return await probe.resolve_model()
-            finally:
-                await probe.aclose()
-
-        try:
-            model = asyncio.run(resolve())
-        except UpstreamError as exc:
-            log.error("cannot learn the upstream's model", error=exc.message)
-            return 1
-        settings = dataclasses.replace(settings, model=model)
-    served = worker_served_name(cfg) or settings.model
-    if not is_name(served):
-        # An upstream's own id (a flag's is checked with the config): REGISTER takes none
-        # with spaces or beyond ASCII, and failing there would be a traceback.
-        raise ConfigError(
-            f"the upstream's model id {served!r:.80} is no usable model name "
-            f"({NAME_RULE}); set --served-name"
-        )
-    worker = RemoteWorker(cfg, settings, served, keys=keys)
-    worker.install_signals()
-    return worker.run()

@@ -13,11 +13,13 @@ socket move between threads across a full memory barrier, which the lock is):
   what arrived into ``inbox`` and beats, so a long forward never looks like a dead
   worker.
 
-``inbox`` holds, in arrival order, what the compute loop must act on:
+``inbox`` holds, in arrival order, what the compute loop must act on, each message
+decoded once, here, by ``inbox.take_in`` (the compute loop reads no header again):
 
-    (DELIVER, frames)   a session message from the broker (OPEN, STEP, ...)
-    (RESET, reason)     the broker forgot this worker's sessions: drop them
-    (REFUSED, reason)   the broker refused this worker
+    a Message           a session message from the broker (OPEN, STEP, ...)
+    Undecodable         one whose body does not decode: the session it names fails
+    Reset(reason)       the broker forgot this worker's sessions: drop them
+    Refusal(reason)     the broker refused this worker
 
 Nothing blocks on the broker: a message that cannot be queued to it fails its session
 (``send`` says so; the broker's inactivity deadline does the rest), a message over
@@ -38,52 +40,42 @@ from typing import Any
 import zmq
 
 from zmqllm.bus.keys import PeerKeys, as_client
-from zmqllm.bus.messages import MAX_ATTEMPTS
 from zmqllm.bus.protocol import (
     MAX_FRAMES,
-    Activation,
-    Ask,
-    Cached,
-    Cancel,
-    Close,
     Disconnect,
     Error,
     ErrorCode,
     Heartbeat,
     Message,
-    Open,
     ProtocolError,
     Refused,
     Register,
     Registered,
-    Step,
-    decode,
-    decode_header,
     encode,
-    is_valid_id,
 )
 from zmqllm.bus.sockets import recv_bounded
+from zmqllm.bus.wire_types import SessionKey
 from zmqllm.log import get_logger
 from zmqllm.worker.faults import Faults
 from zmqllm.worker.health import NET, process_figures
+from zmqllm.worker.inbox import (
+    SESSION_TYPES,
+    Entry,
+    Refusal,
+    Reset,
+    Undecodable,
+    session_of,
+    take_in,
+)
 
 __all__ = [
-    "DELIVER",
-    "REFUSED",
-    "RESET",
     "BrokerLink",
     "LinkLost",
     "LinkSettings",
     "WorkerRefused",
-    "named_session",
-    "session_key",
-    "split_key",
 ]
 
 log = get_logger("zmqllm.worker")
-
-DELIVER, RESET, REFUSED = "deliver", "reset", "refused"
-SESSION_TYPES = frozenset({Open, Ask, Cached, Step, Activation, Close, Cancel})
 
 RECONNECT_MAX_S = 30.0
 MAX_MESSAGES_PER_PUMP = 1024
@@ -102,27 +94,6 @@ class WorkerRefused(RuntimeError):
 
 class LinkLost(RuntimeError):
     """The broker link's thread is gone: this worker can no longer be reached."""
-
-
-def session_key(session: str, attempt: int) -> str:
-    """A session's key on this worker: one try of one client session."""
-    return f"{session}/{attempt}"
-
-
-def split_key(key: str) -> tuple[str, int]:
-    session, _, attempt = key.rpartition("/")
-    return session, int(attempt)
-
-
-def named_session(head: dict[str, Any]) -> tuple[str, int, str] | None:
-    """(session, attempt, request id) a header names if valid, even when the rest of its
-    message is not: that session then fails instead of waiting for what never comes."""
-    session, attempt, rid = head.get("session"), head.get("attempt", 0), head.get("request_id")
-    if not isinstance(session, str) or not is_valid_id(session):
-        return None
-    if type(attempt) is not int or not 0 <= attempt <= MAX_ATTEMPTS:
-        return None
-    return session, attempt, rid if isinstance(rid, str) and is_valid_id(rid) else ""
 
 
 @dataclass(frozen=True)
@@ -145,7 +116,7 @@ class BrokerLink:
         self.faults = faults
         # Reentrant: the compute loop sends while it holds it for a pump.
         self.lock = threading.RLock()
-        self.inbox: deque[tuple[str, Any]] = deque()
+        self.inbox: deque[Entry] = deque()
         self._status: tuple[dict[str, Any], bool] = ({}, False)
         self._thread: threading.Thread | None = None
         self._done = threading.Event()  # set: the keeper ends
@@ -225,7 +196,7 @@ class BrokerLink:
         elif now >= self._next_beat:
             self._beat(now)
 
-    def send(self, frames: list[Any], key: str = "") -> str:
+    def send(self, frames: list[Any], key: SessionKey | None = None) -> str:
         """(Lock held.) Queue a message to the broker; "" when queued, else why not (the
         caller fails session ``key``)."""
         why = "not connected to the broker"
@@ -236,7 +207,7 @@ class BrokerLink:
                 return ""
             except zmq.Again:
                 why = "send queue to the broker is full"
-        if key:
+        if key is not None:
             self.faults.report("unsent", "message to the broker not sent; session failed", why=why)
         return why
 
@@ -314,7 +285,7 @@ class BrokerLink:
 
     def _lost(self, why: str) -> None:
         log.warning("reconnecting to the broker", reason=why, backoff_s=round(self._backoff, 2))
-        self.inbox.append((RESET, why))
+        self.inbox.append(Reset(why))
         self._close_socket(goodbye=False)
         self._reconnect_at = time.monotonic() + self._backoff
         self._backoff = min(self._backoff * 2, RECONNECT_MAX_S)
@@ -322,7 +293,7 @@ class BrokerLink:
     def _register_again(self, why: str) -> None:
         log.warning("registering with the broker again", reason=why)
         self._registered = False
-        self.inbox.append((RESET, why))
+        self.inbox.append(Reset(why))
         self._send(self.register)
 
     # -- messages ------------------------------------------------------------------
@@ -346,16 +317,17 @@ class BrokerLink:
                 self.faults.report("internal", "error handling a broker message", exc)
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
-        try:
-            cls, head = decode_header(frames[0])
-            if cls in SESSION_TYPES:
-                # The compute loop decodes it in full (and fails the session it names
-                # if that fails): one decode per message, on the thread that uses it.
-                self._deliver(head, frames)
-                return
-            msg = decode(frames)
-        except ProtocolError as exc:
-            self.faults.report("malformed", "malformed message from the broker dropped", exc)
+        msg = take_in(frames, self.faults, "the broker")
+        if msg is None:
+            return
+        if isinstance(msg, Undecodable):
+            if msg.kind in SESSION_TYPES and msg.key is not None:
+                self._deliver(msg)  # the compute loop fails its session
+            else:
+                self.faults.report("malformed", "malformed message from the broker dropped")
+            return
+        if type(msg) in SESSION_TYPES:
+            self._deliver(msg)
             return
         handler = self._handlers.get(type(msg))
         if handler is None:
@@ -376,7 +348,7 @@ class BrokerLink:
 
     def _on_refused(self, msg: Refused) -> None:
         self._refused = True
-        self.inbox.append((REFUSED, msg.reason))
+        self.inbox.append(Refusal(msg.reason))
 
     def _on_disconnect(self, msg: Disconnect) -> None:
         # Unregistered, it answers a message sent before our pending REGISTER (e.g. a
@@ -387,14 +359,15 @@ class BrokerLink:
     def _on_error(self, msg: Error) -> None:
         log.debug("the broker reported an error", code=msg.code.value, session=msg.session)
 
-    def _deliver(self, head: dict[str, Any], frames: list[zmq.Frame]) -> None:
+    def _deliver(self, entry: Message | Undecodable) -> None:
+        """A session message (decoded, or naming its session) for the compute loop."""
         if len(self.inbox) < INBOX_MAX:
-            self.inbox.append((DELIVER, frames))
+            self.inbox.append(entry)
             return
         self.faults.report("overloaded", "compute loop inbox full; message refused")
-        named = named_session(head)
+        named = session_of(entry)
         if named is not None:
-            session, attempt, rid = named
+            (session, attempt), rid = named
             why = "worker overloaded"
             self._send(Error.of(ErrorCode.INTERNAL, why, session, attempt=attempt, request_id=rid))
 

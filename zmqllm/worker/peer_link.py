@@ -38,7 +38,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 import zmq
@@ -46,12 +46,15 @@ import zmq.utils.z85
 
 from zmqllm.bus.auth import ZapHandler, peer_key
 from zmqllm.bus.keys import PeerKeys, as_client, as_server
+from zmqllm.bus.messages import Message
 from zmqllm.bus.protocol import MAX_FRAMES
 from zmqllm.bus.sockets import recv_bounded
+from zmqllm.bus.wire_types import SessionKey
 from zmqllm.config.settings import ConfigError
 from zmqllm.log import get_logger
 from zmqllm.worker.faults import Faults
 from zmqllm.worker.health import NET
+from zmqllm.worker.inbox import Undecodable, take_in
 
 __all__ = [
     "EARLY_BYTES",
@@ -60,6 +63,7 @@ __all__ = [
     "MAX_LINKS",
     "PEERS",
     "PeerLink",
+    "PeerMessage",
     "PeerRoute",
     "PeerZap",
     "peer_bind",
@@ -89,6 +93,17 @@ ZAP_POLL_MS = 20
 LINK_RCVHWM = 1
 LINK_MAXMSGSIZE = 1024
 LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1"}
+
+
+class PeerMessage(NamedTuple):
+    """One message from the peer socket, decoded once (``inbox.take_in``): who sent it
+    (routing id, and CURVE key when the bus has keys) and its size in bytes as received
+    (what holding it for a session not open yet costs)."""
+
+    sender: str
+    user: str | None
+    entry: Message | Undecodable
+    size: int
 
 
 @dataclass
@@ -239,8 +254,8 @@ class PeerLink:
         self.sock: zmq.Socket[Any] | None = None
         self.zap: PeerZap | None = None
         self.links: OrderedDict[str, zmq.Socket[Any]] = OrderedDict()  # endpoint -> DEALER
-        # (session key, sender, key, frames, when) of sessions not open here yet.
-        self.early: deque[tuple[str, str, str | None, list[Any], float]] = deque()
+        # (session key, message, when) of sessions not open here yet.
+        self.early: deque[tuple[SessionKey, PeerMessage, float]] = deque()
         self.early_bytes = 0
 
     def start(self, bind: str) -> str:
@@ -323,10 +338,10 @@ class PeerLink:
         NET.sent(frames)
         return True
 
-    def receive(self) -> list[tuple[str, str | None, list[Any]]]:
-        """What is waiting on the peer socket: (sender's routing id, its CURVE key,
-        the message's frames) each; never blocks."""
-        out: list[tuple[str, str | None, list[Any]]] = []
+    def receive(self) -> list[PeerMessage]:
+        """What is waiting on the peer socket, each message decoded once; never blocks.
+        A message whose header does not decode is counted and dropped (``take_in``)."""
+        out: list[PeerMessage] = []
         if self.sock is None:
             return out
         for _ in range(MAX_MESSAGES_PER_READ):
@@ -339,37 +354,41 @@ class PeerLink:
             if frames is None or len(frames) < 2:
                 self.faults.report("malformed", "peer message of too many or too few frames")
                 continue
+            entry = take_in(frames[1:], self.faults, "a peer")
+            if entry is None:
+                continue
             sender = bytes(frames[0].buffer).decode("ascii", errors="replace")
-            out.append((sender, peer_key(frames) if self.keys is not None else None, frames[1:]))
+            user = peer_key(frames) if self.keys is not None else None
+            size = sum(len(f.buffer) for f in frames[1:])
+            out.append(PeerMessage(sender, user, entry, size))
         return out
 
-    def hold(self, key: str, sender: str, user: str | None, frames: list[Any]) -> None:
+    def hold(self, key: SessionKey, msg: PeerMessage) -> None:
         """Keep a message for a session not open here yet (bounded by count, bytes and
         age)."""
         now = time.monotonic()
         self.expire(now)
-        size = sum(len(f.buffer) for f in frames)
-        if len(self.early) >= EARLY_MAX or self.early_bytes + size > EARLY_BYTES:
+        if len(self.early) >= EARLY_MAX or self.early_bytes + msg.size > EARLY_BYTES:
             self.faults.report("peer_refused", "peer message for no session here dropped")
             return
-        self.early.append((key, sender, user, frames, now))
-        self.early_bytes += size
+        self.early.append((key, msg, now))
+        self.early_bytes += msg.size
 
-    def take_held(self, key: str) -> list[tuple[str, str | None, list[Any]]]:
+    def take_held(self, key: SessionKey) -> list[PeerMessage]:
         """The messages held for session ``key``, in arrival order."""
         if not self.early:
             return []
-        mine = [e for e in self.early if e[0] == key]
+        mine = [msg for k, msg, _ in self.early if k == key]
         if mine:
             self.early = deque(e for e in self.early if e[0] != key)
-            self.early_bytes -= sum(len(f.buffer) for e in mine for f in e[3])
-        return [(sender, user, frames) for _, sender, user, frames, _ in mine]
+            self.early_bytes -= sum(msg.size for msg in mine)
+        return mine
 
     def expire(self, now: float) -> None:
         # Usually a step that crossed its session's CLOSE: nothing went wrong.
-        while self.early and now - self.early[0][4] > EARLY_S:
-            _, _, _, frames, _ = self.early.popleft()
-            self.early_bytes -= sum(len(f.buffer) for f in frames)
+        while self.early and now - self.early[0][2] > EARLY_S:
+            _, msg, _ = self.early.popleft()
+            self.early_bytes -= msg.size
 
     @staticmethod
     def accepts(route: PeerRoute | None, sender: str, user: str | None) -> bool:

@@ -32,9 +32,9 @@ from zmqllm.bus.protocol import (
     ProtocolError,
     Step,
     Token,
-    decode_header,
     encode,
 )
+from zmqllm.bus.wire_types import SessionKey
 from zmqllm.config.settings import Config
 from zmqllm.engine.cache import CacheFullError
 from zmqllm.engine.frames import (
@@ -46,14 +46,14 @@ from zmqllm.engine.frames import (
 from zmqllm.engine.runner import BatchFailed, Output
 from zmqllm.engine.stage import BadWork
 from zmqllm.log import bind_request, get_logger
-from zmqllm.worker.broker_link import named_session, session_key, split_key
 from zmqllm.worker.cpu_turns import CpuTurns
-from zmqllm.worker.peer_link import PeerLink, PeerRoute, peer_bind
+from zmqllm.worker.inbox import Undecodable, session_of
+from zmqllm.worker.peer_link import PeerLink, PeerMessage, PeerRoute, peer_bind
 from zmqllm.worker.routing import group_tags, route_result
 from zmqllm.worker.shard_loader import Loaded, load_stage, max_frame_bytes, register_message
-from zmqllm.worker.shell import IDLE_POLL_S, Handler, WorkerShell, worker_keys
+from zmqllm.worker.shell import IDLE_POLL_S, Handler, WorkerShell
 
-__all__ = ["Worker", "load_stage", "serve"]
+__all__ = ["Worker", "load_stage"]
 
 log = get_logger("zmqllm.worker")
 
@@ -109,7 +109,7 @@ class Worker(WorkerShell):
     def sessions(self) -> int:
         return len(self.stage.sessions)
 
-    def close_session(self, key: str) -> bool:
+    def close_session(self, key: SessionKey) -> bool:
         return self.stage.close(key)
 
     def drop_sessions(self) -> None:
@@ -173,40 +173,36 @@ class Worker(WorkerShell):
 
     def drain_peers(self) -> None:
         """Act on what the workers beside this one sent over the peer link."""
-        for sender, user, frames in self.peers.receive():
-            self.from_peer(sender, user, frames)
+        for msg in self.peers.receive():
+            self.from_peer(msg)
 
-    def from_peer(self, sender: str, user: str | None, frames: list[Any]) -> None:
+    def from_peer(self, msg: PeerMessage) -> None:
         """A peer's message feeds only a session whose previous stage the broker named
         as that peer; one for a session not open here yet waits for its OPEN."""
-        try:
-            cls, head = decode_header(frames[0])
-        except ProtocolError as exc:
-            self.faults.report("malformed", "malformed peer message", exc)
+        entry = msg.entry
+        kind = entry.kind if isinstance(entry, Undecodable) else type(entry)
+        named = session_of(entry)
+        if kind not in (Activation, Step) or named is None:
+            self.faults.report("peer_refused", "peer message dropped", type=kind.TYPE.value)
             return
-        named = named_session(head)
-        if cls not in (Activation, Step) or named is None:
-            self.faults.report("peer_refused", "peer message dropped", type=cls.TYPE.value)
-            return
-        key = session_key(named[0], named[1])
+        key = named[0]
         s = self.stage.sessions.get(key)
         if s is None:
-            self.peers.hold(key, sender, user, frames)
-        elif PeerLink.accepts(s.link, sender, user):
-            self.handle_frames(frames)
+            self.peers.hold(key, msg)
+        elif PeerLink.accepts(s.link, msg.sender, msg.user):
+            self.dispatch(entry)
         else:
             self.faults.report("peer_refused", "peer message not from the session's previous stage")
 
     # -- messages ----------------------------------------------------------------
     def on_step(self, msg: Step) -> None:
         self._arrived(msg.group)
-        self.stage.step(session_key(msg.session, msg.attempt), msg.step, msg.token)
+        self.stage.step(SessionKey.of(msg), msg.step, msg.token)
 
     def on_activation(self, msg: Activation) -> None:
         self._arrived(msg.group)
         hidden = payload_to_tensor(msg.hidden)
-        key = session_key(msg.session, msg.attempt)
-        self.stage.activation(key, msg.step, hidden, msg.final, msg.prefix)
+        self.stage.activation(SessionKey.of(msg), msg.step, hidden, msg.final, msg.prefix)
 
     def _arrived(self, group: tuple[str, int] | None) -> None:
         """Counted before the message is validated: a refused member still came."""
@@ -215,10 +211,10 @@ class Worker(WorkerShell):
             self.turns.note_arrival(group)
 
     def on_cached(self, msg: Cached) -> None:
-        self.stage.cached(session_key(msg.session, msg.attempt), msg.tokens)
+        self.stage.cached(SessionKey.of(msg), msg.tokens)
 
     def on_open(self, msg: Open) -> None:
-        key = session_key(msg.session, msg.attempt)
+        key = SessionKey.of(msg)
         with bind_request(msg.request_id, msg.session):
             if self.draining:
                 self.fail(msg, ErrorCode.FULL, "worker is draining", None)
@@ -267,8 +263,8 @@ class Worker(WorkerShell):
                     tokens=state.held,
                 )
                 self.send(told, key)
-            for sender, user, frames in self.peers.take_held(key):
-                self.from_peer(sender, user, frames)
+            for held in self.peers.take_held(key):
+                self.from_peer(held)
 
     # -- computing ---------------------------------------------------------------
     def _tag_groups(self, outputs: list[Output]) -> list[tuple[str, int] | None]:
@@ -308,14 +304,15 @@ class Worker(WorkerShell):
             if self.turns is not None:
                 self.turns.release()
         for key, _, why in self.stage.failed:
-            self.faults.report("internal", "session failed", session=key, why=why[:200])
+            self.faults.report("internal", "session failed", session=str(key), why=why[:200])
             self._fail_key(key, why)
         self.stage.failed.clear()
         for o, group in zip(outputs, self._tag_groups(outputs), strict=True):
             try:
                 left = self._send_ahead(o, group)
             except Exception as exc:
-                self.faults.report("internal", "result cannot be sent", exc, session=o.session)
+                why = "result cannot be sent"
+                self.faults.report("internal", why, exc, session=str(o.session))
                 self._fail_key(o.session, f"result cannot be sent: {type(exc).__name__}")
                 continue
             self.send(left, o.session)
@@ -343,11 +340,11 @@ class Worker(WorkerShell):
             return routed.to_broker
         # The link cannot take it: this and the rest of the session go through the broker.
         s.link.via_broker = True
-        log.debug("peer link not ready; session goes through the broker", session=o.session)
+        log.debug("peer link not ready; session goes through the broker", session=str(o.session))
         return routed.instead
 
     def _result(self, o: Output, group: tuple[str, int] | None) -> Token | Activation:
-        session, attempt = split_key(o.session)
+        session, attempt = o.session
         if o.token is not None:
             return Token(
                 session=session,
@@ -372,18 +369,12 @@ class Worker(WorkerShell):
             hidden=tensor_to_payload(cast_for_wire(o.hidden, self.wire_dtype)),
         )
 
-    def _fail_key(self, key: str, why: str) -> None:
+    def _fail_key(self, key: SessionKey, why: str) -> None:
         s = self.stage.sessions.get(key)
         if s is None:
             return
-        session, attempt = split_key(key)
         self.stage.close(key)
-        err = Error.of(ErrorCode.INTERNAL, why, session, attempt=attempt, request_id=s.request_id)
+        err = Error.of(
+            ErrorCode.INTERNAL, why, key.session, attempt=key.attempt, request_id=s.request_id
+        )
         self.send(err, key)
-
-
-def serve(cfg: Config) -> int:
-    keys = worker_keys(cfg)  # a key problem is told before the model loads
-    worker = Worker(cfg, load_stage(cfg), keys=keys)
-    worker.install_signals()
-    return worker.run()

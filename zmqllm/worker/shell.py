@@ -5,10 +5,11 @@ applications on it, its ``mdworker.py``).
 
 The shell owns the worker's identity (its routing id), the settings and the object of
 its link to the broker (``broker_link.BrokerLink``), its fault counters, its signals and
-turn loop, and the dispatch of what the link takes in: each inbox entry and each
-session message goes to the handler its kind names in a table built once (SGLang's
-``TypeBasedDispatcher``), so an application says what it handles by listing it. A
-message of a type the table lacks is dropped and counted, never raised.
+turn loop, and the dispatch of what the links take in. The links decode each message
+once (``inbox.take_in``) and queue it typed; here each entry, a session message or what
+the link itself says, goes to the handler its type names in one table built once
+(SGLang's ``TypeBasedDispatcher``), so an application says what it handles by listing
+it. A message of a type the table lacks is dropped and counted, never raised.
 
 Each message is handled in isolation: one a handler cannot process answers an ERROR for
 its session and drops that session here; nothing fails a session it does not name.
@@ -41,25 +42,20 @@ from zmqllm.bus.protocol import (
     ProtocolError,
     Register,
     SessionMessage,
-    decode,
-    decode_header,
     encode,
 )
+from zmqllm.bus.wire_types import SessionKey
 from zmqllm.config.names import is_name
 from zmqllm.config.settings import Config
 from zmqllm.log import bind_request, get_logger
 from zmqllm.worker.broker_link import (
-    DELIVER,
-    REFUSED,
-    RESET,
     BrokerLink,
     LinkLost,
     LinkSettings,
     WorkerRefused,
-    named_session,
-    session_key,
 )
 from zmqllm.worker.faults import Faults
+from zmqllm.worker.inbox import Entry, Refusal, Reset, Undecodable
 
 __all__ = [
     "IDLE_POLL_S",
@@ -78,7 +74,7 @@ MAX_MESSAGES_PER_TURN = 1024  # inbox entries one turn acts on: the rest wait a 
 IDLE_POLL_S = 0.1  # an idle loop still looks at signals and publishes its load this often
 TURN_FAILED_PAUSE_S = 0.01  # a turn that raised is not retried in a tight loop
 
-# A message handler: takes the message its table names it for (typed by that entry).
+# A handler: takes the message (or link event) its table names it for.
 Handler = Callable[[Any], None]
 
 
@@ -161,10 +157,11 @@ class WorkerShell(abc.ABC):
             Cancel: self.on_close,
             **self.message_handlers(),
         }
-        self.inbox_handlers: dict[str, Callable[[Any], None]] = {
-            DELIVER: self.handle_frames,
-            RESET: self.on_reset,
-            REFUSED: self.on_refused,
+        # What the links say besides messages: not about a session the worker runs.
+        self.link_handlers: dict[type[Entry], Handler] = {
+            Undecodable: self.on_undecodable,
+            Reset: self.on_reset,
+            Refusal: self.on_refused,
         }
 
     # -- what an application defines --------------------------------------------------
@@ -177,7 +174,7 @@ class WorkerShell(abc.ABC):
         """Sessions still running here (draining ends when none is left)."""
 
     @abc.abstractmethod
-    def close_session(self, key: str) -> bool:
+    def close_session(self, key: SessionKey) -> bool:
         """Drop session ``key`` here, if it is here (True then)."""
 
     @abc.abstractmethod
@@ -258,30 +255,17 @@ class WorkerShell(abc.ABC):
         for _ in range(MAX_MESSAGES_PER_TURN):
             if not inbox:
                 return
-            kind, value = inbox.popleft()
-            self.inbox_handlers[kind](value)
+            self.dispatch(inbox.popleft())
 
-    def on_reset(self, reason: str) -> None:
-        if self.sessions():
-            log.warning(
-                "the broker forgot this worker's sessions; dropping them",
-                reason=reason,
-                sessions=self.sessions(),
-            )
-        self.drop_sessions()
+    def dispatch(self, entry: Entry) -> None:
+        """One entry a link took in, by its type: a message in isolation (whatever goes
+        wrong costs at most its session), else what the link says."""
+        if isinstance(entry, Message):
+            self.handle_isolated(entry)
+        else:
+            self.link_handlers[type(entry)](entry)
 
-    def on_refused(self, reason: str) -> None:
-        raise WorkerRefused(reason)
-
-    def handle_frames(self, frames: list[Any]) -> None:
-        """One message, in isolation: whatever goes wrong costs at most its session."""
-        try:
-            msg = decode(frames)
-        except ProtocolError as exc:
-            self.faults.report("malformed", "malformed message", exc)
-            if self.refuses_undecodable:
-                self.refuse_undecodable(frames[0], str(exc))
-            return
+    def handle_isolated(self, msg: Message) -> None:
         try:
             self.handle(msg)
         except self.bad_message as exc:
@@ -297,30 +281,43 @@ class WorkerShell(abc.ABC):
         else:
             handler(msg)
 
+    def on_reset(self, entry: Reset) -> None:
+        if self.sessions():
+            log.warning(
+                "the broker forgot this worker's sessions; dropping them",
+                reason=entry.reason,
+                sessions=self.sessions(),
+            )
+        self.drop_sessions()
+
+    def on_refused(self, entry: Refusal) -> None:
+        raise WorkerRefused(entry.reason)
+
+    def on_undecodable(self, entry: Undecodable) -> None:
+        """A message whose body did not decode: counted; the session its header names
+        fails now if this kind of worker says so (else at the broker's deadline)."""
+        self.faults.report("malformed", "malformed message", entry.error)
+        if not self.refuses_undecodable or entry.key is None:
+            return
+        key = entry.key
+        self.close_session(key)
+        err = Error.of(
+            ErrorCode.BAD_REQUEST,
+            str(entry.error),
+            key.session,
+            attempt=key.attempt,
+            request_id=entry.request_id,
+        )
+        self.send(err, key)
+
     def unhandled(self, msg: Message) -> None:
         """A valid message of a type this worker has no handler for: dropped."""
         self.faults.report("unexpected", "unexpected message dropped", type=msg.TYPE.value)
 
     def on_close(self, msg: Close | Cancel) -> None:
-        if self.close_session(session_key(msg.session, msg.attempt)):
+        if self.close_session(SessionKey.of(msg)):
             with bind_request(msg.request_id, msg.session):
                 log.info("session closed", reason=msg.TYPE.value, attempt=msg.attempt)
-
-    def refuse_undecodable(self, header: Any, why: str) -> None:
-        """A session message that does not decode still fails the session its header
-        names (the link only delivers those whose header decodes)."""
-        try:
-            _, head = decode_header(header)
-        except ProtocolError:
-            return
-        named = named_session(head)
-        if named is None:
-            return
-        session, attempt, request_id = named
-        key = session_key(session, attempt)
-        self.close_session(key)
-        err = Error.of(ErrorCode.BAD_REQUEST, why, session, attempt=attempt, request_id=request_id)
-        self.send(err, key)
 
     # -- to the broker ----------------------------------------------------------------
     def fail(self, msg: Message, code: ErrorCode, why: str, reason: str | None = None) -> None:
@@ -328,14 +325,14 @@ class WorkerShell(abc.ABC):
         the fault it counts as (None: none, the worker is fine and so was the message)."""
         if not isinstance(msg, SessionMessage):
             return
-        key = session_key(msg.session, msg.attempt)
+        key = SessionKey.of(msg)
         if reason is not None:
-            self.faults.report(reason, "message refused", session=key, why=why[:200])
+            self.faults.report(reason, "message refused", session=str(key), why=why[:200])
         self.close_session(key)
         err = Error.of(code, why, msg.session, attempt=msg.attempt, request_id=msg.request_id)
         self.send(err, key)
 
-    def send(self, msg: Message | None, key: str = "") -> None:
+    def send(self, msg: Message | None, key: SessionKey | None = None) -> None:
         """Send a message to the broker (None: nothing); one that cannot be sent drops
         session ``key`` here (the broker's inactivity deadline does the rest)."""
         if msg is None:
@@ -343,8 +340,9 @@ class WorkerShell(abc.ABC):
         try:
             frames = encode(msg)
         except ProtocolError as exc:
-            self.faults.report("unsent", "message not sent; session failed", exc, session=key)
-            if key:
+            named = "" if key is None else str(key)
+            self.faults.report("unsent", "message not sent; session failed", exc, session=named)
+            if key is not None:
                 self.close_session(key)
             # The link is fine: the client can hear why now, not at a deadline (an
             # ERROR that cannot be encoded ends here: its answer would be another).
@@ -354,5 +352,5 @@ class WorkerShell(abc.ABC):
             return
         with self.link.lock:
             why = self.link.send(frames, key)
-        if why and key:
+        if why and key is not None:
             self.close_session(key)
