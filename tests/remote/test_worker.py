@@ -22,19 +22,9 @@ import pytest
 import zmq
 
 from testbed.fake_upstream import FakeUpstream
-from zmqllm.bus.messages import AskKind, Payload
-from zmqllm.bus.protocol import (
-    Ask,
-    Cancel,
-    Close,
-    Delta,
-    Error,
-    ErrorCode,
-    Message,
-    Step,
-    decode,
-    encode,
-)
+from zmqllm.bus.messages import Ask, AskKind, Cancel, Close, Delta, Error, ErrorCode, Message, Step
+from zmqllm.bus.protocol import decode, encode
+from zmqllm.bus.wire_types import Payload
 from zmqllm.config.settings import Config, ConfigError
 from zmqllm.log import configure_logging
 from zmqllm.remote.upstream import UpstreamSettings

@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 
 import zmqllm.bus.sockets as bus
-from zmqllm.worker.faults import FAULT_REASONS, Faults, describe
+from zmqllm.bus.sockets import describe
+from zmqllm.worker.faults import FAULT_REASONS, Faults
 
 
 class Recorder:

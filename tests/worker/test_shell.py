@@ -16,7 +16,7 @@ import msgpack
 import pytest
 import zmq
 
-from zmqllm.bus.protocol import (
+from zmqllm.bus.messages import (
     Cached,
     Cancel,
     Close,
@@ -25,12 +25,11 @@ from zmqllm.bus.protocol import (
     ErrorCode,
     Heartbeat,
     Message,
-    ProtocolError,
     Register,
     Step,
-    decode,
-    encode,
 )
+from zmqllm.bus.protocol import decode, encode
+from zmqllm.bus.wire_types import ProtocolError
 from zmqllm.config.settings import Config
 from zmqllm.worker.broker_link import DELIVER, REFUSED, RESET, LinkLost, session_key
 from zmqllm.worker.shell import (

@@ -24,25 +24,24 @@ import zmq
 import zmq.asyncio
 
 from zmqllm.bus.keys import PeerKeys, as_client
-from zmqllm.bus.messages import MAX_STATUS_BYTES, AskKind
-from zmqllm.bus.protocol import (
-    MAX_FRAMES,
+from zmqllm.bus.messages import (
+    MAX_STATUS_BYTES,
+    AskKind,
     Cancel,
     Delta,
     Error,
     ErrorCode,
     Heartbeat,
     Message,
-    ProtocolError,
     SessionError,
     Status,
     StatusReply,
     Token,
-    decode,
-    encode,
 )
+from zmqllm.bus.protocol import MAX_FRAMES, decode, encode
 from zmqllm.bus.sampling_params import SamplingParams
 from zmqllm.bus.sockets import Drops, recv_bounded_async
+from zmqllm.bus.wire_types import ProtocolError
 from zmqllm.client.streams import (
     DeltaEvent,
     StreamTable,

@@ -14,7 +14,7 @@ import numpy as np
 
 from zmqllm.bus.sampling_params import LOGPROB_FLOOR, SamplingParams, is_int
 
-__all__ = ["SamplingParams", "logprobs_of", "sample", "sample_batch"]
+__all__ = ["logprobs_of", "sample", "sample_batch"]
 
 # top-p first sorts only this many of the most likely tokens, growing ×8 until the nucleus
 # fits: a full sort of a 32k–150k vocabulary costs milliseconds per token.

@@ -32,17 +32,19 @@ import zmq
 
 from zmqllm.bus.ask_body import AskBodyError, upstream_body
 from zmqllm.bus.keys import PeerKeys
-from zmqllm.bus.messages import MAX_CONTEXT, MAX_DELTA, AskKind
-from zmqllm.bus.protocol import (
-    PROTOCOL_VERSION,
+from zmqllm.bus.messages import (
+    MAX_CONTEXT,
+    MAX_DELTA,
     Ask,
+    AskKind,
     Delta,
     Error,
     ErrorCode,
     Message,
-    ProtocolError,
     Register,
 )
+from zmqllm.bus.protocol import PROTOCOL_VERSION
+from zmqllm.bus.wire_types import ProtocolError
 from zmqllm.config.names import NAME_RULE, is_name
 from zmqllm.config.settings import Config, ConfigError, worker_served_name
 from zmqllm.log import bind_request, get_logger

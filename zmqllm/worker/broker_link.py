@@ -38,9 +38,8 @@ from typing import Any
 import zmq
 
 from zmqllm.bus.keys import PeerKeys, as_client
-from zmqllm.bus.messages import MAX_ATTEMPTS
-from zmqllm.bus.protocol import (
-    MAX_FRAMES,
+from zmqllm.bus.messages import (
+    MAX_ATTEMPTS,
     Activation,
     Ask,
     Cached,
@@ -52,17 +51,14 @@ from zmqllm.bus.protocol import (
     Heartbeat,
     Message,
     Open,
-    ProtocolError,
     Refused,
     Register,
     Registered,
     Step,
-    decode,
-    decode_header,
-    encode,
-    is_valid_id,
 )
+from zmqllm.bus.protocol import MAX_FRAMES, decode, decode_header, encode
 from zmqllm.bus.sockets import recv_bounded
+from zmqllm.bus.wire_types import ProtocolError, is_valid_id
 from zmqllm.log import get_logger
 from zmqllm.worker.faults import Faults
 from zmqllm.worker.health import NET, process_figures

@@ -11,7 +11,7 @@ from structlog.typing import FilteringBoundLogger
 
 from zmqllm.bus.sockets import LOG_PER_SECOND, Drops, describe
 
-__all__ = ["FAULT_REASONS", "Faults", "describe"]
+__all__ = ["FAULT_REASONS", "Faults"]
 
 # Every reason a worker counts; the heartbeat reports each as "fault_<reason>".
 FAULT_REASONS = (

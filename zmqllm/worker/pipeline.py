@@ -22,19 +22,9 @@ import torch
 import zmq
 
 from zmqllm.bus.keys import PeerKeys
-from zmqllm.bus.protocol import (
-    Activation,
-    Cached,
-    Error,
-    ErrorCode,
-    Message,
-    Open,
-    ProtocolError,
-    Step,
-    Token,
-    decode_header,
-    encode,
-)
+from zmqllm.bus.messages import Activation, Cached, Error, ErrorCode, Message, Open, Step, Token
+from zmqllm.bus.protocol import decode_header, encode
+from zmqllm.bus.wire_types import ProtocolError
 from zmqllm.config.settings import Config
 from zmqllm.engine.cache import CacheFullError
 from zmqllm.engine.frames import (

@@ -32,19 +32,9 @@ from typing import Any
 import zmq
 
 from zmqllm.bus.keys import PeerKeys, keys_dir, load_peer_keys
-from zmqllm.bus.protocol import (
-    Cancel,
-    Close,
-    Error,
-    ErrorCode,
-    Message,
-    ProtocolError,
-    Register,
-    SessionMessage,
-    decode,
-    decode_header,
-    encode,
-)
+from zmqllm.bus.messages import Cancel, Close, Error, ErrorCode, Message, Register, SessionMessage
+from zmqllm.bus.protocol import decode, decode_header, encode
+from zmqllm.bus.wire_types import ProtocolError
 from zmqllm.config.names import is_name
 from zmqllm.config.settings import Config
 from zmqllm.log import bind_request, get_logger
