@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from structlog.typing import FilteringBoundLogger
 
-from zmqllm.bus.sockets import LOG_PER_SECOND, Drops, describe
+from zmqllm.bus.sockets import LOG_PER_SECOND, Drops
 
 __all__ = ["FAULT_REASONS", "Faults"]
 
