@@ -23,7 +23,7 @@ from zmqllm.broker.registry import (
     fingerprint_differences,
 )
 from zmqllm.bus.messages import (
-    LOAD_KEYS,
+    FIGURE_KEYS,
     MAX_LAYERS,
     MAX_STATUS_BYTES,
     MAX_TEXT,
@@ -290,7 +290,7 @@ def best_by_trying_every_chain(reg: Registry, max_len: int) -> list[str] | None:
     for w in reg.workers.values():
         cur = best_of.get((w.start, w.end))
         if w.has_room(max_len, now) and (
-            cur is None or (w.load_score(), w.worker_id) < (cur.load_score(), cur.worker_id)
+            cur is None or (w.usage(), w.worker_id) < (cur.usage(), cur.worker_id)
         ):
             best_of[(w.start, w.end)] = w
     chains: list[list[WorkerEntry]] = []
@@ -305,9 +305,7 @@ def best_by_trying_every_chain(reg: Registry, max_len: int) -> list[str] | None:
     walk(0, [])
     if not chains:
         return None
-    best = min(
-        chains, key=lambda c: (max(w.load_score() for w in c), len(c), [w.worker_id for w in c])
-    )
+    best = min(chains, key=lambda c: (max(w.usage() for w in c), len(c), [w.worker_id for w in c]))
     return [w.worker_id for w in best]
 
 
@@ -356,13 +354,13 @@ def test_has_room_respects_draining_and_full_until() -> None:
     assert w.has_room(1, now + 5.0)  # the back-off ends
 
 
-def test_load_score_is_the_larger_of_sessions_and_tokens() -> None:
+def test_usage_is_the_larger_of_sessions_and_tokens() -> None:
     w = entry(capacity=4, max_kv_tokens=100)
-    assert w.load_score() == 0.0
+    assert w.usage() == 0.0
     w.sessions = {"s1": 0}
-    assert w.load_score() == pytest.approx(0.25)
+    assert w.usage() == pytest.approx(0.25)
     w.reserved_tokens = 50
-    assert w.load_score() == pytest.approx(0.5)
+    assert w.usage() == pytest.approx(0.5)
 
 
 def test_describe_reports_what_status_prints() -> None:
@@ -384,7 +382,7 @@ def test_describe_reports_what_status_prints() -> None:
 
 def test_describe_carries_only_whitelisted_fields_and_stats() -> None:
     w = entry(model={"big": "x" * 200})
-    w.load = {
+    w.figures = {
         "forwards": 3,
         "mean_forward_ms": 1.5,
         "secret": 1,  # not a load key
@@ -411,7 +409,7 @@ def test_describe_carries_only_whitelisted_fields_and_stats() -> None:
         "build",
     }
     assert d["stats"] == {"forwards": 3, "mean_forward_ms": 1.5}
-    assert set(d["stats"]) <= LOAD_KEYS
+    assert set(d["stats"]) <= FIGURE_KEYS
 
 
 # -- refusals ----------------------------------------------------------------------------
@@ -759,7 +757,7 @@ def test_the_status_of_500_workers_fits_one_reply() -> None:
             f"w{i:03}-{'x' * 240}".encode(),
             dataclasses.replace(register(i % 250, i % 250 + 1, num_layers=250), host="h" * 255),
         )
-        w.load = {k: 2**62 for k in LOAD_KEYS}  # every statistic, each as long as it gets
+        w.figures = {k: 2**62 for k in FIGURE_KEYS}  # every statistic, each as long as it gets
     now = time.monotonic()
     status = {
         "workers": [w.describe(now) for w in reg.workers.values()],

@@ -133,7 +133,7 @@ class FakeBroker:
         now = time.monotonic()
         if isinstance(msg, Heartbeat):
             self.beats.append(now)
-            # As sent: decoding keeps only messages.LOAD_KEYS, and the fault counters are
+            # As sent: decoding keeps only messages.FIGURE_KEYS, and the fault counters are
             # not among them yet.
             self.last_load = msgpack.unpackb(frames[0]).get("load") or {}
             self.last_draining = msg.draining

@@ -70,8 +70,8 @@ class FakeLink:
         self.sent.append((key, decode(frames)))
         return ""
 
-    def publish(self, load: dict[str, Any], draining: bool) -> None:
-        self.published.append(load)
+    def publish(self, figures: dict[str, Any], draining: bool) -> None:
+        self.published.append(figures)
 
     def alive(self) -> bool:
         return self.up
@@ -114,7 +114,7 @@ class StepWorker(WorkerShell):
     def drop_sessions(self) -> None:
         self.open.clear()
 
-    def load(self) -> dict[str, Any]:
+    def heartbeat_figures(self) -> dict[str, Any]:
         return {"sessions": len(self.open)}
 
     def _turn(self) -> None:

@@ -189,7 +189,7 @@ class RemoteWorker(WorkerShell):
             future.cancel()
         self.tasks.clear()
 
-    def load(self) -> dict[str, Any]:
+    def heartbeat_figures(self) -> dict[str, Any]:
         return {"sessions": len(self.tasks)}
 
     def run(self) -> int:

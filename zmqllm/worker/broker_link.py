@@ -179,9 +179,9 @@ class BrokerLink:
         self._thread = threading.Thread(target=self._keep, name="broker-link", daemon=True)
         self._thread.start()
 
-    def publish(self, load: dict[str, Any], draining: bool) -> None:
+    def publish(self, figures: dict[str, Any], draining: bool) -> None:
         """What the next heartbeats report (one reference swap: safe across threads)."""
-        self._status = (load, draining)
+        self._status = (figures, draining)
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -304,8 +304,8 @@ class BrokerLink:
             # would make the broker see a restarted worker and fail the sessions it
             # routed here after the first; a broker that never answers is caught above.
             return
-        load, draining = self._status
-        figures = {**load, **self.faults.load(), **process_figures()}
+        worker_figures, draining = self._status
+        figures = {**worker_figures, **self.faults.heartbeat_figures(), **process_figures()}
         self._send(Heartbeat(load=figures, draining=draining))
 
     def _lost(self, why: str) -> None:

@@ -72,7 +72,7 @@ class Worker(WorkerShell):
             keys=keys,
             frame_cap=max_frame_bytes(self.stage, loaded.context),
         )
-        # Published at least twice a heartbeat: the broker balances on this load.
+        # Published at least twice a heartbeat: the broker balances on these figures.
         self.publish_every = min(IDLE_POLL_S, cfg.broker.heartbeat_interval / 2)
         # Group ids name this worker's forwards: short, whatever the worker names are.
         self._group_tag = uuid.uuid4().hex[:12]
@@ -105,7 +105,7 @@ class Worker(WorkerShell):
     def drop_sessions(self) -> None:
         self.stage.reset()
 
-    def load(self) -> dict[str, Any]:
+    def heartbeat_figures(self) -> dict[str, Any]:
         return self.stage.heartbeat_figures()
 
     def run(self) -> int:
