@@ -137,7 +137,7 @@ FIGURE_KEYS = frozenset(
         "prefix_cached_tokens",
         "prefix_query_tokens",
         "prefix_hit_tokens",
-        # What a worker dropped or failed on, by reason (worker_faults.FAULT_REASONS).
+        # What a worker dropped or failed on, by reason (worker/faults.py's FAULT_REASONS).
         "fault_malformed",
         "fault_unexpected",
         "fault_bad_request",

@@ -1,9 +1,8 @@
 """Token sampling on numpy logits: greedy, temperature, top-k, top-p.
 
 The random draw for step t comes from a generator seeded by (seed, t) alone, t counted from
-the session's ``first_step``: so a session replayed on a fresh route (see DESIGN.md,
-reliability) reproduces the same tokens, and which other sessions share the batch never
-changes them.
+the session's ``first_step``: so a session replayed on a fresh route (docs/failover.md)
+reproduces the same tokens, and which other sessions share the batch never changes them.
 """
 
 from __future__ import annotations

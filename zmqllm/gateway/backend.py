@@ -98,7 +98,7 @@ class BrokerClientLike(Protocol):
         max_tokens: int,
         session: str | None = None,
     ) -> TokenStreamLike:
-        """A text model's answer: its events are client_streams.DeltaEvent."""
+        """A text model's answer: its events are client.streams.DeltaEvent."""
         ...
 
     async def status(self, timeout: float = 2.0) -> dict[str, Any]: ...

@@ -1,4 +1,4 @@
-"""What went wrong in a worker, counted by reason (bus.Drops), for its heartbeat.
+"""What went wrong in a worker, counted by reason (bus.sockets.Drops), for its heartbeat.
 
 A hostile or broken peer can make the same failure happen thousands of times a second;
 each one is counted (the counts travel in the worker's heartbeat figures), but only a
