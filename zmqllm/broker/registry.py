@@ -104,7 +104,7 @@ class WorkerEntry:
             and self.reserved_tokens + max_len <= self.max_kv_tokens
         )
 
-    def usage(self) -> float:
+    def occupancy(self) -> float:
         """Fraction of this worker in use: the larger of sessions and KV tokens."""
         return max(
             len(self.sessions) / max(1, self.capacity),
@@ -129,7 +129,7 @@ class WorkerEntry:
             "capacity": self.capacity,
             "kv_tokens_reserved": self.reserved_tokens,
             "max_kv_tokens": self.max_kv_tokens,
-            "load": round(self.usage(), 3),  # "load" in STATUS replies and /cluster/status
+            "load": round(self.occupancy(), 3),  # "load" in STATUS replies and /cluster/status
             "last_heartbeat_s": round(now - self.last_seen, 2),
             "draining": self.draining,
             "peer": self.peer,
@@ -442,19 +442,19 @@ class Registry:
                 continue
             # Per range only one replica can be on the best route.
             w = min(room, key=self._ranking(room, held))
-            edges.setdefault(start, []).append((end, w.usage(), w.worker_id, w))
+            edges.setdefault(start, []).append((end, w.occupancy(), w.worker_id, w))
         return best_chain(edges, m.num_layers)
 
     def _ranking(
         self, room: list[WorkerEntry], held: Callable[[WorkerEntry], int] | None
     ) -> Callable[[WorkerEntry], tuple[int, float, str]]:
         """The order in which find_route prefers replicas of one range: the most of the
-        prefix held (within the slack), then the least usage, then the lowest id."""
+        prefix held (within the slack), then the least occupancy, then the lowest id."""
         near = min(len(w.sessions) for w in room) + self.affinity_slack
 
         def rank(w: WorkerEntry) -> tuple[int, float, str]:
             cached = held(w) if held is not None and len(w.sessions) <= near else 0
-            return (-cached, w.usage(), w.worker_id)
+            return (-cached, w.occupancy(), w.worker_id)
 
         return rank
 
