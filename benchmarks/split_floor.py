@@ -70,7 +70,7 @@ def load_half(first: bool, quant: str, threads: int) -> tuple[Any, Any]:
 
 
 def step(shard: Any, pool: Any, session: str, x: Any) -> Any:
-    from zmqllm.engine.model import Segment
+    from zmqllm.engine.decoder_layer import Segment
 
     if session not in pool:
         pool.allocate(session, 4096)

@@ -51,7 +51,7 @@ def time_rows(shard: Any, pool: Any, m: int, context: int, reps: int) -> list[fl
     """Seconds per decode forward of m sessions, each ``context`` tokens in."""
     import torch
 
-    from zmqllm.engine.model import Segment
+    from zmqllm.engine.decoder_layer import Segment
 
     hidden = shard.args.hidden_size
     names = [f"s{m}-{i}" for i in range(m)]

@@ -52,15 +52,8 @@ from zmqllm.bus.messages import (
     Register,
     StatusReply,
 )
-from zmqllm.bus.protocol import (
-    MAX_DIMS,
-    MAX_FRAMES,
-    MAX_HEADER_BYTES,
-    MAX_TENSORS,
-    PROTOCOL_VERSION,
-    decode,
-)
-from zmqllm.bus.wire_types import WIRE_DTYPES, ProtocolError
+from zmqllm.bus.protocol import MAX_FRAMES, MAX_HEADER_BYTES, PROTOCOL_VERSION, decode
+from zmqllm.bus.wire_types import MAX_DIMS, MAX_TENSORS, WIRE_DTYPES, ProtocolError
 
 __all__ = ["CATEGORIES", "EXPECTED", "check_expected", "hostile_messages", "labelled_messages"]
 

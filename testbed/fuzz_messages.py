@@ -23,7 +23,7 @@ import msgpack
 import numpy as np
 
 from zmqllm.bus.messages import (
-    LOAD_KEYS,
+    FIGURE_KEYS,
     MAX_ATTEMPTS,
     MAX_CONTEXT,
     MAX_LAYERS,
@@ -199,7 +199,7 @@ def _register(rng: Rng, sessions: list[str]) -> Register:
 
 
 def _heartbeat(rng: Rng, sessions: list[str]) -> Heartbeat:
-    load = {k: pick(rng, [0, 1, 2**40, 0.5, True, "x"]) for k in sorted(LOAD_KEYS)[:8]}
+    load = {k: pick(rng, [0, 1, 2**40, 0.5, True, "x"]) for k in sorted(FIGURE_KEYS)[:8]}
     return Heartbeat(
         boot=pick(rng, [None, _ident(rng)]),
         load=pick(rng, [None, load]),

@@ -15,18 +15,12 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from zmqllm.bus.messages import Finish, MsgType
-from zmqllm.bus.protocol import (
-    Heartbeat,
-    Message,
-    StatusReply,
-    Token,
-    decode,
-    encode,
-)
+from zmqllm.bus.messages import Finish, Heartbeat, Message, MsgType, StatusReply, Token
+from zmqllm.bus.protocol import decode, encode
 from zmqllm.bus.sampling_params import SamplingParams
-from zmqllm.client.broker_client import BrokerClient, TokenEvent, TokenStream
+from zmqllm.client.broker_client import BrokerClient
 from zmqllm.client.request import GenerateRequest
+from zmqllm.client.streams import TokenEvent, TokenStream
 
 TIMEOUT = 10.0  # bound on any single wait; a correct client is far quicker
 INTERVAL = 0.1  # client heartbeat interval

@@ -1,6 +1,6 @@
 """The package-by-role layout and its dependency rules, read from the source (nothing is
 imported): what each package of ``zmqllm/`` may import of ours and of the ML stack, and
-no import cycle, type-only imports included. DESIGN.md ("Layout") says why."""
+no import cycle, type-only imports included. docs/architecture.md ("Layout") says why."""
 
 from __future__ import annotations
 

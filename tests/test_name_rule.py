@@ -10,8 +10,8 @@ import pytest
 
 from tests.broker.test_registry import VERSION, register
 from zmqllm.broker.registry import Registry
-from zmqllm.bus.protocol import ProtocolError, decode, encode
-from zmqllm.bus.wire_types import name
+from zmqllm.bus.protocol import decode, encode
+from zmqllm.bus.wire_types import ProtocolError, name
 from zmqllm.config.loading import with_overrides
 from zmqllm.config.names import MAX_NAME_LEN, NAME_RULE, is_name
 from zmqllm.config.settings import Config, ConfigError, checked_model_name

@@ -1,4 +1,4 @@
-"""The broker with CURVE keys, over real sockets (the harness of test_broker.py).
+"""The broker with CURVE keys, over real sockets (the harness of test_loop.py).
 
 Peers without CURVE, with keys nobody allowed, or with the other socket's keys reach
 none of the broker's handlers and get nothing back; a removed key file ends its peer's

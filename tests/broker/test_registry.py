@@ -25,7 +25,7 @@ from zmqllm.broker.registry import (
     fingerprint_differences,
 )
 from zmqllm.bus.messages import (
-    LOAD_KEYS,
+    FIGURE_KEYS,
     MAX_LAYERS,
     MAX_STATUS_BYTES,
     MAX_TEXT,
@@ -126,7 +126,7 @@ def test_equal_pools_pick_the_least_loaded_replica() -> None:
 
     first = reg.find_route(10)
     assert first is not None
-    # Equal load: ties go to the lowest id, so the choice is deterministic.
+    # Equal occupancy: ties go to the lowest id, so the choice is deterministic.
     assert ids(first) == ["a0", "b0"]
     reg.reserve(first, "s1", 10)
     assert [len(w.sessions) for w in first] == [1, 1]
@@ -176,7 +176,7 @@ def test_mixed_ranges_prefer_fewer_hops_then_load() -> None:
     add(reg, "p0", 0, 2, capacity=1)
     add(reg, "p1", 2, 4, capacity=1)
 
-    # Both are complete routes; at equal load the single hop wins.
+    # Both are complete routes; at equal occupancy the single hop wins.
     assert ids(reg.find_route(10)) == ["whole"]
     reg.reserve([whole], "s1", 10)
 
@@ -208,7 +208,7 @@ def test_mixed_ranges_use_the_pipeline_when_the_whole_model_is_busier() -> None:
 def test_hops_decide_between_routes_with_the_same_busiest_member() -> None:
     reg = Registry()
     busy = add(reg, "busy", 0, 1, num_layers=3, capacity=2)
-    reg.reserve([busy], "s", 1)  # load 0.5 on the only way into layer 0
+    reg.reserve([busy], "s", 1)  # occupancy 0.5 on the only way into layer 0
     add(reg, "b1", 1, 2, num_layers=3)
     add(reg, "b2", 2, 3, num_layers=3)
     tail = add(reg, "tail", 1, 3, num_layers=3, capacity=4)
@@ -292,7 +292,7 @@ def best_by_trying_every_chain(reg: Registry, max_len: int) -> list[str] | None:
     for w in reg.workers.values():
         cur = best_of.get((w.start, w.end))
         if w.has_room(max_len, now) and (
-            cur is None or (w.load_score(), w.worker_id) < (cur.load_score(), cur.worker_id)
+            cur is None or (w.occupancy(), w.worker_id) < (cur.occupancy(), cur.worker_id)
         ):
             best_of[(w.start, w.end)] = w
     chains: list[list[WorkerEntry]] = []
@@ -308,7 +308,7 @@ def best_by_trying_every_chain(reg: Registry, max_len: int) -> list[str] | None:
     if not chains:
         return None
     best = min(
-        chains, key=lambda c: (max(w.load_score() for w in c), len(c), [w.worker_id for w in c])
+        chains, key=lambda c: (max(w.occupancy() for w in c), len(c), [w.worker_id for w in c])
     )
     return [w.worker_id for w in best]
 
@@ -328,7 +328,7 @@ def test_find_route_matches_trying_every_chain(seed: int) -> None:
         assert ids(reg.find_route(max_len)) == best_by_trying_every_chain(reg, max_len)
 
 
-# -- room and load -----------------------------------------------------------------------
+# -- room and occupancy ------------------------------------------------------------------
 
 
 def test_has_room_respects_capacity() -> None:
@@ -358,13 +358,13 @@ def test_has_room_respects_draining_and_full_until() -> None:
     assert w.has_room(1, now + 5.0)  # the back-off ends
 
 
-def test_load_score_is_the_larger_of_sessions_and_tokens() -> None:
+def test_occupancy_is_the_larger_of_sessions_and_tokens() -> None:
     w = entry(capacity=4, max_kv_tokens=100)
-    assert w.load_score() == 0.0
+    assert w.occupancy() == 0.0
     w.sessions = {"s1": 0}
-    assert w.load_score() == pytest.approx(0.25)
+    assert w.occupancy() == pytest.approx(0.25)
     w.reserved_tokens = 50
-    assert w.load_score() == pytest.approx(0.5)
+    assert w.occupancy() == pytest.approx(0.5)
 
 
 def test_describe_reports_what_status_prints() -> None:
@@ -386,10 +386,10 @@ def test_describe_reports_what_status_prints() -> None:
 
 def test_describe_carries_only_whitelisted_fields_and_stats() -> None:
     w = entry(model={"big": "x" * 200})
-    w.load = {
+    w.figures = {
         "forwards": 3,
         "mean_forward_ms": 1.5,
-        "secret": 1,  # not a load key
+        "secret": 1,  # not a figure key
         "tokens": "many",  # not a number
         "busy_s": float("nan"),
     }
@@ -413,7 +413,7 @@ def test_describe_carries_only_whitelisted_fields_and_stats() -> None:
         "build",
     }
     assert d["stats"] == {"forwards": 3, "mean_forward_ms": 1.5}
-    assert set(d["stats"]) <= LOAD_KEYS
+    assert set(d["stats"]) <= FIGURE_KEYS
 
 
 # -- refusals ----------------------------------------------------------------------------
@@ -786,7 +786,7 @@ def test_the_status_of_500_workers_fits_one_reply() -> None:
             f"w{i:03}-{'x' * 240}".encode(),
             dataclasses.replace(register(i % 250, i % 250 + 1, num_layers=250), host="h" * 255),
         )
-        w.load = {k: 2**62 for k in LOAD_KEYS}  # every statistic, each as long as it gets
+        w.figures = {k: 2**62 for k in FIGURE_KEYS}  # every statistic, each as long as it gets
     now = time.monotonic()
     status = {
         "workers": [w.describe(now) for w in reg.workers.values()],

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from zmqllm.broker.registry import Registry, WorkerEntry
-from zmqllm.broker.session_table import MAX_ATTEMPTS, Out, SessionTable
+from zmqllm.broker.session_records import Out
+from zmqllm.broker.session_table import MAX_ATTEMPTS, SessionTable
 from zmqllm.bus.messages import (
     Activation,
     Ask,

@@ -1,4 +1,4 @@
-"""The fields of a text session's request (zmqllm/ask_body.py): what passes to the
+"""The fields of a text session's request (zmqllm/bus/ask_body.py): what passes to the
 upstream, what is refused (naming the field) and what is dropped. No torch."""
 
 from __future__ import annotations

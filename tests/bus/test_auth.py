@@ -1,6 +1,6 @@
 """The broker's CURVE gate without sockets: the key a message came with, and which
 clients lose their sessions when their key is revoked (the ZAP handler itself runs over
-real sockets in test_broker_curve.py)."""
+real sockets in tests/broker/test_curve.py)."""
 
 from __future__ import annotations
 

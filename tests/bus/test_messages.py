@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from zmqllm.bus.messages import (
-    LOAD_KEYS,
+    FIGURE_KEYS,
     MAX_ATTEMPTS,
     MAX_CONTEXT,
     MAX_DELTA,
@@ -206,7 +206,7 @@ MESSAGES: dict[type[Message], st.SearchStrategy[Any]] = {
         Heartbeat,
         request_id=request_ids,
         boot=st.none() | texts(64),
-        load=st.none() | st.dictionaries(st.sampled_from(sorted(LOAD_KEYS)), scalars),
+        load=st.none() | st.dictionaries(st.sampled_from(sorted(FIGURE_KEYS)), scalars),
         draining=st.booleans(),
     ),
     Open: opens(),

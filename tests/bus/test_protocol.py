@@ -18,8 +18,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.bus.test_messages import EXAMPLES, assert_same_message, valid_messages
+from zmqllm.bus.messages import (
+    MESSAGE_TYPES,
+    Activation,
+    Error,
+    ErrorCode,
+    Message,
+    Open,
+    Register,
+    Status,
+    StatusReply,
+    Step,
+)
 from zmqllm.bus.protocol import (
-    MAX_DIMS,
     MAX_FRAMES,
     MAX_HEADER_ARRAY_LEN,
     MAX_HEADER_BIN_LEN,
@@ -27,24 +38,17 @@ from zmqllm.bus.protocol import (
     MAX_HEADER_MAP_LEN,
     MAX_HEADER_STR_LEN,
     MAX_PAYLOAD_BYTES,
-    MAX_TENSORS,
-    MESSAGE_TYPES,
     PROTOCOL_VERSION,
-    WIRE_DTYPES,
-    Activation,
-    Error,
-    ErrorCode,
-    Message,
-    Open,
-    Payload,
-    ProtocolError,
-    Register,
-    Status,
-    StatusReply,
-    Step,
     decode,
     decode_header,
     encode,
+)
+from zmqllm.bus.wire_types import (
+    MAX_DIMS,
+    MAX_TENSORS,
+    WIRE_DTYPES,
+    Payload,
+    ProtocolError,
     payload,
 )
 

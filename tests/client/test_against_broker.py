@@ -18,10 +18,10 @@ import zmq
 import zmq.asyncio
 
 from zmqllm.broker.loop import Broker
-from zmqllm.bus.messages import Finish
-from zmqllm.bus.protocol import (
+from zmqllm.bus.messages import (
     Close,
     ErrorCode,
+    Finish,
     Heartbeat,
     Open,
     Register,
@@ -29,9 +29,8 @@ from zmqllm.bus.protocol import (
     SessionError,
     Step,
     Token,
-    decode,
-    encode,
 )
+from zmqllm.bus.protocol import decode, encode
 from zmqllm.bus.sampling_params import SamplingParams
 from zmqllm.client.broker_client import BrokerClient
 from zmqllm.client.request import GenerateRequest

@@ -12,10 +12,18 @@ import numpy as np
 import pytest
 
 from tests.client_harness import INTERVAL, TIMEOUT, FakeBroker, collect, generate, run
-from zmqllm.bus.messages import MsgType
-from zmqllm.bus.protocol import Error, ErrorCode, Heartbeat, Open, SessionError, StatusReply
+from zmqllm.bus.messages import (
+    Error,
+    ErrorCode,
+    Heartbeat,
+    MsgType,
+    Open,
+    SessionError,
+    StatusReply,
+)
 from zmqllm.bus.sampling_params import SamplingParams
-from zmqllm.client.broker_client import BrokerClient, TokenEvent
+from zmqllm.client.broker_client import BrokerClient
+from zmqllm.client.streams import TokenEvent
 
 # -- generating --------------------------------------------------------------------------
 

@@ -16,20 +16,18 @@ import zmq
 import zmq.asyncio
 
 from tests.client_harness import TIMEOUT, FakeBroker, collect, generate, run
-from zmqllm.bus.messages import MsgType
-from zmqllm.bus.protocol import (
-    MAX_FRAMES,
-    PROTOCOL_VERSION,
+from zmqllm.bus.messages import (
     Error,
     ErrorCode,
     Heartbeat,
-    Payload,
+    MsgType,
     SessionError,
     StatusReply,
     Step,
     Token,
-    encode,
 )
+from zmqllm.bus.protocol import MAX_FRAMES, PROTOCOL_VERSION, encode
+from zmqllm.bus.wire_types import Payload
 from zmqllm.client.broker_client import BrokerClient
 
 

@@ -13,19 +13,17 @@ import numpy as np
 import pytest
 import zmq
 
-from zmqllm.bus.protocol import (
-    MAX_FRAMES,
+from zmqllm.bus.messages import (
     Error,
     ErrorCode,
     Heartbeat,
     Message,
-    Payload,
     SessionError,
     Status,
     StatusReply,
-    decode,
-    encode,
 )
+from zmqllm.bus.protocol import MAX_FRAMES, decode, encode
+from zmqllm.bus.wire_types import Payload
 from zmqllm.client.status import fetch_status, format_status
 
 SAMPLE: dict[str, Any] = {

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from zmqllm.bus.protocol import ErrorCode, Open, SessionError, decode
+from zmqllm.bus.messages import ErrorCode, Open, SessionError
+from zmqllm.bus.protocol import decode
 from zmqllm.bus.sampling_params import SamplingParams
 from zmqllm.client.request import GenerateRequest
 from zmqllm.client.streams import StreamTable, TokenEvent, TokenStream, open_frames

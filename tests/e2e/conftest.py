@@ -116,7 +116,7 @@ class ConfiguredCluster(Cluster):
 def greedy_ids(e2e_model: Path) -> Callable[..., list[int]]:
     """HF MistralForCausalLM greedy token ids for prompt ids; ``stop_at_eos=False`` is the
     reference for ``ignore_eos`` requests (exactly ``max_tokens`` ids). Cached: several
-    tests and streams share prompts, and HF generate costs ~10 ms a token here."""
+    tests and streams share prompts, and HF generate runs the whole model for every token."""
     import torch
     from transformers import MistralForCausalLM
 

@@ -28,7 +28,8 @@ from tests.e2e.conftest import ConfiguredCluster
 from tests.e2e.expected import sent_text
 from tests.e2e.test_cluster import post_chat
 from zmqllm.bus.messages import Open, Status
-from zmqllm.bus.protocol import PROTOCOL_VERSION, Payload, encode
+from zmqllm.bus.protocol import PROTOCOL_VERSION, encode
+from zmqllm.bus.wire_types import Payload
 
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 

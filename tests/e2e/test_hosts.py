@@ -11,7 +11,7 @@ Proven: greedy text equals HF's across the hosts; host 3 cut off for 6 s (its li
 comes back: the same worker process registers again and new requests are exact; a stream
 in flight during the cut either completes exactly (failover) or ends with a clear error
 event, never silently short. Everything the test makes is removed whatever happens, and
-a testbed a killed earlier run left behind is removed at the start (tests/test_netns.py).
+a testbed a killed earlier run left behind is removed at the start (tests/testbed/test_netns.py).
 """
 
 from __future__ import annotations

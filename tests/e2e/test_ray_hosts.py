@@ -63,7 +63,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, e2e_model: Path) -> Iterat
     for path in home.values():
         path.mkdir()
         # The compiled kernels e2e_model built, as a node's image would carry them (each
-        # node builds its own otherwise: 1-2 minutes on these cores).
+        # node builds its own otherwise, which takes minutes: docs/operations.md).
         if (zmqllm_home() / "kernels").is_dir():
             shutil.copytree(zmqllm_home() / "kernels", path / "kernels")
     config = root / "ray.toml"

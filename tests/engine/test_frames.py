@@ -14,14 +14,9 @@ import zmq
 
 torch = pytest.importorskip("torch")
 
-from zmqllm.bus.protocol import (  # noqa: E402
-    Activation,
-    Open,
-    Payload,
-    ProtocolError,
-    decode,
-    encode,
-)
+from zmqllm.bus.messages import Activation, Open  # noqa: E402
+from zmqllm.bus.protocol import decode, encode  # noqa: E402
+from zmqllm.bus.wire_types import Payload, ProtocolError  # noqa: E402
 from zmqllm.engine.frames import (  # noqa: E402
     FLOAT16_MAX,
     activation_dtype,

@@ -11,8 +11,9 @@ transformers = pytest.importorskip("transformers")
 
 from tests.float_tolerance import reduction_length, reorder_tolerance  # noqa: E402
 from zmqllm.engine.cache import KVCache  # noqa: E402
+from zmqllm.engine.decoder_layer import Segment  # noqa: E402
 from zmqllm.engine.generator import Generator, load_shard  # noqa: E402
-from zmqllm.engine.model import MistralShard, Segment  # noqa: E402
+from zmqllm.engine.model import MistralShard  # noqa: E402
 from zmqllm.models.model_args import ModelArgs  # noqa: E402
 
 pytestmark = pytest.mark.torch

@@ -16,8 +16,9 @@ torch = pytest.importorskip("torch")
 from tests.float_tolerance import reduction_length, reorder_tolerance  # noqa: E402
 from zmqllm.engine import native  # noqa: E402
 from zmqllm.engine.cache import KVCache  # noqa: E402
+from zmqllm.engine.decoder_layer import Segment  # noqa: E402
 from zmqllm.engine.generator import load_shard  # noqa: E402
-from zmqllm.engine.model import MistralShard, Segment  # noqa: E402
+from zmqllm.engine.model import MistralShard  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from zmqllm.bus.sampling_params import LOGPROB_FLOOR, MAX_LOGPROBS, NO_LOGPROBS
-from zmqllm.engine.sampling import SamplingParams, logprobs_of, sample, sample_batch
+from zmqllm.bus.sampling_params import LOGPROB_FLOOR, MAX_LOGPROBS, NO_LOGPROBS, SamplingParams
+from zmqllm.engine.sampling import logprobs_of, sample, sample_batch
 
 
 def _random_logits(rng: np.random.Generator, vocab: int = 200) -> np.ndarray:

@@ -14,14 +14,12 @@ pytest.importorskip("safetensors")
 from zmqllm.broker.registry import fingerprint_differences  # noqa: E402
 from zmqllm.engine.generator import load_shard  # noqa: E402
 from zmqllm.engine.weights import (  # noqa: E402
-    INDEX_FILE,
-    CheckpointError,
     load_shard_tensors,
     model_fingerprint,
     resolve_checkpoint,
     shard_tensor_names,
-    weight_map,
 )
+from zmqllm.models.checkpoint import INDEX_FILE, CheckpointError, weight_map  # noqa: E402
 from zmqllm.models.model_args import ModelArgs  # noqa: E402
 
 pytestmark = pytest.mark.torch

@@ -1,6 +1,6 @@
 """`zmqllm up` without the ML stack: keys by default, the refusal of a busy port, and the
 supervision loop run against stand-in children (tiny Python processes), so nothing here
-needs torch. What it plans (command lines, ports, log names): test_launch_plan.py; when
+needs torch. What it plans (command lines, ports, log names): test_plan.py; when
 it restarts a child: test_supervision.py."""
 
 from __future__ import annotations

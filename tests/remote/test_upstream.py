@@ -1,4 +1,4 @@
-"""The upstream client (zmqllm/upstream.py) against a live fake OpenAI-compatible server,
+"""The upstream client (zmqllm/remote/upstream.py) against a live fake OpenAI-compatible server,
 and against canned bytes for the stream-parsing corners (no torch)."""
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ import pytest
 import zmq
 
 from testbed.fake_upstream import FakeUpstream
-from zmqllm.bus.messages import AskKind, Payload
-from zmqllm.bus.protocol import (
+from zmqllm.bus.messages import (
     Ask,
+    AskKind,
     Cancel,
     Close,
     Delta,
@@ -33,10 +33,9 @@ from zmqllm.bus.protocol import (
     ErrorCode,
     Message,
     Step,
-    decode,
-    encode,
 )
-from zmqllm.bus.wire_types import SessionKey
+from zmqllm.bus.protocol import decode, encode
+from zmqllm.bus.wire_types import Payload, SessionKey
 from zmqllm.config.settings import Config, ConfigError
 from zmqllm.log import configure_logging
 from zmqllm.remote.main import MAX_KEY_BYTES, read_api_key, serve

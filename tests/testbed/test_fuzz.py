@@ -34,7 +34,8 @@ from zmqllm.bus.messages import (
     Step,
     Token,
 )
-from zmqllm.bus.protocol import MAX_FRAMES, MAX_TENSORS, ProtocolError, decode
+from zmqllm.bus.protocol import MAX_FRAMES, decode
+from zmqllm.bus.wire_types import MAX_TENSORS, ProtocolError
 
 SESSIONS = ["victim-1", "victim_2"]
 

@@ -12,7 +12,8 @@ import pytest
 import zmq
 
 from testbed.fuzz_peers import StatusPoller, blast
-from zmqllm.bus.protocol import Status, StatusReply, decode, encode
+from zmqllm.bus.messages import Status, StatusReply
+from zmqllm.bus.protocol import decode, encode
 
 SESSIONS = ["victim-1", "victim_2"]
 

@@ -15,19 +15,9 @@ import pytest
 import zmq
 
 import zmqllm.worker.broker_link as link_module
-from zmqllm.bus.protocol import (
-    MAX_FRAMES,
-    Activation,
-    Disconnect,
-    Heartbeat,
-    Payload,
-    Register,
-    Registered,
-    Step,
-    decode,
-    encode,
-)
-from zmqllm.bus.wire_types import SessionKey
+from zmqllm.bus.messages import Activation, Disconnect, Heartbeat, Register, Registered, Step
+from zmqllm.bus.protocol import MAX_FRAMES, decode, encode
+from zmqllm.bus.wire_types import Payload, SessionKey
 from zmqllm.log import get_logger
 from zmqllm.worker.broker_link import BrokerLink, LinkSettings
 from zmqllm.worker.faults import Faults

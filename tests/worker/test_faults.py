@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 
 import zmqllm.bus.sockets as bus
-from zmqllm.worker.faults import FAULT_REASONS, Faults, describe
+from zmqllm.bus.sockets import describe
+from zmqllm.worker.faults import FAULT_REASONS, Faults
 
 
 class Recorder:
@@ -44,7 +45,7 @@ def test_every_fault_is_counted_but_only_a_few_lines_a_second_are_logged(
     now[0] += 1.5  # the next second: the lines left out are said to be
     faults.report("malformed", "bad message")
     assert log.lines[-1][1]["suppressed_before"] == 997
-    load = faults.load()
+    load = faults.heartbeat_figures()
     assert set(load) == {f"fault_{r}" for r in FAULT_REASONS}
     assert (load["fault_malformed"], load["fault_internal"], load["fault_unsent"]) == (1001, 1, 0)
 
@@ -58,6 +59,6 @@ def test_an_exception_is_described_without_locals_or_its_whole_message() -> None
 
 
 def test_every_fault_counter_can_ride_the_heartbeat() -> None:
-    from zmqllm.bus.messages import LOAD_KEYS
+    from zmqllm.bus.messages import FIGURE_KEYS
 
-    assert {f"fault_{r}" for r in FAULT_REASONS} <= LOAD_KEYS
+    assert {f"fault_{r}" for r in FAULT_REASONS} <= FIGURE_KEYS

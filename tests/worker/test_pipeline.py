@@ -22,34 +22,32 @@ import zmq
 
 torch = pytest.importorskip("torch")
 
-from zmqllm.bus.messages import Finish  # noqa: E402
-from zmqllm.bus.protocol import (  # noqa: E402
-    MAX_FRAMES,
+from zmqllm.bus.messages import (  # noqa: E402
     Activation,
     Close,
     Disconnect,
     Error,
     ErrorCode,
+    Finish,
     Heartbeat,
     Message,
     Open,
-    Payload,
-    ProtocolError,
     Refused,
     Register,
     Registered,
     Step,
     Token,
-    decode,
-    encode,
 )
+from zmqllm.bus.protocol import MAX_FRAMES, decode, encode  # noqa: E402
 from zmqllm.bus.sampling_params import SamplingParams  # noqa: E402
+from zmqllm.bus.wire_types import Payload, ProtocolError  # noqa: E402
 from zmqllm.config.settings import Config  # noqa: E402
 from zmqllm.engine.frames import payload_to_tensor  # noqa: E402
 from zmqllm.engine.generator import Generator  # noqa: E402
 from zmqllm.engine.runner import Output  # noqa: E402
 from zmqllm.version import __version__  # noqa: E402
-from zmqllm.worker.pipeline import Worker, load_stage, max_frame_bytes  # noqa: E402
+from zmqllm.worker.pipeline import Worker  # noqa: E402
+from zmqllm.worker.shard_loader import load_stage, max_frame_bytes  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -135,7 +133,7 @@ class FakeBroker:
         now = time.monotonic()
         if isinstance(msg, Heartbeat):
             self.beats.append(now)
-            # As sent: decoding keeps only messages.LOAD_KEYS, and the fault counters are
+            # As sent: decoding keeps only messages.FIGURE_KEYS, and the fault counters are
             # not among them yet.
             self.last_load = msgpack.unpackb(frames[0]).get("load") or {}
             self.last_draining = msg.draining

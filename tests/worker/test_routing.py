@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from zmqllm.bus.messages import Finish, Payload
-from zmqllm.bus.protocol import Activation, Step, Token
+from zmqllm.bus.messages import Activation, Finish, Step, Token
+from zmqllm.bus.wire_types import Payload
 from zmqllm.worker.peer_link import PeerRoute
 from zmqllm.worker.routing import Routed, group_tags, route_result
 

@@ -16,7 +16,7 @@ import msgpack
 import pytest
 import zmq
 
-from zmqllm.bus.protocol import (
+from zmqllm.bus.messages import (
     Cached,
     Cancel,
     Close,
@@ -25,13 +25,11 @@ from zmqllm.bus.protocol import (
     ErrorCode,
     Heartbeat,
     Message,
-    ProtocolError,
     Register,
     Step,
-    decode,
-    encode,
 )
-from zmqllm.bus.wire_types import SessionKey
+from zmqllm.bus.protocol import decode, encode
+from zmqllm.bus.wire_types import ProtocolError, SessionKey
 from zmqllm.config.settings import Config
 from zmqllm.worker.broker_link import LinkLost
 from zmqllm.worker.inbox import Refusal, Reset, take_in
@@ -73,8 +71,8 @@ class FakeLink:
         self.sent.append((key, decode(frames)))
         return ""
 
-    def publish(self, load: dict[str, Any], draining: bool) -> None:
-        self.published.append(load)
+    def publish(self, figures: dict[str, Any], draining: bool) -> None:
+        self.published.append(figures)
 
     def alive(self) -> bool:
         return self.up
@@ -117,7 +115,7 @@ class StepWorker(WorkerShell):
     def drop_sessions(self) -> None:
         self.open.clear()
 
-    def load(self) -> dict[str, Any]:
+    def heartbeat_figures(self) -> dict[str, Any]:
         return {"sessions": len(self.open)}
 
     def _turn(self) -> None:

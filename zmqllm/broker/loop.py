@@ -20,7 +20,8 @@ from typing import Any
 import zmq
 
 from zmqllm.broker.registry import Registry, RegistryError, WorkerEntry
-from zmqllm.broker.session_table import Out, SessionTable
+from zmqllm.broker.session_records import Out
+from zmqllm.broker.session_table import SessionTable
 from zmqllm.broker.status import broker_status, no_route_reason
 from zmqllm.bus.auth import CLIENTS, WORKERS, Authenticator, ClientKeys, HandshakeMonitor, peer_key
 from zmqllm.bus.keys import BrokerKeys, as_server, claim_refusal
@@ -48,12 +49,12 @@ from zmqllm.bus.protocol import (
     MAX_FRAMES,
     MAX_HEADER_BYTES,
     PROTOCOL_VERSION,
-    ProtocolError,
     VersionMismatch,
     decode,
     encode,
 )
 from zmqllm.bus.sockets import Drops, recv_bounded
+from zmqllm.bus.wire_types import ProtocolError
 from zmqllm.config.settings import BrokerSettings
 from zmqllm.log import get_logger
 from zmqllm.version import __version__

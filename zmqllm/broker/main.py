@@ -4,7 +4,7 @@ loopback, and the signals that stop it.
 ``serve`` is what ``zmqllm broker`` runs. Without CURVE keys the broker binds only
 loopback, ipc and inproc endpoints (``exposed_endpoints`` names the others) unless told
 ``--insecure``: a plaintext bus lets anyone who reaches it read every prompt. The broker
-itself, its sockets and loop, is ``broker.py``. It never imports torch.
+itself, its sockets and loop, is ``loop.py``. It never imports torch.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from zmqllm.broker.drift import pool_drift, pool_refusal
 from zmqllm.broker.route_search import Edge, best_chain, gaps, route_shapes
-from zmqllm.bus.messages import LOAD_KEYS, MAX_CONTEXT, MAX_LAYERS, MAX_TEXT, Register
+from zmqllm.bus.messages import FIGURE_KEYS, MAX_CONTEXT, MAX_LAYERS, MAX_TEXT, Register
 from zmqllm.bus.wire_types import ProtocolError
 from zmqllm.config.names import NAME_RULE, is_name
 
@@ -83,7 +83,7 @@ class WorkerEntry:
     # Session key -> KV tokens reserved for it here, so a release frees exactly that.
     sessions: dict[Hashable, int] = field(default_factory=dict)
     reserved_tokens: int = 0
-    load: dict[str, Any] = field(default_factory=dict)  # the worker's last HEARTBEAT load
+    figures: dict[str, Any] = field(default_factory=dict)  # what its last HEARTBEAT reported
     draining: bool = False
     full_until: float = 0.0  # refused a session lately: skip it until then
     # The CURVE public key (z85) it registered with: only that key may speak as it.
@@ -104,7 +104,7 @@ class WorkerEntry:
             and self.reserved_tokens + max_len <= self.max_kv_tokens
         )
 
-    def load_score(self) -> float:
+    def occupancy(self) -> float:
         """Fraction of this worker in use: the larger of sessions and KV tokens."""
         return max(
             len(self.sessions) / max(1, self.capacity),
@@ -115,8 +115,8 @@ class WorkerEntry:
         """This worker in STATUS: a fixed set of fields, each of bounded size."""
         stats = {
             k: v
-            for k, v in self.load.items()
-            if k in LOAD_KEYS
+            for k, v in self.figures.items()
+            if k in FIGURE_KEYS
             and type(v) in (int, float, bool)
             and (type(v) is not float or math.isfinite(v))
         }
@@ -129,7 +129,7 @@ class WorkerEntry:
             "capacity": self.capacity,
             "kv_tokens_reserved": self.reserved_tokens,
             "max_kv_tokens": self.max_kv_tokens,
-            "load": round(self.load_score(), 3),
+            "load": round(self.occupancy(), 3),  # "load" in STATUS replies and /cluster/status
             "last_heartbeat_s": round(now - self.last_seen, 2),
             "draining": self.draining,
             "peer": self.peer,
@@ -139,10 +139,10 @@ class WorkerEntry:
             "build": dict(self.build),
         }
 
-    def heard(self, load: dict[str, Any], now: float) -> None:
+    def heard(self, figures: dict[str, Any], now: float) -> None:
         """A heartbeat's figures; the CPU use since the last one from its ``cpu_s``."""
-        self.load = load
-        cpu = load.get("cpu_s")
+        self.figures = figures
+        cpu = figures.get("cpu_s")
         if not isinstance(cpu, int | float) or not math.isfinite(cpu):
             return
         if self._cpu_at is not None and now > self._cpu_at[1] and cpu >= self._cpu_at[0]:
@@ -442,19 +442,19 @@ class Registry:
                 continue
             # Per range only one replica can be on the best route.
             w = min(room, key=self._ranking(room, held))
-            edges.setdefault(start, []).append((end, w.load_score(), w.worker_id, w))
+            edges.setdefault(start, []).append((end, w.occupancy(), w.worker_id, w))
         return best_chain(edges, m.num_layers)
 
     def _ranking(
         self, room: list[WorkerEntry], held: Callable[[WorkerEntry], int] | None
     ) -> Callable[[WorkerEntry], tuple[int, float, str]]:
         """The order in which find_route prefers replicas of one range: the most of the
-        prefix held (within the slack), then the least load, then the lowest id."""
+        prefix held (within the slack), then the least occupancy, then the lowest id."""
         near = min(len(w.sessions) for w in room) + self.affinity_slack
 
         def rank(w: WorkerEntry) -> tuple[int, float, str]:
             cached = held(w) if held is not None and len(w.sessions) <= near else 0
-            return (-cached, w.load_score(), w.worker_id)
+            return (-cached, w.occupancy(), w.worker_id)
 
         return rank
 

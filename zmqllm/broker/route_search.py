@@ -22,19 +22,19 @@ class Hop(Protocol):
 
 W = TypeVar("W", bound=Hop)
 
-# One candidate hop of a route: (end, load, worker id, worker). Generic in the worker, so
+# One candidate hop of a route: (end, occupancy, worker id, worker). Generic in the worker, so
 # this module needs nothing of the registry that calls it.
 Edge = tuple[int, float, str, W]
 
 
 def best_chain(edges: dict[int, list[Edge[W]]], num_layers: int) -> list[W] | None:
-    """The chain 0 -> num_layers over ``edges`` (by start) with the least maximum load,
+    """The chain 0 -> num_layers over ``edges`` (by start) with the least maximum occupancy,
     then the fewest hops, then the lowest worker ids, in O(edges log edges)."""
     starts = sorted(edges, reverse=True)  # every edge goes forward: later boundaries first
-    # The least possible maximum load of a chain from each boundary to the end.
+    # The least possible maximum occupancy of a chain from each boundary to the end.
     neck: dict[int, float] = {num_layers: -math.inf}
     for a in starts:
-        options = [max(load, neck[b]) for b, load, _, _ in edges[a] if b in neck]
+        options = [max(occupancy, neck[b]) for b, occupancy, _, _ in edges[a] if b in neck]
         if options:
             neck[a] = min(options)
     if 0 not in neck:
@@ -43,7 +43,9 @@ def best_chain(edges: dict[int, list[Edge[W]]], num_layers: int) -> list[W] | No
     # Fewest hops to the end using only hops within that bound.
     hops: dict[int, int] = {num_layers: 0}
     for a in starts:
-        counts = [hops[b] + 1 for b, load, _, _ in edges[a] if load <= bound and b in hops]
+        counts = [
+            hops[b] + 1 for b, occupancy, _, _ in edges[a] if occupancy <= bound and b in hops
+        ]
         if counts:
             hops[a] = min(counts)
     route: list[W] = []

@@ -42,7 +42,7 @@ from zmqllm.bus.messages import (
 from zmqllm.bus.prefix import PrefixIndex
 from zmqllm.log import bind_request, get_logger
 
-__all__ = ["MAX_ATTEMPTS", "Key", "Out", "Pending", "Session", "SessionStats", "SessionTable"]
+__all__ = ["MAX_ATTEMPTS", "SessionTable"]
 
 log = get_logger("zmqllm.broker")
 

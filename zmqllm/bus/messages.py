@@ -61,7 +61,7 @@ from zmqllm.bus.wire_types import (
 )
 
 __all__ = [
-    "LOAD_KEYS",
+    "FIGURE_KEYS",
     "MAX_CONTEXT",
     "MAX_LAYERS",
     "MAX_TOKEN_ID",
@@ -107,7 +107,7 @@ MAX_TEXT = 1024  # reasons and error messages
 MAX_DELTA = 4000
 MAX_ASK_BYTES = 4 << 20  # a text session's request: its messages as JSON
 # What a worker's HEARTBEAT may report (Stage.heartbeat_figures); nothing else is carried on.
-LOAD_KEYS = frozenset(
+FIGURE_KEYS = frozenset(
     {
         "sessions",
         "kv_tokens_reserved",
@@ -137,7 +137,7 @@ LOAD_KEYS = frozenset(
         "prefix_cached_tokens",
         "prefix_query_tokens",
         "prefix_hit_tokens",
-        # What a worker dropped or failed on, by reason (worker_faults.FAULT_REASONS).
+        # What a worker dropped or failed on, by reason (worker/faults.py's FAULT_REASONS).
         "fault_malformed",
         "fault_unexpected",
         "fault_bad_request",
@@ -358,7 +358,8 @@ class Disconnect(Message):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Heartbeat(Message):
     boot: str | None = wire(optional(text(64)), None)  # the broker's, so peers see restarts
-    load: dict[str, Any] | None = wire(optional(scalar_map(64, LOAD_KEYS)), None)  # a worker's
+    # A worker's figures (FIGURE_KEYS); "load" is the field's name on the wire.
+    load: dict[str, Any] | None = wire(optional(scalar_map(64, FIGURE_KEYS)), None)
     draining: bool = wire(flag(), False)
 
 

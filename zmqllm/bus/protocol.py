@@ -22,41 +22,13 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from zmqllm.bus.messages import (
-    MESSAGE_TYPES,
-    Activation,
-    Ask,
-    Cached,
-    Cancel,
-    Close,
-    Delta,
-    Disconnect,
-    Error,
-    ErrorCode,
-    Heartbeat,
-    Message,
-    MsgType,
-    Open,
-    Refused,
-    Register,
-    Registered,
-    SessionError,
-    SessionMessage,
-    Status,
-    StatusReply,
-    Step,
-    Token,
-)
+from zmqllm.bus.messages import MESSAGE_TYPES, Message, MsgType
 from zmqllm.bus.wire_types import (
-    ID_PATTERN,
     MAX_DIMS,
-    MAX_ID_LEN,
     MAX_TENSORS,
     WIRE_DTYPES,
     Payload,
     ProtocolError,
-    is_valid_id,
-    payload,
 )
 
 # The header's ``v``: bumped with every change of the wire format (messages, fields, framing);
@@ -64,46 +36,14 @@ from zmqllm.bus.wire_types import (
 PROTOCOL_VERSION = 2
 
 __all__ = [
-    "ID_PATTERN",
-    "MAX_DIMS",
     "MAX_FRAMES",
     "MAX_HEADER_BYTES",
-    "MAX_ID_LEN",
     "MAX_PAYLOAD_BYTES",
-    "MAX_TENSORS",
-    "MESSAGE_TYPES",
     "PROTOCOL_VERSION",
-    "WIRE_DTYPES",
-    "Activation",
-    "Ask",
-    "Cached",
-    "Cancel",
-    "Close",
-    "Delta",
-    "Disconnect",
-    "Error",
-    "ErrorCode",
-    "Heartbeat",
-    "Message",
-    "MsgType",
-    "Open",
-    "Payload",
-    "ProtocolError",
-    "Refused",
-    "Register",
-    "Registered",
-    "SessionError",
-    "SessionMessage",
-    "Status",
-    "StatusReply",
-    "Step",
-    "Token",
     "VersionMismatch",
     "decode",
     "decode_header",
     "encode",
-    "is_valid_id",
-    "payload",
 ]
 
 # Limits. The header is checked for size before msgpack sees it, and msgpack is given

@@ -25,24 +25,23 @@ import zmq
 import zmq.asyncio
 
 from zmqllm.bus.keys import PeerKeys, as_client
-from zmqllm.bus.messages import MAX_STATUS_BYTES, AskKind
-from zmqllm.bus.protocol import (
-    MAX_FRAMES,
+from zmqllm.bus.messages import (
+    MAX_STATUS_BYTES,
+    AskKind,
     Cancel,
     Delta,
     Error,
     ErrorCode,
     Heartbeat,
     Message,
-    ProtocolError,
     SessionError,
     Status,
     StatusReply,
     Token,
-    decode,
-    encode,
 )
+from zmqllm.bus.protocol import MAX_FRAMES, decode, encode
 from zmqllm.bus.sockets import Drops, recv_bounded_async
+from zmqllm.bus.wire_types import ProtocolError
 from zmqllm.client.request import GenerateRequest
 from zmqllm.client.streams import (
     DeltaEvent,
@@ -54,7 +53,7 @@ from zmqllm.client.streams import (
 )
 from zmqllm.log import get_logger
 
-__all__ = ["DEFAULT_MAX_STREAMS", "BrokerClient", "DeltaEvent", "TokenEvent", "TokenStream"]
+__all__ = ["DEFAULT_MAX_STREAMS", "BrokerClient"]
 
 log = get_logger("zmqllm.client")
 

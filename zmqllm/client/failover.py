@@ -73,7 +73,7 @@ class FailoverEvent:
 
 
 class TokenSource(Protocol):
-    """One session's token stream, as ``zmqllm.client.broker_client.TokenStream`` is."""
+    """One session's token stream, as ``zmqllm.client.streams.TokenStream`` is."""
 
     @property
     def session(self) -> str: ...

@@ -9,19 +9,17 @@ from typing import Any
 import zmq
 
 from zmqllm.bus.keys import PeerKeys, as_client
-from zmqllm.bus.messages import MAX_STATUS_BYTES
-from zmqllm.bus.protocol import (
-    MAX_FRAMES,
+from zmqllm.bus.messages import (
+    MAX_STATUS_BYTES,
     Error,
     ErrorCode,
-    ProtocolError,
     SessionError,
     Status,
     StatusReply,
-    decode,
-    encode,
 )
+from zmqllm.bus.protocol import MAX_FRAMES, decode, encode
 from zmqllm.bus.sockets import recv_bounded
+from zmqllm.bus.wire_types import ProtocolError
 
 __all__ = ["fetch_status", "format_status"]
 

@@ -17,7 +17,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from zmqllm.bus.messages import Ask, AskKind, ErrorCode, Message, Open, SessionError
-from zmqllm.bus.protocol import Payload, ProtocolError, decode, encode, is_valid_id
+from zmqllm.bus.protocol import decode, encode
+from zmqllm.bus.wire_types import Payload, ProtocolError, is_valid_id
 from zmqllm.client.request import GenerateRequest
 
 __all__ = [

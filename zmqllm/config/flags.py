@@ -1,7 +1,7 @@
-"""Command-line flags made from the settings dataclasses of config.py.
+"""Command-line flags made from the settings dataclasses of settings.py.
 
 A setting is declared once, as a field of a section with its default and help text
-(``[worker] packed_rows``, see ``config.setting``). This module turns the fields a role
+(``[worker] packed_rows``, see ``settings.setting``). This module turns the fields a role
 takes into flags (``--packed-rows N``) and a parsed namespace back into per-section
 overrides. Every generated flag defaults to None, "not given", which ``with_overrides``
 ignores, so the config file's value stands unless the flag is on the command line.

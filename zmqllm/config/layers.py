@@ -6,7 +6,7 @@ k-th of n contiguous shares of about equal cost, 1-based) or ``""`` (all layers)
 ``parse_layers`` turns a spec into the range for a model's layer count, and
 ``split_layers`` is the split behind ``"k/n"``. Mistakes raise ``ConfigError``.
 
-Torch-free: every process checks the layer specs in its config (config_load.py).
+Torch-free: every process checks the layer specs in its config (loading.py).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ they may be (endpoints, devices, positive counts and timeouts, layer specs). Unk
 sections and keys are errors, never ignored. Mistakes raise ``ConfigError`` naming the
 key, the section and the file (or "command-line overrides").
 
-The settings themselves, their defaults and help, are in ``config.py``. Torch-free.
+The settings themselves, their defaults and help, are in ``settings.py``. Torch-free.
 """
 
 from __future__ import annotations

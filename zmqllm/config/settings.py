@@ -3,13 +3,13 @@
 A file has one table per section (``[model]``, ``[broker]``, ``[worker]``, ``[gateway]``,
 ``[log]``, ``[security]``) plus an array of ``[[stages]]`` tables for the launcher. Every
 key has a default, so a file only names what it changes, and every key has a command-line
-flag (settings_flags.py) that overrides the file through ``with_overrides``. Mistakes
+flag (flags.py) that overrides the file through ``with_overrides``. Mistakes
 are reported as ``ConfigError`` naming the key, the section and the file, because a typo
 that silently falls back to a default is the hardest kind of misconfiguration to spot in
 a cluster of processes.
 
 This module holds the sections (each setting once, with its help) and where models and
-logs live; ``config_load.py`` reads a file and flags into them, checking every value, and
+logs live; ``loading.py`` reads a file and flags into them, checking every value, and
 ``layers.py`` parses layer specs.
 
 This module runs in the broker and the gateway, so it must not import torch.
@@ -63,7 +63,7 @@ class ConfigError(ValueError):
 # --- sections ---------------------------------------------------------------------------
 #
 # Every setting is declared once, here: its default and the help text of its flag.
-# zmqllm/settings_flags.py makes the command-line flags from these fields, so a new field
+# zmqllm/config/flags.py makes the command-line flags from these fields, so a new field
 # gets its flag (``--field-name``) without touching the command line.
 
 _T = TypeVar("_T")

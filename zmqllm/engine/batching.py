@@ -36,9 +36,9 @@ from zmqllm.engine.micro_batches import Arrivals, Member, MicroBatches
 if TYPE_CHECKING:
     import torch
 
+    from zmqllm.bus.sampling_params import SamplingParams
     from zmqllm.engine.cache import KVCache
     from zmqllm.engine.rules import SessionRules
-    from zmqllm.engine.sampling import SamplingParams
 
 # How long ready work may wait for more sessions while the cores are free (see
 # Scheduler.coalesce_wait; time another stage spends computing does not count, up to

@@ -11,7 +11,7 @@ import warnings
 import numpy as np
 import torch
 
-from zmqllm.bus.protocol import WIRE_DTYPES, Payload, ProtocolError
+from zmqllm.bus.wire_types import WIRE_DTYPES, Payload, ProtocolError
 
 # bfloat16 is absent: numpy has no bf16, so it takes the int16-view path below.
 _WIRE_NAMES: dict[torch.dtype, str] = {

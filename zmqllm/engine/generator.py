@@ -13,13 +13,16 @@ from pathlib import Path
 
 import torch
 
+from zmqllm.bus.sampling_params import SamplingParams
 from zmqllm.engine import native
 from zmqllm.engine.cache import CachePool
+from zmqllm.engine.decoder_layer import Segment
 from zmqllm.engine.gguf_weights import GGUFShardReader, gguf_matches, gguf_source
-from zmqllm.engine.model import MistralShard, Segment
-from zmqllm.engine.sampling import SamplingParams, sample
-from zmqllm.engine.weights import load_shard_tensors, shard_tensor_groups, weight_map
+from zmqllm.engine.model import MistralShard
+from zmqllm.engine.sampling import sample
+from zmqllm.engine.weights import load_shard_tensors, shard_tensor_groups
 from zmqllm.log import get_logger
+from zmqllm.models.checkpoint import weight_map
 from zmqllm.models.model_args import ModelArgs
 
 log = get_logger("zmqllm.engine")

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from zmqllm.engine.quant import GROUP, QuantTensor
-from zmqllm.engine.weights import CheckpointError, shard_tensor_groups
+from zmqllm.engine.weights import shard_tensor_groups
+from zmqllm.models.checkpoint import CheckpointError
 from zmqllm.models.model_args import ModelArgs
 from zmqllm.models.prepare import SOURCE_FILE
 

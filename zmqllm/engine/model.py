@@ -23,13 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zmqllm.config.settings import QUANTS
 from zmqllm.engine import linear, quant
 from zmqllm.engine.decoder_layer import LINEAR_NAMES, DecoderLayer, ForwardPlan, RMSNorm, Segment
 from zmqllm.engine.linear import CPU_MM_MAX_ROWS_HEAD, Linear, QuantLinear
 from zmqllm.engine.quant import QuantTensor
 from zmqllm.models.model_args import ModelArgs
 
-__all__ = ["MistralShard", "Segment"]
+__all__ = ["MistralShard"]
 
 Tensors: TypeAlias = (
     torch.Tensor | QuantTensor
@@ -56,8 +57,8 @@ class MistralShard(nn.Module):
         super().__init__()
         if not 0 <= start < end <= args.num_layers:
             raise ValueError(f"layer range [{start}, {end}) is outside [0, {args.num_layers})")
-        if quant_kind not in quant.QUANTS:
-            raise ValueError(f"quant {quant_kind!r} is not one of {', '.join(quant.QUANTS)}")
+        if quant_kind not in QUANTS:
+            raise ValueError(f"quant {quant_kind!r} is not one of {', '.join(QUANTS)}")
         if quant_kind != "none" and (
             dtype is not torch.float32 or torch.device(device).type != "cpu"
         ):

@@ -21,9 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zmqllm.config.settings import QUANTS
-
-__all__ = ["GROUP", "KIND", "QUANTS", "QuantTensor", "cat", "dequantize", "quantize"]
+__all__ = ["GROUP", "KIND", "QuantTensor", "cat", "dequantize", "quantize"]
 
 GROUP = 32
 # The kernel's Matrix kinds (csrc/matrix.h).

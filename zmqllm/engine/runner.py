@@ -19,7 +19,8 @@ from zmqllm.bus.sampling_params import NO_LOGPROBS
 from zmqllm.bus.wire_types import SessionKey
 from zmqllm.engine.batching import Refusal, Work
 from zmqllm.engine.cache import CachePool, bytes_free, is_out_of_memory
-from zmqllm.engine.model import MistralShard, Segment
+from zmqllm.engine.decoder_layer import Segment
+from zmqllm.engine.model import MistralShard
 from zmqllm.engine.prefix_cache import PrefixStore
 from zmqllm.engine.sampling import logprobs_of, sample
 from zmqllm.log import get_logger

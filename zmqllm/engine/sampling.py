@@ -1,9 +1,8 @@
 """Token sampling on numpy logits: greedy, temperature, top-k, top-p.
 
 The random draw for step t comes from a generator seeded by (seed, t) alone, t counted from
-the session's ``first_step``: so a session replayed on a fresh route (see DESIGN.md,
-reliability) reproduces the same tokens, and which other sessions share the batch never
-changes them.
+the session's ``first_step``: so a session replayed on a fresh route (docs/failover.md)
+reproduces the same tokens, and which other sessions share the batch never changes them.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import numpy as np
 
 from zmqllm.bus.sampling_params import LOGPROB_FLOOR, SamplingParams, is_int
 
-__all__ = ["SamplingParams", "logprobs_of", "sample", "sample_batch"]
+__all__ = ["logprobs_of", "sample", "sample_batch"]
 
 # top-p first sorts only this many of the most likely tokens, growing ×8 until the nucleus
 # fits: a full sort of a 32k–150k vocabulary costs milliseconds per token.

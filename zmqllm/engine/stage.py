@@ -22,7 +22,9 @@ import numpy as np
 import torch
 
 from zmqllm.bus.prefix import PREFIX_BLOCK, prefix_blocks
+from zmqllm.bus.sampling_params import SamplingParams
 from zmqllm.bus.wire_types import SessionKey
+from zmqllm.config.machine import rss_bytes
 from zmqllm.engine.batching import Refusal, Scheduler, SessionState, Work
 from zmqllm.engine.cache import (
     CacheFullError,
@@ -30,15 +32,14 @@ from zmqllm.engine.cache import (
     KVAllocationFailed,
     cuda_memory,
     memory_in_use,
-    rss_bytes,
 )
+from zmqllm.engine.decoder_layer import Segment
 from zmqllm.engine.frames import ACTIVATION_DTYPES
 from zmqllm.engine.micro_batches import MicroBatches
-from zmqllm.engine.model import MistralShard, Segment
+from zmqllm.engine.model import MistralShard
 from zmqllm.engine.prefix_cache import PrefixStore
 from zmqllm.engine.rules import GrammarTokenizer, SessionRules
 from zmqllm.engine.runner import ModelRunner, Output, StageStats
-from zmqllm.engine.sampling import SamplingParams
 from zmqllm.log import get_logger
 
 __all__ = ["BadWork", "Stage"]

@@ -27,7 +27,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Paths counted under their own label; anything else is "other" (bounded label set).
 GENERATION_PATHS = ("/chat", "/v1/chat/completions", "/v1/completions")
 LABELLED_PATHS = (*GENERATION_PATHS, "/v1/models", "/health", "/ready", "/metrics")
-# Seconds; decode steps are tens of ms on a CPU, first tokens up to seconds.
+# Seconds, spanning the inter-token latencies and first-token times docs/benchmarks.md
+# measures on a CPU.
 ITL_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # Seconds a stream stood still for a failover: detection (a heartbeat horizon) + prefill.

@@ -16,7 +16,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from zmqllm.bus.protocol import is_valid_id
+from zmqllm.bus.wire_types import is_valid_id
 from zmqllm.gateway.errors import APIError
 from zmqllm.gateway.streaming import TextStream
 from zmqllm.log import bind_request, get_logger, new_request_id

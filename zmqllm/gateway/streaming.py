@@ -283,7 +283,7 @@ class TextStream:
         return released, True
 
     def _accept_piece(self, event: Any) -> tuple[str, bool]:
-        """A text model's piece (client_streams.DeltaEvent): its text is the answer's
+        """A text model's piece (client.streams.DeltaEvent): its text is the answer's
         next text; the last piece carries the finish and the upstream's token counts."""
         if event.finish is None:
             self.generated_tokens += 1  # pieces, until the upstream tells the tokens

@@ -11,7 +11,7 @@ same command line after a backoff; one that keeps exiting stops everything with 
 log lines (``supervision.py`` decides which). A restarted broker binds the same ports, and
 the workers and the gateway find it again by themselves.
 
-What it starts (command lines, ports, log names) is planned in ``launch_plan.py``; how a
+What it starts (command lines, ports, log names) is planned in ``plan.py``; how a
 child is started, signalled and read back is ``child_process.py``.
 """
 

@@ -219,7 +219,8 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         # Special tokens written as text (as chat templates do) are matched as special tokens.
         # encode_batch, not encode: the same ids, but it lets go of the GIL while it works,
-        # so a long prompt encoded in a thread leaves the event loop running (1 MB: ~0.9 s).
+        # so a long prompt encoded in a thread leaves the event loop running (what a long
+        # prompt takes: docs/benchmarks.md, "Figures behind the gateway's choices").
         (encoding,) = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
         return list(encoding.ids)
 

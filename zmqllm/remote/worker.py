@@ -30,18 +30,19 @@ import zmq
 
 from zmqllm.bus.ask_body import AskBodyError, upstream_body
 from zmqllm.bus.keys import PeerKeys
-from zmqllm.bus.messages import MAX_CONTEXT, MAX_DELTA, AskKind
-from zmqllm.bus.protocol import (
-    PROTOCOL_VERSION,
+from zmqllm.bus.messages import (
+    MAX_CONTEXT,
+    MAX_DELTA,
     Ask,
+    AskKind,
     Delta,
     Error,
     ErrorCode,
     Message,
-    ProtocolError,
     Register,
 )
-from zmqllm.bus.wire_types import SessionKey
+from zmqllm.bus.protocol import PROTOCOL_VERSION
+from zmqllm.bus.wire_types import ProtocolError, SessionKey
 from zmqllm.config.settings import Config
 from zmqllm.log import bind_request, get_logger
 from zmqllm.remote.upstream import Upstream, UpstreamError, UpstreamSettings, shown_url
@@ -141,7 +142,7 @@ class RemoteWorker(WorkerShell):
             future.cancel()
         self.tasks.clear()
 
-    def load(self) -> dict[str, Any]:
+    def heartbeat_figures(self) -> dict[str, Any]:
         return {"sessions": len(self.tasks)}
 
     def run(self) -> int:

@@ -40,21 +40,19 @@ from typing import Any
 import zmq
 
 from zmqllm.bus.keys import PeerKeys, as_client
-from zmqllm.bus.protocol import (
-    MAX_FRAMES,
+from zmqllm.bus.messages import (
     Disconnect,
     Error,
     ErrorCode,
     Heartbeat,
     Message,
-    ProtocolError,
     Refused,
     Register,
     Registered,
-    encode,
 )
+from zmqllm.bus.protocol import MAX_FRAMES, encode
 from zmqllm.bus.sockets import recv_bounded
-from zmqllm.bus.wire_types import SessionKey
+from zmqllm.bus.wire_types import ProtocolError, SessionKey
 from zmqllm.log import get_logger
 from zmqllm.worker.faults import Faults
 from zmqllm.worker.health import NET, process_figures
@@ -154,9 +152,9 @@ class BrokerLink:
         self._thread = threading.Thread(target=self._keep, name="broker-link", daemon=True)
         self._thread.start()
 
-    def publish(self, load: dict[str, Any], draining: bool) -> None:
+    def publish(self, figures: dict[str, Any], draining: bool) -> None:
         """What the next heartbeats report (one reference swap: safe across threads)."""
-        self._status = (load, draining)
+        self._status = (figures, draining)
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -279,8 +277,8 @@ class BrokerLink:
             # would make the broker see a restarted worker and fail the sessions it
             # routed here after the first; a broker that never answers is caught above.
             return
-        load, draining = self._status
-        figures = {**load, **self.faults.load(), **process_figures()}
+        worker_figures, draining = self._status
+        figures = {**worker_figures, **self.faults.heartbeat_figures(), **process_figures()}
         self._send(Heartbeat(load=figures, draining=draining))
 
     def _lost(self, why: str) -> None:

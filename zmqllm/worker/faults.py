@@ -1,7 +1,7 @@
-"""What went wrong in a worker, counted by reason (bus.Drops), for its heartbeat.
+"""What went wrong in a worker, counted by reason (bus.sockets.Drops), for its heartbeat.
 
 A hostile or broken peer can make the same failure happen thousands of times a second;
-each one is counted (the counts travel in the worker's heartbeat load map), but only a
+each one is counted (the counts travel in the worker's heartbeat figures), but only a
 few lines a second per reason reach the log.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from structlog.typing import FilteringBoundLogger
 
-from zmqllm.bus.sockets import LOG_PER_SECOND, Drops, describe
+from zmqllm.bus.sockets import LOG_PER_SECOND, Drops
 
-__all__ = ["FAULT_REASONS", "Faults", "describe"]
+__all__ = ["FAULT_REASONS", "Faults"]
 
 # Every reason a worker counts; the heartbeat reports each as "fault_<reason>".
 FAULT_REASONS = (
@@ -27,12 +27,12 @@ FAULT_REASONS = (
 
 
 class Faults(Drops):
-    """A worker's counters by reason; they travel in its heartbeat load map."""
+    """A worker's counters by reason; they travel in its heartbeat figures."""
 
     def __init__(self, log: FilteringBoundLogger, lines_per_second: int = LOG_PER_SECOND):
         super().__init__(log, FAULT_REASONS, lines_per_second)
 
-    def load(self) -> dict[str, int]:
-        """The counters as heartbeat load entries."""
+    def heartbeat_figures(self) -> dict[str, int]:
+        """The counters as heartbeat figures."""
         with self._lock:
             return {f"fault_{k}": v for k, v in self.counts.items()}

@@ -22,19 +22,9 @@ import torch
 import zmq
 
 from zmqllm.bus.keys import PeerKeys
-from zmqllm.bus.protocol import (
-    Activation,
-    Cached,
-    Error,
-    ErrorCode,
-    Message,
-    Open,
-    ProtocolError,
-    Step,
-    Token,
-    encode,
-)
-from zmqllm.bus.wire_types import SessionKey
+from zmqllm.bus.messages import Activation, Cached, Error, ErrorCode, Message, Open, Step, Token
+from zmqllm.bus.protocol import encode
+from zmqllm.bus.wire_types import ProtocolError, SessionKey
 from zmqllm.config.settings import Config
 from zmqllm.engine.cache import CacheFullError
 from zmqllm.engine.frames import (
@@ -50,10 +40,10 @@ from zmqllm.worker.cpu_turns import CpuTurns
 from zmqllm.worker.inbox import Undecodable, session_of
 from zmqllm.worker.peer_link import PeerLink, PeerMessage, PeerRoute, peer_bind
 from zmqllm.worker.routing import group_tags, route_result
-from zmqllm.worker.shard_loader import Loaded, load_stage, max_frame_bytes, register_message
+from zmqllm.worker.shard_loader import Loaded, max_frame_bytes, register_message
 from zmqllm.worker.shell import IDLE_POLL_S, Handler, WorkerShell
 
-__all__ = ["Worker", "load_stage"]
+__all__ = ["Worker"]
 
 log = get_logger("zmqllm.worker")
 
@@ -82,7 +72,7 @@ class Worker(WorkerShell):
             keys=keys,
             frame_cap=max_frame_bytes(self.stage, loaded.context),
         )
-        # Published at least twice a heartbeat: the broker balances on this load.
+        # Published at least twice a heartbeat: the broker balances on these figures.
         self.publish_every = min(IDLE_POLL_S, cfg.broker.heartbeat_interval / 2)
         # Group ids name this worker's forwards: short, whatever the worker names are.
         self._group_tag = uuid.uuid4().hex[:12]
@@ -115,7 +105,7 @@ class Worker(WorkerShell):
     def drop_sessions(self) -> None:
         self.stage.reset()
 
-    def load(self) -> dict[str, Any]:
+    def heartbeat_figures(self) -> dict[str, Any]:
         return self.stage.heartbeat_figures()
 
     def run(self) -> int:

@@ -23,7 +23,7 @@ import zlib
 from collections import Counter
 from dataclasses import dataclass
 
-from zmqllm.bus.protocol import Activation, Message, Step, Token
+from zmqllm.bus.messages import Activation, Message, Step, Token
 from zmqllm.worker.peer_link import PeerRoute
 
 __all__ = ["Routed", "group_tags", "route_result"]

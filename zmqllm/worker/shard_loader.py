@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from zmqllm.bus.protocol import MAX_HEADER_BYTES, Register
+from zmqllm.bus.messages import Register
+from zmqllm.bus.protocol import MAX_HEADER_BYTES
 from zmqllm.config.layers import parse_layers
 from zmqllm.config.machine import rss_bytes
 from zmqllm.config.settings import Config, resolve_model_path, worker_served_name

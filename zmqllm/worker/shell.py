@@ -33,18 +33,9 @@ from typing import Any
 import zmq
 
 from zmqllm.bus.keys import PeerKeys, keys_dir, load_peer_keys
-from zmqllm.bus.protocol import (
-    Cancel,
-    Close,
-    Error,
-    ErrorCode,
-    Message,
-    ProtocolError,
-    Register,
-    SessionMessage,
-    encode,
-)
-from zmqllm.bus.wire_types import SessionKey
+from zmqllm.bus.messages import Cancel, Close, Error, ErrorCode, Message, Register, SessionMessage
+from zmqllm.bus.protocol import encode
+from zmqllm.bus.wire_types import ProtocolError, SessionKey
 from zmqllm.config.names import is_name
 from zmqllm.config.settings import Config
 from zmqllm.log import bind_request, get_logger
@@ -71,7 +62,7 @@ __all__ = [
 log = get_logger("zmqllm.worker")
 
 MAX_MESSAGES_PER_TURN = 1024  # inbox entries one turn acts on: the rest wait a turn
-IDLE_POLL_S = 0.1  # an idle loop still looks at signals and publishes its load this often
+IDLE_POLL_S = 0.1  # an idle loop still looks at signals and publishes its figures this often
 TURN_FAILED_PAUSE_S = 0.01  # a turn that raised is not retried in a tight loop
 
 # A handler: takes the message (or link event) its table names it for.
@@ -119,7 +110,7 @@ class WorkerShell(abc.ABC):
     """A worker's identity, broker link, signals, turn loop and message dispatch.
 
     An application defines its turn (``_turn``), its sessions (``sessions``,
-    ``close_session``, ``drop_sessions``), its ``load`` for the heartbeat, ``close``,
+    ``close_session``, ``drop_sessions``), its ``heartbeat_figures``, ``close``,
     and its ``message_handlers``; CLOSE and CANCEL are handled here for every kind."""
 
     # Raised by a handler for a message that is wrong, not the worker: BAD_REQUEST.
@@ -182,7 +173,7 @@ class WorkerShell(abc.ABC):
         """Drop every session: the broker forgot them."""
 
     @abc.abstractmethod
-    def load(self) -> dict[str, Any]:
+    def heartbeat_figures(self) -> dict[str, Any]:
         """What the next heartbeats report (the link adds the fault counters)."""
 
     @abc.abstractmethod
@@ -237,15 +228,15 @@ class WorkerShell(abc.ABC):
         return 0
 
     def tend_link(self) -> bool:
-        """First thing in a turn: a link whose thread ended ends the worker; the load
-        is published when due (True then)."""
+        """First thing in a turn: a link whose thread ended ends the worker; the
+        heartbeat figures are published when due (True then)."""
         if not self.link.alive():
             raise LinkLost("the broker link ended")
         now = time.monotonic()
         if now - self._published < self.publish_every:
             return False
         self._published = now
-        self.link.publish(self.load(), self.draining)
+        self.link.publish(self.heartbeat_figures(), self.draining)
         return True
 
     # -- from the broker --------------------------------------------------------------
