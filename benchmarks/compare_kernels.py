@@ -58,7 +58,7 @@ def time_build(so: str, what: str, threads: int, context: int) -> float:
     kernel = native.import_built(Path(so))
     g = torch.Generator().manual_seed(0)
     if what == "int4":
-        from zmqllm.config.settings import default_model_dir
+        from zmqllm.config.paths import default_model_dir
         from zmqllm.engine import quant
         from zmqllm.engine.generator import load_shard
         from zmqllm.models.model_args import ModelArgs

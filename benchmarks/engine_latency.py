@@ -29,7 +29,7 @@ import repo_root  # noqa: F401  (this checkout first on sys.path)
 import torch
 from report import write_json, write_plot
 
-from zmqllm.config.settings import default_model_dir
+from zmqllm.config.paths import default_model_dir
 from zmqllm.engine.generator import Generator
 from zmqllm.engine.gguf_weights import gguf_source
 from zmqllm.models.prepare import prepare_default_model

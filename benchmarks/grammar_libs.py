@@ -26,7 +26,7 @@ import repo_root  # noqa: F401
 import torch
 from report import write_json
 
-from zmqllm.config.settings import default_model_dir
+from zmqllm.config.paths import default_model_dir
 from zmqllm.models.prepare import prepare_default_model
 
 SCHEMAS: dict[str, tuple[dict[str, Any] | None, Any]] = {

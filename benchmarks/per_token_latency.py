@@ -36,7 +36,7 @@ from links import CROSSINGS, across_hosts, stream_stamps
 from process_cpu import Usage, measured
 from report import write_json, write_plot
 
-from zmqllm.config.settings import default_model_dir
+from zmqllm.config.paths import default_model_dir
 from zmqllm.engine.generator import Generator
 from zmqllm.models.prepare import prepare_default_model
 from zmqllm.models.tokenizer import Tokenizer

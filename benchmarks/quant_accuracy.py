@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from report import write_json
 
-from zmqllm.config.settings import default_model_dir
+from zmqllm.config.paths import default_model_dir
 from zmqllm.engine.generator import Generator
 from zmqllm.models.prepare import prepare_default_model
 from zmqllm.models.tokenizer import Tokenizer

@@ -33,7 +33,7 @@ import torch
 from report import write_json, write_plot
 
 from testbed.cluster import Cluster
-from zmqllm.config.settings import default_model_dir
+from zmqllm.config.paths import default_model_dir
 from zmqllm.launch.child_process import ChildProcess
 from zmqllm.models.model_args import ModelArgs
 from zmqllm.models.prepare import prepare_default_model

@@ -32,7 +32,7 @@ from types import ModuleType
 
 import torch
 
-from zmqllm.config.settings import zmqllm_home
+from zmqllm.config.paths import zmqllm_home
 from zmqllm.log import KERNELS_BUILDING, KERNELS_BUILT, get_logger
 
 log = get_logger("zmqllm.engine.native")

@@ -44,7 +44,8 @@ from zmqllm.bus.protocol import (
     Register,
 )
 from zmqllm.config.names import NAME_RULE, is_name
-from zmqllm.config.settings import Config, ConfigError, worker_served_name
+from zmqllm.config.paths import worker_served_name
+from zmqllm.config.settings import Config, ConfigError
 from zmqllm.log import bind_request, get_logger
 from zmqllm.remote.upstream import Upstream, UpstreamError, UpstreamSettings, shown_url
 from zmqllm.version import __version__
