@@ -9,7 +9,7 @@ and the mean KL divergence from float32's next-token distribution.
 
 Writes benchmarks/results/quant_accuracy.json. (The prefill's products dequantize the
 weights and multiply in float32; a decode step's round the activations to 16 bits, see
-zmqllm/engine/csrc/quant.cpp.)
+zmqllm/engine/csrc/quant_avx2.h.)
 """
 
 from __future__ import annotations
