@@ -36,7 +36,7 @@ from benchmarks.report import write_json, write_plot
 from benchmarks.stats import spread
 from benchmarks.throughput import PROMPTS, burst
 from testbed.cluster import Cluster
-from zmqllm.config.settings import default_model_dir
+from zmqllm.config.paths import default_model_dir
 from zmqllm.models.model_args import ModelArgs
 from zmqllm.models.prepare import prepare_default_model
 from zmqllm.models.tokenizer import Tokenizer

@@ -43,10 +43,13 @@ def build_revision(rev: str, into: Path) -> Path:
     """REV's csrc/ compiled into ``into``; the module's path."""
     src = into / "src"
     src.mkdir(parents=True)
-    for path in (*native.SOURCES, *native.HEADERS):
-        rel = path.relative_to(REPO).as_posix()
-        show = ["git", "-C", str(REPO), "show", f"{rev}:{rel}"]
-        (src / path.name).write_bytes(subprocess.run(show, capture_output=True, check=True).stdout)
+    # REV's own file list: the csrc/ files of one revision need not be another's.
+    csrc = native.CSRC.relative_to(REPO).as_posix()
+    listing = ["git", "-C", str(REPO), "ls-tree", "--name-only", f"{rev}:{csrc}"]
+    names = subprocess.run(listing, capture_output=True, check=True, text=True).stdout.split()
+    for name in (n for n in names if n.endswith((".cpp", ".h"))):
+        show = ["git", "-C", str(REPO), "show", f"{rev}:{csrc}/{name}"]
+        (src / name).write_bytes(subprocess.run(show, capture_output=True, check=True).stdout)
     print(f"building {rev}'s kernels (1-2 minutes)...", flush=True)
     return native.build_from(src, into / "build")
 
@@ -59,7 +62,7 @@ def time_build(so: str, what: str, threads: int, context: int) -> float:
     kernel = native.import_built(Path(so))
     g = torch.Generator().manual_seed(0)
     if what == "int4":
-        from zmqllm.config.settings import default_model_dir
+        from zmqllm.config.paths import default_model_dir
         from zmqllm.engine import quant
         from zmqllm.engine.generator import load_shard
         from zmqllm.models.model_args import ModelArgs

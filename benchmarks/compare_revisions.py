@@ -57,7 +57,7 @@ def measure(
 
     if (root / "zmqllm" / "config" / "__init__.py").is_file():
         from zmqllm.config.layers import split_layers
-        from zmqllm.config.settings import default_model_dir
+        from zmqllm.config.paths import default_model_dir
     else:  # a revision from before the package-by-role layout (zmqllm/config.py)
         from zmqllm.config import default_model_dir  # type: ignore[no-redef]
 
@@ -123,7 +123,7 @@ def main() -> None:
         return
     if not a.before:
         ap.error("--before REV is required")
-    from zmqllm.config.settings import default_model_dir
+    from zmqllm.config.paths import default_model_dir
     from zmqllm.models.prepare import prepare_default_model
 
     prepare_default_model(default_model_dir())

@@ -32,7 +32,7 @@ import torch
 
 from benchmarks.report import write_json, write_plot
 from benchmarks.stats import median, spread
-from zmqllm.config.settings import default_model_dir
+from zmqllm.config.paths import default_model_dir
 from zmqllm.engine.generator import Generator
 from zmqllm.engine.gguf_weights import gguf_source
 from zmqllm.models.prepare import prepare_default_model

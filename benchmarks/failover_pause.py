@@ -34,7 +34,7 @@ from benchmarks.http_client import RequestInput, RequestOutput, run
 from benchmarks.report import write_json, write_plot
 from benchmarks.stats import median, spread_text
 from testbed.cluster import Cluster
-from zmqllm.config.settings import default_model_dir
+from zmqllm.config.paths import default_model_dir
 from zmqllm.models.model_args import ModelArgs
 from zmqllm.models.prepare import prepare_default_model, prepare_tiny_model
 

@@ -29,7 +29,7 @@ import torch
 
 from benchmarks.report import write_json
 from benchmarks.stats import median
-from zmqllm.config.settings import default_model_dir
+from zmqllm.config.paths import default_model_dir
 from zmqllm.models.prepare import prepare_default_model
 
 SCHEMAS: dict[str, tuple[dict[str, Any] | None, Any]] = {

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from benchmarks.report import write_json
 from benchmarks.stats import median
-from zmqllm.config.settings import default_model_dir
+from zmqllm.config.paths import default_model_dir
 from zmqllm.engine import native, quant
 from zmqllm.engine.generator import load_shard
 from zmqllm.models.prepare import prepare_default_model

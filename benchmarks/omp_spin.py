@@ -31,7 +31,7 @@ CHILD = """
 import statistics, sys, time
 import torch
 torch.set_num_threads(int(sys.argv[1]))
-from zmqllm.config.settings import default_model_dir
+from zmqllm.config.paths import default_model_dir
 from zmqllm.engine.generator import Generator
 gen = Generator(default_model_dir(), quant=sys.argv[2])
 ids = list(range(100, 160))
@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--out", default="benchmarks/results/omp_spin.json")
     a = ap.parse_args()
-    from zmqllm.config.settings import default_model_dir
+    from zmqllm.config.paths import default_model_dir
     from zmqllm.models.prepare import prepare_default_model
 
     prepare_default_model(default_model_dir())

@@ -43,7 +43,7 @@ from benchmarks.process_cpu import Usage, measured
 from benchmarks.report import write_json, write_plot
 from benchmarks.stats import median, ms, pct, spread, tokens_per_s
 from testbed.cluster import Cluster
-from zmqllm.config.settings import default_model_dir
+from zmqllm.config.paths import default_model_dir
 from zmqllm.engine.generator import Generator
 from zmqllm.models.model_args import ModelArgs
 from zmqllm.models.prepare import prepare_default_model

@@ -9,7 +9,7 @@ and the mean KL divergence from float32's next-token distribution.
 
 Writes benchmarks/results/quant_accuracy.json. (The prefill's products dequantize the
 weights and multiply in float32; a decode step's round the activations to 16 bits, see
-zmqllm/engine/csrc/quant.cpp.)
+zmqllm/engine/csrc/quant_avx2.h.)
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.report import write_json
-from zmqllm.config.settings import default_model_dir
+from zmqllm.config.paths import default_model_dir
 from zmqllm.engine.generator import Generator
 from zmqllm.models.prepare import prepare_default_model
 from zmqllm.models.tokenizer import Tokenizer

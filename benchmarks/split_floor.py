@@ -52,7 +52,7 @@ def load_half(first: bool, quant: str, threads: int) -> tuple[Any, Any]:
     """One half of the default model (compiled kernels on) and a cache for one session."""
     import torch
 
-    from zmqllm.config.settings import default_model_dir
+    from zmqllm.config.paths import default_model_dir
     from zmqllm.engine import native
     from zmqllm.engine.cache import CachePool
     from zmqllm.engine.generator import load_shard
@@ -184,7 +184,7 @@ def main() -> None:
         print(json.dumps(one_round(a)))
         return
     from zmqllm.cli import WORKER_THREAD_ENV
-    from zmqllm.config.settings import default_model_dir
+    from zmqllm.config.paths import default_model_dir
     from zmqllm.models.prepare import prepare_default_model
 
     prepare_default_model(default_model_dir())

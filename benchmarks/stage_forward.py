@@ -76,7 +76,7 @@ def time_rows(shard: Any, pool: Any, m: int, context: int, reps: int) -> list[fl
 def main() -> None:
     import torch
 
-    from zmqllm.config.settings import default_model_dir
+    from zmqllm.config.paths import default_model_dir
     from zmqllm.models.model_args import ModelArgs
     from zmqllm.models.prepare import prepare_default_model
 

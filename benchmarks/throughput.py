@@ -35,7 +35,7 @@ from benchmarks.http_client import RequestInput, run_all
 from benchmarks.report import write_json, write_plot
 from benchmarks.stats import ms, pct, tokens_per_s
 from testbed.cluster import Cluster
-from zmqllm.config.settings import default_model_dir
+from zmqllm.config.paths import default_model_dir
 from zmqllm.launch.child_process import ChildProcess
 from zmqllm.models.model_args import ModelArgs
 from zmqllm.models.prepare import prepare_default_model

@@ -40,7 +40,7 @@ from tests.e2e.test_cluster import PROMPTS
 from zmqllm.bus.sampling_params import SamplingParams
 from zmqllm.client.broker_client import BrokerClient
 from zmqllm.client.request import GenerateRequest
-from zmqllm.config.settings import default_model_dir
+from zmqllm.config.paths import default_model_dir
 from zmqllm.launch.child_process import ChildProcess
 from zmqllm.models.model_args import ModelArgs
 from zmqllm.models.prepare import prepare_default_model, prepare_tiny_model

@@ -150,7 +150,7 @@ def default_model_dir() -> Path:
     """The converted SmolLM2-135M-Instruct (prepared once under $ZMQLLM_HOME)."""
     pytest.importorskip("torch")
     pytest.importorskip("gguf")
-    from zmqllm.config.settings import default_model_dir as target
+    from zmqllm.config.paths import default_model_dir as target
     from zmqllm.models.prepare import prepare_default_model
 
     path = target()
@@ -179,7 +179,7 @@ def random_7b_dir() -> Path:
     once under $ZMQLLM_HOME, a few minutes)."""
     pytest.importorskip("torch")
     pytest.importorskip("gguf")
-    from zmqllm.config.settings import zmqllm_home
+    from zmqllm.config.paths import zmqllm_home
     from zmqllm.models.random_model import prepare_random_model
 
     _build_kernel()

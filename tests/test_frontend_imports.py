@@ -21,6 +21,7 @@ FRONT_END_MODULES = [
     "zmqllm.broker.registry",
     "zmqllm.broker.session_table",
     "zmqllm.config.settings",
+    "zmqllm.config.paths",
     "zmqllm.config.loading",
     "zmqllm.config.layers",
     "zmqllm.log",

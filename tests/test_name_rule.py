@@ -14,7 +14,8 @@ from zmqllm.bus.protocol import decode, encode
 from zmqllm.bus.wire_types import ProtocolError, name
 from zmqllm.config.loading import with_overrides
 from zmqllm.config.names import MAX_NAME_LEN, NAME_RULE, is_name
-from zmqllm.config.settings import Config, ConfigError, checked_model_name
+from zmqllm.config.paths import checked_model_name
+from zmqllm.config.settings import Config, ConfigError
 
 NAMES = ["a", "x" * MAX_NAME_LEN, "mistralai/Mistral-7B-v0.3", "!~", "model:v1@host"]
 NOT_NAMES = [

@@ -16,14 +16,8 @@ from pathlib import Path
 from zmqllm.bus.keys_cli import add_keys_command
 from zmqllm.config.flags import add_setting_flags, apply_flags
 from zmqllm.config.loading import load_config
-from zmqllm.config.settings import (
-    QUANTS,
-    Config,
-    ConfigError,
-    default_model_dir,
-    resolve_model_path,
-    worker_served_name,
-)
+from zmqllm.config.paths import default_model_dir, resolve_model_path, worker_served_name
+from zmqllm.config.settings import QUANTS, Config, ConfigError
 from zmqllm.log import configure_logging
 from zmqllm.version import __version__
 
@@ -251,7 +245,7 @@ def cmd_status(ns: argparse.Namespace) -> int:
         format_resources,
     )
     from zmqllm.client.status import fetch_status, format_status
-    from zmqllm.config.settings import log_dir
+    from zmqllm.config.paths import log_dir
     from zmqllm.config.up_state import STATE_ENV, STATE_FILE, read_state
 
     cfg = _load(ns)

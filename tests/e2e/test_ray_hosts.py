@@ -58,7 +58,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, e2e_model: Path) -> Iterat
     root = tmp_path_factory.mktemp("ray-hosts")
     bed = Testbed(4)
     home = {h.index: root / f"host{h.index}" for h in bed.hosts}
-    from zmqllm.config.settings import zmqllm_home
+    from zmqllm.config.paths import zmqllm_home
 
     for path in home.values():
         path.mkdir()

@@ -180,6 +180,31 @@ def test_the_cache_key_is_what_determines_the_binary(
     assert len({key, flags, native.cache_key()}) == 3
 
 
+def test_every_csrc_file_is_built_and_keyed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Each kernel, each instruction set's file and the bindings are compiled, and a
+    change to any of them (a header too) is a new binary."""
+    on_disk = {p.name for p in native.CSRC.iterdir() if p.suffix in (".cpp", ".h")}
+    assert {p.name for p in (*native.SOURCES, *native.HEADERS)} == on_disk
+    assert {"bindings.cpp", "quant.cpp", "quant_avx2.cpp", "quant_avx512.cpp"} <= on_disk
+    copy = tmp_path / "csrc"
+    copy.mkdir()
+    for name in on_disk:
+        (copy / name).write_bytes((native.CSRC / name).read_bytes())
+    keys = set()
+    for name in sorted(on_disk):
+        monkeypatch.setattr(native, "SOURCES", native.sources(copy))
+        monkeypatch.setattr(native, "HEADERS", native.headers(copy))
+        keys.add(native.cache_key())
+        with open(copy / name, "a") as f:
+            f.write("// changed\n")
+    monkeypatch.setattr(native, "SOURCES", native.sources(copy))
+    monkeypatch.setattr(native, "HEADERS", native.headers(copy))
+    keys.add(native.cache_key())
+    assert len(keys) == len(on_disk) + 1
+
+
 @pytest.mark.parametrize(("out", "inp"), [(4, 16), (13, 37), (960, 576), (576, 1536), (1, 8)])
 def test_gemv_matches_f_linear(kernel: ModuleType, out: int, inp: int) -> None:
     """Row counts off the 4-row blocks and lengths off the 16-wide loop take the tails."""

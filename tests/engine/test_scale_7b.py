@@ -74,7 +74,7 @@ def test_the_checkpoint_has_mistral_7bs_geometry(random_7b_dir: Path) -> None:
     assert {v["dtype"] for v in header.values()} == {"BF16"}
     assert len(header) == len(tensor_specs(args)) == 4 * 9 + 3
     # The vocabulary is the default model's: both runtimes tokenize alike.
-    from zmqllm.config.settings import default_model_dir
+    from zmqllm.config.paths import default_model_dir
 
     default = json.loads((default_model_dir() / "tokenizer.json").read_text())
     assert json.loads((random_7b_dir / "tokenizer.json").read_text()) == default

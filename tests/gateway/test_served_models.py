@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from zmqllm.config.settings import ConfigError, checked_model_name
+from zmqllm.config.paths import checked_model_name
+from zmqllm.config.settings import ConfigError
 from zmqllm.gateway.errors import APIError
 from zmqllm.gateway.served_models import ModelDirectory, ServedModel, complete_route
 

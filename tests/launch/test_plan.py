@@ -13,7 +13,8 @@ import pytest
 from testbed.cluster import free_port
 from zmqllm.cli import _load as cli_load
 from zmqllm.cli import build_parser
-from zmqllm.config.settings import Config, ConfigError, log_dir
+from zmqllm.config.paths import log_dir
+from zmqllm.config.settings import Config, ConfigError
 from zmqllm.launch import plan as launch_plan
 from zmqllm.launch.plan import (
     FRONT_END_BYTES,

@@ -29,7 +29,8 @@ from typing import Any, Literal
 import zmq
 import zmq.auth
 
-from zmqllm.config.settings import ConfigError, SecuritySettings, zmqllm_home
+from zmqllm.config.paths import zmqllm_home
+from zmqllm.config.settings import ConfigError, SecuritySettings
 
 __all__ = [
     "ALLOWED_FOLDERS",

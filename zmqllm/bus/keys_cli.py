@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from zmqllm.bus.keys import ALLOWED_FOLDERS, KeysError, add_key, allowed_keys, init_keys
-from zmqllm.config.settings import zmqllm_home
+from zmqllm.config.paths import zmqllm_home
 
 __all__ = ["add_keys_command"]
 

@@ -1,4 +1,4 @@
-"""Settings for every zmqllm process, read from one TOML file.
+"""The settings schema of every zmqllm process: one dataclass per section of the TOML file.
 
 A file has one table per section (``[model]``, ``[broker]``, ``[worker]``, ``[gateway]``,
 ``[log]``, ``[security]``) plus an array of ``[[stages]]`` tables for the launcher. Every
@@ -8,22 +8,19 @@ are reported as ``ConfigError`` naming the key, the section and the file, becaus
 that silently falls back to a default is the hardest kind of misconfiguration to spot in
 a cluster of processes.
 
-This module holds the sections (each setting once, with its help) and where models and
-logs live; ``loading.py`` reads a file and flags into them, checking every value, and
-``layers.py`` parses layer specs.
+This module holds the sections (each setting once, with its help); ``paths.py`` says where
+models and logs live and what a model is called, ``loading.py`` reads a file and flags into
+the sections, checking every value, and ``layers.py`` parses layer specs.
 
 This module runs in the broker and the gateway, so it must not import torch.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TypeVar
 
-from zmqllm.config.names import NAME_RULE, is_name
 from zmqllm.log import LOG_FORMATS, LOG_LEVELS
 
 __all__ = [
@@ -38,15 +35,7 @@ __all__ = [
     "SecuritySettings",
     "StageSpec",
     "WorkerSettings",
-    "checked_model_name",
-    "default_model_dir",
-    "log_dir",
-    "resolve_model_path",
-    "served_model_name",
     "setting",
-    "tiny_model_dir",
-    "worker_served_name",
-    "zmqllm_home",
 ]
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -94,7 +83,7 @@ def setting(
 
 @dataclass
 class ModelSettings:
-    # "default" and "tiny" are resolved by resolve_model_path.
+    # "default" and "tiny" are resolved by paths.resolve_model_path.
     path: str = setting(
         DEFAULT_MODEL,
         '"default", "tiny", a checkpoint directory or a Hugging Face repo id',
@@ -474,69 +463,3 @@ class Config:
     ray: RaySettings = field(default_factory=RaySettings)
     stages: list[StageSpec] = field(default_factory=list)
     remotes: list[RemoteSpec] = field(default_factory=list)
-
-
-# --- locations --------------------------------------------------------------------------
-
-
-def zmqllm_home() -> Path:
-    """Where models and logs live: ``$ZMQLLM_HOME`` or ``~/.cache/zmqllm``."""
-    env = os.environ.get("ZMQLLM_HOME", "")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "zmqllm"
-
-
-def default_model_dir() -> Path:
-    """The converted SmolLM2-135M-Instruct checkpoint (``path = "default"``)."""
-    return zmqllm_home() / "models" / "smollm2-135m-instruct"
-
-
-def tiny_model_dir() -> Path:
-    """The tiny random test checkpoint (``path = "tiny"``)."""
-    return zmqllm_home() / "models" / "tiny"
-
-
-def resolve_model_path(path: str) -> str:
-    """Turn the aliases "default" and "tiny" into directories; keep anything else as is."""
-    if path == DEFAULT_MODEL:
-        return str(default_model_dir())
-    if path == TINY_MODEL:
-        return str(tiny_model_dir())
-    return path
-
-
-def worker_served_name(cfg: Config) -> str:
-    """The model name a worker registers under ("" for a remote worker that takes the
-    upstream's id once it knows it)."""
-    if cfg.worker.served_name:
-        return cfg.worker.served_name
-    if cfg.worker.remote:
-        return cfg.worker.remote_model
-    return checked_model_name(served_model_name(cfg.model))
-
-
-def checked_model_name(name: str) -> str:
-    """A model name as the bus carries it (``is_name``); ConfigError otherwise, pointing
-    at the setting that names it."""
-    if not is_name(name):
-        raise ConfigError(
-            f"model name {name[:80]!r} must be {NAME_RULE}: set one with --model-name "
-            "(or --served-name on a worker)"
-        )
-    return name
-
-
-def served_model_name(model: ModelSettings) -> str:
-    """The model id the OpenAI API reports: ``name`` if set, else derived from ``path``."""
-    if model.name:
-        return model.name
-    if model.path in (DEFAULT_MODEL, TINY_MODEL):
-        return Path(resolve_model_path(model.path)).name
-    local = Path(model.path).expanduser()
-    # A repo id keeps its owner ("mistralai/...") as vLLM does; a directory is named by its
-    # last component so absolute paths don't leak into API responses.
-    return local.resolve().name if local.is_dir() else model.path
-
-
-def log_dir(settings: LogSettings) -> Path:
-    """The launcher's log folder."""
-    return Path(settings.dir).expanduser() if settings.dir else zmqllm_home() / "logs"

@@ -144,7 +144,7 @@ class GGUFShardReader:
 
 def _fp16(raw: np.ndarray) -> torch.Tensor:
     """[rows, blocks, 2] bytes holding float16 -> float16 [rows, blocks], kept narrow:
-    the kernel widens them a row at a time (csrc/matrix.h), and reads 2 bytes, not 4."""
+    the kernel widens them a row at a time (csrc/quant.h), and reads 2 bytes, not 4."""
     return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16)[..., 0].copy())
 
 

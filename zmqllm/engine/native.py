@@ -32,14 +32,27 @@ from types import ModuleType
 
 import torch
 
-from zmqllm.config.settings import zmqllm_home
+from zmqllm.config.paths import zmqllm_home
 from zmqllm.log import KERNELS_BUILDING, KERNELS_BUILT, get_logger
 
 log = get_logger("zmqllm.engine.native")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "decode_attention.cpp", CSRC / "gemv.cpp", CSRC / "quant.cpp")
-HEADERS = (CSRC / "matrix.h",)
+
+
+def sources(csrc: Path) -> tuple[Path, ...]:
+    """Every C++ file of a csrc/ folder: one per kernel and instruction set, the bindings."""
+    return tuple(sorted(csrc.glob("*.cpp")))
+
+
+def headers(csrc: Path) -> tuple[Path, ...]:
+    return tuple(sorted(csrc.glob("*.h")))
+
+
+# Which kernel of an instruction set runs is chosen when these compile (csrc/quant.h):
+# every file is compiled, and one for a set the CPU lacks compiles to nothing.
+SOURCES = sources(CSRC)
+HEADERS = headers(CSRC)
 # The build runs on the machine that uses it: tune for its CPU. OpenMP makes
 # at::parallel_for use torch's threads (without it, it runs serially).
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
@@ -168,10 +181,12 @@ def _build(directory: Path, built: Path, csrc: Path = CSRC) -> None:
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir()
     copies = []
-    for src in (*SOURCES, *HEADERS):  # copies, so the build files name no checkout's path
+    # Copies, so the build files name no checkout's path; csrc's own files, which for an
+    # older revision's folder (build_from) need not be this checkout's.
+    for src in (*sources(csrc), *headers(csrc)):
         copy = scratch / src.name
-        copy.write_bytes((csrc / src.name).read_bytes())
-        if src in SOURCES:
+        copy.write_bytes(src.read_bytes())
+        if src.suffix == ".cpp":
             copies.append(str(copy))
     log.info(
         f"{KERNELS_BUILDING}: once per source, torch, compiler and CPU (1-2 minutes on 2 cores)",
@@ -196,8 +211,9 @@ def _build(directory: Path, built: Path, csrc: Path = CSRC) -> None:
 
 
 def build_from(csrc: Path, directory: Path) -> Path:
-    """Build the kernels whose sources are in ``csrc`` (files named as in csrc/, e.g. an
-    older revision's) into ``directory``, outside the cache; the module's path."""
+    """Build the kernels whose sources are in ``csrc`` (every ``*.cpp`` and ``*.h`` there,
+    e.g. an older revision's csrc/) into ``directory``, outside the cache; the module's
+    path."""
     directory.mkdir(parents=True, exist_ok=True)
     built = directory / f"{NAME}.so"
     _build(directory, built, csrc)

@@ -10,7 +10,7 @@
   GGUF's Q4_1 blocks load as they are, so a model that came from Q4_1 keeps its
   exact weights.
 
-Both are kept as the compiled kernel reads them (csrc/matrix.h): q [out, in] int8
+Both are kept as the compiled kernel reads them (csrc/quant.h): q [out, in] int8
 or [out, in / 2] uint8 (byte j of a block holds weights j and j + 16), d and m
 float32 [out, in / 32]. :func:`dequantize` is the PyTorch reference.
 """
@@ -24,7 +24,7 @@ import torch
 __all__ = ["GROUP", "KIND", "QuantTensor", "cat", "dequantize", "quantize"]
 
 GROUP = 32
-# The kernel's Matrix kinds (csrc/matrix.h).
+# The kernel's Matrix kinds (MatrixKind in csrc/quant.h).
 KIND = {"float32": 0, "int8": 1, "int4": 2}
 
 

@@ -16,14 +16,8 @@ from pathlib import Path
 
 import uvicorn
 
-from zmqllm.config.settings import (
-    Config,
-    ConfigError,
-    ModelSettings,
-    checked_model_name,
-    resolve_model_path,
-    served_model_name,
-)
+from zmqllm.config.paths import checked_model_name, resolve_model_path, served_model_name
+from zmqllm.config.settings import Config, ConfigError, ModelSettings
 from zmqllm.gateway.api_keys import load_api_keys
 from zmqllm.gateway.app import create_app
 from zmqllm.gateway.http_server import base_url, tls_files, uvicorn_config

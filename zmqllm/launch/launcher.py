@@ -33,14 +33,8 @@ from types import FrameType
 
 from zmqllm.bus.keys import init_keys, keys_dir, load_peer_keys
 from zmqllm.config.loading import with_overrides
-from zmqllm.config.settings import (
-    DEFAULT_MODEL,
-    TINY_MODEL,
-    Config,
-    log_dir,
-    resolve_model_path,
-    zmqllm_home,
-)
+from zmqllm.config.paths import log_dir, resolve_model_path, zmqllm_home
+from zmqllm.config.settings import DEFAULT_MODEL, TINY_MODEL, Config
 from zmqllm.config.up_state import STATE_ENV
 from zmqllm.launch.child_process import (
     LOG_FILE_MODE,

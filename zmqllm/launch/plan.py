@@ -20,7 +20,8 @@ import zmqllm
 from zmqllm.config.flags import apply_flags, changed_flags, role_settings
 from zmqllm.config.loading import load_config
 from zmqllm.config.machine import memory_available
-from zmqllm.config.settings import Config, StageSpec, log_dir, zmqllm_home
+from zmqllm.config.paths import log_dir, zmqllm_home
+from zmqllm.config.settings import Config, StageSpec
 
 __all__ = [
     "DEFAULT_STAGES",

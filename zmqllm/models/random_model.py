@@ -133,7 +133,7 @@ def random_tensor_chunks(spec: TensorSpec, seed: int) -> list[torch.Tensor]:
 def _tokenizer_source(progress: Progress) -> tuple[Path, Path]:
     """The default model's directory (its tokenizer files) and its GGUF (the
     tokenizer's GGUF metadata), preparing the default model when it is not yet."""
-    from zmqllm.config.settings import default_model_dir
+    from zmqllm.config.paths import default_model_dir
     from zmqllm.models.prepare import find_default_gguf, prepare_default_model
 
     directory = default_model_dir()

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from zmqllm.config.settings import zmqllm_home
+from zmqllm.config.paths import zmqllm_home
 from zmqllm.onray.plan import NODE_IP
 
 __all__ = ["RoleActor", "node_address"]

@@ -14,7 +14,8 @@ import dataclasses
 from pathlib import Path
 
 from zmqllm.config.names import NAME_RULE, is_name
-from zmqllm.config.settings import Config, ConfigError, worker_served_name
+from zmqllm.config.paths import worker_served_name
+from zmqllm.config.settings import Config, ConfigError
 from zmqllm.log import get_logger
 from zmqllm.remote.upstream import Upstream, UpstreamError, UpstreamSettings
 from zmqllm.remote.worker import RemoteWorker

@@ -18,7 +18,8 @@ from zmqllm.bus.messages import Register
 from zmqllm.bus.protocol import MAX_HEADER_BYTES
 from zmqllm.config.layers import parse_layers
 from zmqllm.config.machine import rss_bytes
-from zmqllm.config.settings import Config, resolve_model_path, worker_served_name
+from zmqllm.config.paths import resolve_model_path, worker_served_name
+from zmqllm.config.settings import Config
 from zmqllm.engine import native
 from zmqllm.engine.generator import gguf_serves, load_shard
 from zmqllm.engine.linear import PACK_MIN_ROWS

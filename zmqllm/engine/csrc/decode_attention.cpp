@@ -6,7 +6,7 @@
 // the new key/value rows into every cache and attends, in parallel over
 // (session, kv head). Grouped-query attention: the H / KVH query heads sharing
 // a kv head are read against that head's keys in one pass.
-#include "matrix.h"
+#include "ops.h"
 
 #include <ATen/Parallel.h>
 
@@ -59,6 +59,8 @@ inline float exp_nonpositive(float x) {
 
 #if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #define ZMQLLM_AVX512_ATTENTION 1
+#include <immintrin.h>
+
 // Heads of 64 (the default model's): a query, a key or a value row is four 512-bit
 // vectors, held in registers instead of re-read through a generic loop.
 constexpr int64_t kWide = 64;
@@ -102,32 +104,24 @@ inline void weighted_values64(const float* p, const float* vc, int64_t len, floa
 
 }  // namespace
 
-// The decode sessions of one forward, built once and used by every layer.
-// kcache, vcache: per session [num_layers, KVH, max_len, D], contiguous float32;
-// rows[i]: the row of session i in the flat batch; pos[i]: where its token goes
-// in the cache (its past length); lo[i]: the first key it sees (sliding window).
-struct DecodeBatch {
-  std::vector<torch::Tensor> kcache, vcache;
-  std::vector<int64_t> rows, pos, lo;
-
-  DecodeBatch(std::vector<torch::Tensor> k, std::vector<torch::Tensor> v, std::vector<int64_t> r,
-              std::vector<int64_t> p, std::vector<int64_t> l)
-      : kcache(std::move(k)), vcache(std::move(v)), rows(std::move(r)), pos(std::move(p)),
-        lo(std::move(l)) {
-    const size_t n = rows.size();
-    TORCH_CHECK(kcache.size() == n && vcache.size() == n && pos.size() == n && lo.size() == n,
-                "DecodeBatch: one cache pair, row, position and window start per session");
-    for (size_t i = 0; i < n; ++i) {
-      TORCH_CHECK(kcache[i].dim() == 4 && kcache[i].sizes() == vcache[i].sizes(),
-                  "DecodeBatch: caches are [layers, kv heads, max_len, head dim]");
-      TORCH_CHECK(kcache[i].scalar_type() == torch::kFloat32 && kcache[i].is_contiguous() &&
-                      vcache[i].scalar_type() == torch::kFloat32 && vcache[i].is_contiguous(),
-                  "DecodeBatch: caches must be contiguous float32");
-      TORCH_CHECK(0 <= lo[i] && lo[i] <= pos[i] && pos[i] < kcache[i].size(2),
-                  "DecodeBatch: position outside the cache");
-    }
+// The decode sessions of one forward (ops.h): its checks.
+DecodeBatch::DecodeBatch(std::vector<torch::Tensor> k, std::vector<torch::Tensor> v,
+                         std::vector<int64_t> r, std::vector<int64_t> p, std::vector<int64_t> l)
+    : kcache(std::move(k)), vcache(std::move(v)), rows(std::move(r)), pos(std::move(p)),
+      lo(std::move(l)) {
+  const size_t n = rows.size();
+  TORCH_CHECK(kcache.size() == n && vcache.size() == n && pos.size() == n && lo.size() == n,
+              "DecodeBatch: one cache pair, row, position and window start per session");
+  for (size_t i = 0; i < n; ++i) {
+    TORCH_CHECK(kcache[i].dim() == 4 && kcache[i].sizes() == vcache[i].sizes(),
+                "DecodeBatch: caches are [layers, kv heads, max_len, head dim]");
+    TORCH_CHECK(kcache[i].scalar_type() == torch::kFloat32 && kcache[i].is_contiguous() &&
+                    vcache[i].scalar_type() == torch::kFloat32 && vcache[i].is_contiguous(),
+                "DecodeBatch: caches must be contiguous float32");
+    TORCH_CHECK(0 <= lo[i] && lo[i] <= pos[i] && pos[i] < kcache[i].size(2),
+                "DecodeBatch: position outside the cache");
   }
-};
+}
 
 // out    [T, H * D]   written at the decode rows only
 // q      [T, H, D]    head dim contiguous (a view into the fused qkv output)
@@ -309,8 +303,6 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
-torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w);  // gemv.cpp
-
 // A single stream's decode step through consecutive layers in one call: per
 // layer two norm weights and four matrices (qkv, o, gate_up, down), float32 or
 // quantized. x is [1, hidden]; the session's cache gets the new key/value rows.
@@ -337,23 +329,4 @@ torch::Tensor decode_layers(torch::Tensor x, const DecodeBatch& batch,
     x = x + matmul(silu_mul(matmul(rms_norm(x, n[1], eps), w[2])), w[3]);
   }
   return x;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  pybind11::class_<DecodeBatch>(m, "DecodeBatch")
-      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>,
-                          std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>>());
-  m.def("decode_attention", &decode_attention,
-        "write one new key/value row per session and attend, all sessions in one call");
-  m.def("rms_norm", &rms_norm, "w * (x * rsqrt(mean(x^2) + eps)) per row");
-  m.def("rope_", &rope_, "rotary embedding in place on the first heads of each row");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up");
-  m.def("gemv", &gemv, "x [1, in] @ w[out, in]^T, float32");
-  pybind11::class_<Matrix>(m, "Matrix")
-      .def(pybind11::init<int64_t, torch::Tensor, torch::Tensor, torch::Tensor>())
-      .def_readonly("out", &Matrix::out)
-      .def_readonly("inp", &Matrix::in);
-  m.def("matmul", &matmul, "x [rows, in] @ W^T for a float32, int8 or int4 Matrix");
-  m.def("dequantize", &dequantize, "a Matrix's weight as float32 [out, in]");
-  m.def("decode_layers", &decode_layers, "one decode row through consecutive layers");
 }

@@ -5,16 +5,13 @@
 // float32 path for one row does not reach it on every CPU; this loop streams
 // four weight rows at a time against x (which stays in L1), in parallel over
 // blocks of output rows.
-#include "matrix.h"  // hsum
+#include "ops.h"
+#include "simd.h"  // hsum
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
-
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
 
 namespace {
 

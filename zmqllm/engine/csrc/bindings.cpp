@@ -1,0 +1,22 @@
+// The Python module: every op of the compiled kernels, registered in one place. The
+// ops live in decode_attention.cpp, gemv.cpp and quant.cpp (declared in ops.h).
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<DecodeBatch>(m, "DecodeBatch")
+      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                          std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>>());
+  m.def("decode_attention", &decode_attention,
+        "write one new key/value row per session and attend, all sessions in one call");
+  m.def("rms_norm", &rms_norm, "w * (x * rsqrt(mean(x^2) + eps)) per row");
+  m.def("rope_", &rope_, "rotary embedding in place on the first heads of each row");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("gemv", &gemv, "x [1, in] @ w[out, in]^T, float32");
+  pybind11::class_<Matrix>(m, "Matrix")
+      .def(pybind11::init<int64_t, torch::Tensor, torch::Tensor, torch::Tensor>())
+      .def_readonly("out", &Matrix::out)
+      .def_readonly("inp", &Matrix::in);
+  m.def("matmul", &matmul, "x [rows, in] @ W^T for a float32, int8 or int4 Matrix");
+  m.def("dequantize", &dequantize, "a Matrix's weight as float32 [out, in]");
+  m.def("decode_layers", &decode_layers, "one decode row through consecutive layers");
+}
