@@ -34,15 +34,7 @@ def read_api_key(path: str) -> str:
     if not path:
         return ""
     file = Path(path).expanduser()
-    try:
-        # Read no more than a key can be: the path may name something huge or endless.
-        with file.open("rb") as f:
-            raw = f.read(MAX_KEY_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"api_key_file {file}: cannot read it ({exc.strerror})") from None
-    key = raw.decode("utf-8", errors="replace").strip()
-    if not key or len(raw) > MAX_KEY_BYTES or any(c.isspace() for c in key):
-        raise ConfigError(f"api_key_file {file}: must hold one key on one line")
+    key = _one_line(file, "api_key_file", "key", MAX_KEY_BYTES)
     if not key.isascii() or not key.isprintable():
         # An HTTP header carries ASCII only: httpx would fail on it at the first request.
         raise ConfigError(f"api_key_file {file}: the key must be printable ASCII")
@@ -57,16 +49,21 @@ def read_remote_url(value: str) -> str:
     which may name an internal host or carry a key). ConfigError naming the file."""
     if not value.startswith("@"):
         return value
-    file = Path(value[1:]).expanduser()
+    return _one_line(Path(value[1:]).expanduser(), "remote URL file", "URL", MAX_URL_BYTES)
+
+
+def _one_line(file: Path, what: str, noun: str, limit: int) -> str:
+    """The one line ``file`` holds; ConfigError naming the file, never its content."""
     try:
+        # Read no more than the value can be: the path may name something huge or endless.
         with file.open("rb") as f:
-            raw = f.read(MAX_URL_BYTES + 1)
+            raw = f.read(limit + 1)
     except OSError as exc:
-        raise ConfigError(f"remote URL file {file}: cannot read it ({exc.strerror})") from None
-    url = raw.decode("utf-8", errors="replace").strip()
-    if not url or len(raw) > MAX_URL_BYTES or any(c.isspace() for c in url):
-        raise ConfigError(f"remote URL file {file}: must hold one URL on one line")
-    return url
+        raise ConfigError(f"{what} {file}: cannot read it ({exc.strerror})") from None
+    text = raw.decode("utf-8", errors="replace").strip()
+    if not text or len(raw) > limit or any(c.isspace() for c in text):
+        raise ConfigError(f"{what} {file}: must hold one {noun} on one line")
+    return text
 
 
 def serve(cfg: Config) -> int:
