@@ -70,7 +70,8 @@ def test_launcher_does_not_import_torch() -> None:
 
 # Answers /ready with 200, like a gateway whose route has warmed up.
 FAKE_GATEWAY = """
-import http.server, sys
+import http.server, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in SLEEPER
 class Ready(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200 if self.path == "/ready" else 404)
@@ -85,7 +86,10 @@ except KeyboardInterrupt:
 """
 # Runs until SIGINT, then says so: the log shows the stop was clean and in order.
 SLEEPER = """
-import os, time
+import os, signal, time
+# SIGINT raises KeyboardInterrupt even where the test runner was started with it ignored
+# (a background job of a script), which its children would inherit.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 print("started", os.getpid(), flush=True)
 try:
     time.sleep(600)
@@ -210,6 +214,7 @@ def test_run_up_reports_ready_and_stops_on_sigint(
 ) -> None:
     path, port = stand_in_config(tmp_path)
     monkeypatch.setattr(launcher, "plan", lambda cfg, config_path: fake_cluster(port))
+    handler_before = signal.getsignal(signal.SIGINT)
     said_up = threading.Event()
     say_up = launcher._say_up
 
@@ -240,7 +245,7 @@ def test_run_up_reports_ready_and_stops_on_sigint(
     assert "gateway stopped" in (logs / "gateway.log").read_text()
     assert "stopped by SIGINT" in (logs / "broker.log").read_text()
     # The handlers of the process that called run_up are back.
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is handler_before
 
 
 def pids_started(log: Path) -> list[int]:
