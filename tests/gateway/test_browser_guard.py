@@ -55,16 +55,16 @@ def test_host_names_are_read_without_port_or_brackets() -> None:
 def test_default_hosts_follow_the_bind_address() -> None:
     local = HostRule("", "127.0.0.1")
     assert all(local.allows(h) for h in ("127.0.0.1", "localhost", "::1"))
-    assert not local.allows("attacker.example") and not local.allows("10.0.0.5")
+    assert not local.allows("attacker.example") and not local.allows("198.18.0.5")
     node = HostRule("", "198.18.0.2")
     assert node.allows("198.18.0.2") and not node.allows("198.18.0.3")
     # Bound to every interface: any address (never rebound), names only its own.
     every = HostRule("", "0.0.0.0")
-    assert every.allows("10.0.0.5") and every.allows("fe80::1")
+    assert every.allows("198.18.0.5") and every.allows("fe80::1")
     assert not every.allows("attacker.example")
     # A list replaces the defaults; "*" lets any host in.
     listed = HostRule("gw.example.com, localhost", "0.0.0.0")
-    assert listed.allows("gw.example.com") and not listed.allows("10.0.0.5")
+    assert listed.allows("gw.example.com") and not listed.allows("198.18.0.5")
     assert HostRule("*", "127.0.0.1").allows("anything.example")
 
 

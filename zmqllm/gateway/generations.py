@@ -44,10 +44,10 @@ class Generations:
         gate: Gate,
         tokenizer: Tokenizer | None,
         on_failover: Callable[[FailoverEvent], None] | None = None,
-        route_name: Callable[[], str] | None = None,
+        route_name: Callable[[], str] = lambda: "",
     ) -> None:
-        # The model's name on the bus, read when a session opens (after the wait for a
-        # slot): the broker's status may rename it meanwhile.
+        # The model's name on the bus, set on each request when its session opens (after
+        # the wait for a slot): the broker's status may rename it meanwhile.
         self.route_name = route_name
         self.client = client
         self.settings = settings
@@ -106,9 +106,7 @@ class Generations:
         stop_ids = frozenset(generate.stop_ids)
 
         def make(release: Release) -> TextStream:
-            opened = generate
-            if self.route_name is not None:
-                opened = replace(generate, model=self.route_name())
+            opened = replace(generate, model=self.route_name())
             return self._text_stream(
                 self._token_stream(opened),
                 tok.incremental_decoder(prompt_ids=generate.prompt),

@@ -130,21 +130,21 @@ class Planner:
     # --- the endpoints ---------------------------------------------------------------
 
     async def chat_requests(
-        self, body: ChatCompletionRequest, request_id: str, model: str
+        self, body: ChatCompletionRequest, request_id: str
     ) -> list[GenerateRequest]:
         """``/v1/chat/completions``: one request per choice."""
         prompt_ids = await self.encode_chat(chat_messages(body))
-        return self._openai_requests(body, prompt_ids, "messages", request_id, model)
+        return self._openai_requests(body, prompt_ids, "messages", request_id)
 
     async def completion_requests(
-        self, body: CompletionRequest, request_id: str, model: str
+        self, body: CompletionRequest, request_id: str
     ) -> list[GenerateRequest]:
         """``/v1/completions``: one request per choice."""
         prompt_ids = await self.encode_text(body.prompt)
-        return self._openai_requests(body, prompt_ids, "prompt", request_id, model)
+        return self._openai_requests(body, prompt_ids, "prompt", request_id)
 
     async def plain_request(
-        self, prompt: str, query: PlainQuery, request_id: str, model: str
+        self, prompt: str, query: PlainQuery, request_id: str
     ) -> GenerateRequest:
         """``POST /chat``: the text as one user message through the chat template."""
         if self.own_tokenizer.has_chat_template:
@@ -154,7 +154,7 @@ class Planner:
             prompt_ids = await self.encode_text(prompt)
         budget = self._budget(len(prompt_ids), query.max_tokens, None)
         sampling = sampling_of(query.temperature, query.top_p, query.top_k, query.seed)
-        return self._request(prompt_ids, budget, sampling, request_id, model)
+        return self._request(prompt_ids, budget, sampling, request_id)
 
     def _openai_requests(
         self,
@@ -162,7 +162,6 @@ class Planner:
         prompt_ids: list[int],
         prompt_param: str,
         request_id: str,
-        model: str,
     ) -> list[GenerateRequest]:
         """The sampling fields both endpoints share, checked against the context: one
         request per choice (``n``), choice i seeded ``seed + i``."""
@@ -190,7 +189,6 @@ class Planner:
             budget,
             sampling,
             request_id,
-            model,
             stops=tuple(body.stop or ()),
             ignore_eos=body.ignore_eos,
         )
@@ -205,13 +203,12 @@ class Planner:
         budget: int,
         sampling: SamplingParams,
         request_id: str,
-        model: str,
         *,
         stops: tuple[str, ...] = (),
         ignore_eos: bool = False,
     ) -> GenerateRequest:
         """The request; the model's EOS ids end it unless it ignores them (benchmarks,
-        vLLM's extension)."""
+        vLLM's extension). Its model's name on the bus is set when it opens."""
         eos = () if ignore_eos else tuple(sorted(self.own_tokenizer.eos_token_ids))
         return GenerateRequest(
             request_id=request_id,
@@ -219,7 +216,6 @@ class Planner:
             max_tokens=budget,
             sampling=sampling,
             stop_ids=eos,
-            model=model,
             stops=stops,
         )
 

@@ -100,9 +100,7 @@ class GatewayService:
             default = self.settings.default_max_tokens
             ask = openai_ask(body, AskKind.CHAT, {"messages": messages}, default)
             return await self._ask(model, ask, request)
-        planned = await self.planner.chat_requests(
-            body, record_of(request).request_id, self.models.route_name
-        )
+        planned = await self.planner.chat_requests(body, record_of(request).request_id)
         return await self._generate(model, planned, request)
 
     async def completion(self, body: CompletionRequest, request: Request) -> Opened:
@@ -113,9 +111,7 @@ class GatewayService:
             default = self.settings.default_max_tokens
             ask = openai_ask(body, AskKind.COMPLETION, {"prompt": body.prompt}, default)
             return await self._ask(model, ask, request)
-        planned = await self.planner.completion_requests(
-            body, record_of(request).request_id, self.models.route_name
-        )
+        planned = await self.planner.completion_requests(body, record_of(request).request_id)
         return await self._generate(model, planned, request)
 
     async def plain_chat(self, prompt: str, query: PlainQuery, request: Request) -> TextStream:
@@ -125,9 +121,7 @@ class GatewayService:
         if model.text_model:
             ask = plain_ask(prompt, query, self.settings.default_max_tokens)
             return await self.generations.ask(model.name, ask, record, request)
-        planned = await self.planner.plain_request(
-            prompt, query, record.request_id, self.models.route_name
-        )
+        planned = await self.planner.plain_request(prompt, query, record.request_id)
         return await self.generations.open_one(planned, record, request)
 
     async def _generate(

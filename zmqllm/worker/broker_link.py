@@ -304,11 +304,10 @@ class BrokerLink:
             except zmq.Again:
                 return
             self._last_broker = time.monotonic()
-            if frames is not None:
-                NET.received(frames)
             if frames is None:
                 self.faults.report("malformed", "message with too many frames dropped")
                 continue
+            NET.received(frames)
             try:
                 self._handle(frames)
             except Exception as exc:  # one message costs at most itself

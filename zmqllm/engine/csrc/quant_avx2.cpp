@@ -106,22 +106,12 @@ inline float offsets(const View& w, int64_t row, const float* xsum) {
 void matmul_rows_avx2(const View& w, const float* xp, int64_t rows, float* yp) {
   const int64_t out = w.out;
   const int64_t groups = w.groups;
-  // Each block's sum of x, [rows, groups], for the offset's share, and x in 16-bit steps
-  // of its block's largest magnitude: sx * xq, |xq| <= 32767. Buffers kept per calling
-  // thread: a decode step makes over a hundred of these calls.
-  thread_local std::vector<float> xsum;
-  thread_local std::vector<int16_t> xq;
-  thread_local std::vector<float> sx;
-  xsum.resize(w.m != nullptr ? rows * groups : 0);
-  xq.resize(rows * w.in);
-  sx.resize(rows * groups);
-  quantize_activations(xp, rows * groups, xq.data(), sx.data(),
-                       w.m != nullptr ? xsum.data() : nullptr, 0);
-  // Pointers, not the thread_local names: inside the tasks below those would name the
-  // pool threads' own (empty) buffers.
-  const float* xsp = xsum.data();
-  const int16_t* xqp = xq.data();
-  const float* sxp = sx.data();
+  // x in 16-bit steps of its block's largest magnitude (sx * xq, |xq| <= 32767), each
+  // block's sum [rows, groups] for the offset's share.
+  const QuantizedRows x = quantize_rows(w, xp, rows, 0);
+  const float* xsp = x.xsum;
+  const int16_t* xqp = x.xq;
+  const float* sxp = x.sx;
   at::parallel_for(0, out, kGrainRows, [&](int64_t r0, int64_t r1) {
     float sums[kDirectRows];
     std::vector<float> sc(rows * groups);

@@ -9,6 +9,8 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
+#include <vector>
+
 #include "simd.h"  // hsum, hmax
 
 namespace quant {
@@ -91,6 +93,30 @@ inline void quantize_activations(const float* x, int64_t n, int16_t* xq, float* 
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(last), hi);
     sx[i] = step;
   }
+}
+
+// A call's rows of x as both kernels read them: in 16-bit steps (xq, laid out for
+// paired_groups as in quantize_activations), each block's step (sx) and sum (xsum, for
+// the offsets' share). Buffers kept per calling thread: a decode step makes over a
+// hundred of these calls. The tasks of a parallel_for get these pointers, since the
+// thread_local names would name each pool thread's own (empty) buffers there.
+struct QuantizedRows {
+  const float* xsum;
+  const int16_t* xq;
+  const float* sx;
+};
+
+inline QuantizedRows quantize_rows(const View& w, const float* x, int64_t rows,
+                                   int64_t paired_groups) {
+  thread_local std::vector<float> xsum;
+  thread_local std::vector<int16_t> xq;
+  thread_local std::vector<float> sx;
+  xsum.resize(w.m != nullptr ? rows * w.groups : 0);
+  xq.resize(rows * w.in);
+  sx.resize(rows * w.groups);
+  quantize_activations(x, rows * w.groups, xq.data(), sx.data(),
+                       w.m != nullptr ? xsum.data() : nullptr, paired_groups);
+  return {xsum.data(), xq.data(), sx.data()};
 }
 
 }  // namespace quant
