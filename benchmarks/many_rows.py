@@ -3,12 +3,15 @@
 Batched decode (one row per stream) and prefill (one row per prompt token) multiply many
 rows through the same weights. This times one 7B layer's four products (qkv 4096->6144,
 o 4096->4096, gate+up 4096->28672, down 14336->4096; random weights) at each row count
-with every candidate, in alternating rounds: zmqllm's own int4 and int8 products (today's
-path: 16-bit activations in passes of 16 rows, dequantize + float32 GEMM from 128 rows),
+with every candidate, in alternating rounds: zmqllm's own int4 and int8 products as
+chosen for the row count (from 8 rows the bfloat16 matrix-unit path where the build has
+it) and without the matrix units (16-bit activations in passes of 16 rows, dequantize +
+float32 GEMM from 128 rows),
 PyTorch's float32 and bfloat16 GEMMs (oneDNN: AVX512_BF16 or AMX where the CPU has them),
 int4 widened to bfloat16 on every call then the bfloat16 GEMM (the cost of widening a
 whole weight per forward), and PyTorch's own int4 and int8 weight-only CPU ops. It prints
-ms per layer, GFLOPS and the ratio to zmqllm int4 at each row count, and names the CPU.
+ms per layer, GFLOPS and the ratio to zmqllm int4 without the matrix units (where built;
+else zmqllm int4) at each row count, and names the CPU.
 
     python benchmarks/many_rows.py [--rows 1 4 16 64 128] [--rounds 3] [--threads 2]
 
@@ -26,6 +29,7 @@ import argparse
 import platform
 import time
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +39,8 @@ from benchmarks.report import write_json
 from benchmarks.stats import median
 from zmqllm.engine import native, quant
 
+# The ratios' reference: zmqllm int4 as it was before the matrix units, where this build has them.
+BASES = ("zmqllm int4, no matrix units", "zmqllm int4")
 # One Mistral-7B layer's products: (out, in); qkv is 32 query heads + 2 x 8 KV heads of 128.
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
@@ -70,6 +76,9 @@ def candidates(weights: dict[str, torch.Tensor]) -> dict[str, Callable[[torch.Te
         m8 = [kernel.Matrix(quant.KIND["int8"], t.q, t.d, t.m) for t in q8]
         found["zmqllm int4"] = lambda xs: [kernel.matmul(x, m) for x, m in zip(xs, m4, strict=True)]
         found["zmqllm int8"] = lambda xs: [kernel.matmul(x, m) for x, m in zip(xs, m8, strict=True)]
+        if kernel.bf16_built():  # the same products without the matrix units: the paths before
+            found["zmqllm int4, no matrix units"] = without_matrix_units(kernel, m4)
+            found["zmqllm int8, no matrix units"] = without_matrix_units(kernel, m8)
     found["torch fp32"] = lambda xs: [F.linear(x, w) for x, w in zip(xs, w32, strict=True)]
     found["torch bf16"] = lambda xs: [
         F.linear(x.to(torch.bfloat16), w) for x, w in zip(xs, w16, strict=True)
@@ -86,6 +95,18 @@ def candidates(weights: dict[str, torch.Tensor]) -> dict[str, Callable[[torch.Te
         torch.ops.aten._weight_int8pack_mm(x, q, sc) for x, (q, sc) in zip(xs, t8, strict=True)
     ]
     return found
+
+
+def without_matrix_units(kernel: ModuleType, mats: list[object]) -> Callable[[list], None]:
+    def run(xs: list[torch.Tensor]) -> None:
+        kernel.set_matrix_units(False)
+        try:
+            for x, m in zip(xs, mats, strict=True):
+                kernel.matmul(x, m)
+        finally:
+            kernel.set_matrix_units(True)
+
+    return run
 
 
 def timed(fn: Callable[[torch.Tensor], None], xs: list[torch.Tensor]) -> float:
@@ -106,6 +127,7 @@ def main() -> None:
     weights = {k: torch.randn(shape, generator=g) * 0.02 for k, shape in SHAPES.items()}
     params = sum(w.numel() for w in weights.values())
     paths = candidates(weights)
+    base = next((n for n in BASES if n in paths), next(iter(paths)))
     times: dict[int, dict[str, list[float]]] = {r: {n: [] for n in paths} for r in a.rows}
     for rows in a.rows:
         xs = [torch.randn(rows, w.shape[1], generator=g) for w in weights.values()]
@@ -116,8 +138,7 @@ def main() -> None:
             for name, fn in order[::-1] if r % 2 else order:
                 times[rows][name].append(timed(fn, xs) * 1e3)
     print(f"\n{cpu_name()}, {a.threads} threads, one 7B layer ({params / 1e6:.0f} M weights)")
-    print(f"median ms of {a.rounds} alternating rounds (range), GFLOPS, x zmqllm int4's time")
-    base = "zmqllm int4" if "zmqllm int4" in paths else next(iter(paths))
+    print(f"median ms of {a.rounds} alternating rounds (range), GFLOPS, x {base}'s time")
     rows_out = []
     for rows in a.rows:
         print(f"\n{rows} rows")
@@ -131,7 +152,7 @@ def main() -> None:
             )
             rows_out.append(
                 {"rows": rows, "path": name, "median_ms": med, "min_ms": min(ts),
-                 "max_ms": max(ts), "gflops": gflops, "x_int4": med / ref}
+                 "max_ms": max(ts), "gflops": gflops, "x_base": med / ref}
             )  # fmt: skip
     meta = {"cpu": cpu_name(), "threads": a.threads, "rounds": a.rounds, "weights": params}
     write_json(a.out, {"meta": meta, "rows": rows_out})

@@ -29,6 +29,25 @@ def product_tolerance(w: torch.Tensor, x: torch.Tensor, want: torch.Tensor) -> d
     return {"rtol": 0.0, "atol": tol["atol"] + 1.01 * bound}
 
 
+def bf16_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The matrix-unit path's reference: both operands rounded to bfloat16 (nearest even),
+    the products summed in float32 (in float64 here, then rounded)."""
+    return (x.bfloat16().double() @ w.bfloat16().double().T).float()
+
+
+def path_reference(
+    path: str, x: torch.Tensor, w: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """What a named path of the kernel's product must equal, and how closely: the
+    bfloat16 path its own rounding up to the order of its float32 sums; the others the
+    float32 product up to their 16-bit activations (product_tolerance)."""
+    if path == "bf16":
+        want = bf16_product(x, w)
+        return want, reorder_tolerance(want, w.shape[1])
+    want = x @ w.T
+    return want, product_tolerance(w, x, want)
+
+
 @pytest.fixture(scope="module")
 def kernel() -> ModuleType:
     module = native.load()
@@ -104,18 +123,60 @@ def test_fusing_keeps_rows_in_order_and_refuses_mixed_kinds() -> None:
 def test_kernel_product_matches_pytorch_on_the_dequantized_weight(
     kernel: ModuleType, kind: str, rows: int, out: int, cols: int
 ) -> None:
-    """Up to 16 rows take the widening loop in one pass, up to 127 that loop 16 at a
-    time, more the dequantized slices; row counts off the 4-row chunks and output counts
-    off the task grain take the tails, and an odd number of blocks per row the last block
-    alone (the AVX2 loop steps two blocks; AVX-512 meets blocks in pairs)."""
+    """Each row count through the path the kernel chooses for it, and every path that
+    can take it: up to 16 rows the widening loop in one pass, more that loop 16 at a time
+    (chunks) or the dequantized slices, and from 8 rows the bfloat16 matrix-unit path
+    where it is built. Row counts off the 4-row chunks and output counts off the task
+    grain and the 32-row panels take the tails, and an odd number of blocks per row the
+    last block alone (the AVX2 loop steps two blocks; AVX-512 meets blocks in pairs)."""
     g = torch.Generator().manual_seed(rows * out + cols)
     t = quant.quantize(torch.randn(out, cols, generator=g), kind)
     x = torch.randn(rows, cols, generator=g)
     matrix = kernel.Matrix(quant.KIND[kind], t.q, t.d, t.m)
     w = quant.dequantize(t)
-    want = x @ w.T
-    torch.testing.assert_close(kernel.matmul(x, matrix), want, **product_tolerance(w, x, want))
+    want, tol = path_reference(kernel.matmul_choice(matrix, rows), x, w)
+    torch.testing.assert_close(kernel.matmul(x, matrix), want, **tol)
+    paths = ["chunks", "dequant"] + (["direct"] if rows <= 16 else [])
+    for path in paths + (["bf16"] if kernel.bf16_built() else []):
+        want, tol = path_reference(path, x, w)
+        torch.testing.assert_close(kernel.matmul_path(x, matrix, path), want, **tol, msg=path)
     torch.testing.assert_close(kernel.dequantize(matrix), quant.dequantize(t))
+
+
+@pytest.mark.parametrize("rows", [1, 24])
+def test_bf16_path_widens_float16_scales_as_dequantize_does(kernel: ModuleType, rows: int) -> None:
+    """GGUF's float16 scales and minimums (Q4_1 blocks as loaded) through every path."""
+    g = torch.Generator().manual_seed(rows)
+    t = quant.quantize(torch.randn(200, 2112, generator=g), "int4")
+    half = QuantTensor("int4", t.q, t.d.half(), t.m.half())
+    matrix = kernel.Matrix(2, half.q, half.d, half.m)
+    w = quant.dequantize(QuantTensor("int4", t.q, half.d.float(), half.m.float()))
+    x = torch.randn(rows, 2112, generator=g)
+    for path in ["chunks", "dequant"] + (["bf16"] if kernel.bf16_built() else []):
+        want, tol = path_reference(path, x, w)
+        torch.testing.assert_close(kernel.matmul_path(x, matrix, path), want, **tol, msg=path)
+
+
+def test_matrix_units_can_be_turned_off(kernel: ModuleType) -> None:
+    t = quant.quantize(torch.randn(40, 64), "int4")
+    matrix = kernel.Matrix(2, t.q, t.d, t.m)
+    try:
+        kernel.set_matrix_units(False)
+        assert [kernel.matmul_choice(matrix, n) for n in (1, 16, 17, 128)] == [
+            "direct",
+            "direct",
+            "chunks",
+            "dequant",
+        ]
+        kernel.set_matrix_units(True)
+        want = "bf16" if kernel.bf16_built() else "chunks"
+        assert kernel.matmul_choice(matrix, 40) == want
+    finally:
+        kernel.set_matrix_units(True)
+    with pytest.raises(RuntimeError, match="up to 16 rows"):
+        kernel.matmul_path(torch.randn(17, 64), matrix, "direct")
+    with pytest.raises(ValueError, match="unknown path"):
+        kernel.matmul_path(torch.randn(2, 64), matrix, "amx")
 
 
 @pytest.mark.parametrize("rows", [1, 5, 12])
@@ -126,9 +187,9 @@ def test_kernel_product_of_q8_0_blocks_without_offsets(kernel: ModuleType, rows:
     t = QuantTensor("int8", q, torch.rand(70, 3, generator=g) / 100, torch.empty(0))
     x = torch.randn(rows, 96, generator=g)
     w = quant.dequantize(t)
-    want = x @ w.T
-    got = kernel.matmul(x, kernel.Matrix(1, t.q, t.d, t.m))
-    torch.testing.assert_close(got, want, **product_tolerance(w, x, want))
+    matrix = kernel.Matrix(1, t.q, t.d, t.m)
+    want, tol = path_reference(kernel.matmul_choice(matrix, rows), x, w)
+    torch.testing.assert_close(kernel.matmul(x, matrix), want, **tol)
 
 
 def test_kernel_refuses_what_it_cannot_multiply(kernel: ModuleType) -> None:
@@ -181,17 +242,37 @@ def test_quant_needs_float32_on_the_cpu(tiny_model_dir: Path) -> None:
         load_shard(tiny_model_dir, 0, 4, quant="fp8")
 
 
+def round_as_the_kernel(gen: Generator, kernel: ModuleType) -> None:
+    """Make the PyTorch products of ``gen``'s quantized linears round as the path the
+    kernel chooses for each row count: the reference of a generation through it."""
+    for shard in gen.shards:
+        for lin in [m for m in shard.modules() if isinstance(m, QuantLinear)]:
+            matrix = kernel.Matrix(quant.KIND[lin.kind], lin.q, lin.d, lin.m)
+
+            def forward(x: torch.Tensor, lin: QuantLinear = lin, matrix: object = matrix):
+                w = quant.dequantize(lin.tensor)
+                if kernel.matmul_choice(matrix, x.shape[0]) == "bf16":
+                    return bf16_product(x, w)
+                return x @ w.T
+
+            lin.forward = forward  # type: ignore[method-assign]
+
+
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("bounds", [[(0, 4)], [(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]])
 def test_quantized_generation_kernel_equals_pytorch_path(
     tiny_model_dir: Path, kind: str, bounds: list[tuple[int, int]]
 ) -> None:
     """The compiled single-stream step (decode_layers over int8/int4 matrices) and
-    batched products give the greedy tokens of PyTorch on the dequantized weights."""
+    batched products give the greedy tokens of PyTorch on the dequantized weights, each
+    product rounded as the path the kernel takes for its rows (the 10-token prompt: the
+    bfloat16 path where it is built)."""
     prompt = [5, 17, 3, 99, 42, 7, 11, 60, 2, 81]
     fast = Generator(tiny_model_dir, bounds, quant=kind)
     slow = Generator(tiny_model_dir, bounds, quant=kind, compiled=False)
     assert fast.shards[0].kernel is not None or native.load() is None
+    if fast.shards[0].kernel is not None:
+        round_as_the_kernel(slow, fast.shards[0].kernel)
     assert list(fast.generate(prompt, 24)) == list(slow.generate(prompt, 24))
     # A batch of three decode rows through the same weights (the batched path).
     for g in (fast, slow):

@@ -198,6 +198,13 @@ class WorkerSettings:
         "attend batched decode steps with the compiled kernel (zmqllm/engine/csrc, built on "
         "first use; float32 on the CPU only); off, or no compiler: the PyTorch path",
     )
+    # Off: every row count keeps the 16-bit integer paths, so a session's numbers do not
+    # depend on how many others share its forward (docs/scale.md, "Many rows").
+    matrix_units: bool = setting(
+        True,
+        "int8/int4 products of 8 rows or more (batched decode, prefill) in bfloat16 on the "
+        "CPU's matrix units (AMX, or AVX512_BF16), where the CPU has them",
+    )
     # Faster batched decode, at the cost of a second copy of the weights.
     packed_rows: int = setting(
         16,

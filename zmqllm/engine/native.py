@@ -129,6 +129,17 @@ def load() -> ModuleType | None:
         return _state["module"]
 
 
+def use_matrix_units(on: bool) -> bool:
+    """Whether the quantized products of many rows run in bfloat16 on the matrix units
+    (csrc/quant_bf16.cpp) in this process; returns whether they do (False where the
+    kernel or the units are missing)."""
+    module = load()
+    if module is None:
+        return False
+    module.set_matrix_units(on)
+    return on and bool(module.bf16_built())
+
+
 def import_built(path: Path) -> ModuleType:
     """The compiled module at ``path`` (a built ``.so``), imported as it is."""
     spec = importlib.util.spec_from_file_location(NAME, path)

@@ -17,6 +17,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("out", &Matrix::out)
       .def_readonly("inp", &Matrix::in);
   m.def("matmul", &matmul, "x [rows, in] @ W^T for a float32, int8 or int4 Matrix");
+  m.def("matmul_path", &matmul_path, "x @ W^T through a named path of a quantized Matrix");
+  m.def("matmul_choice", &matmul_choice, "the path matmul takes for a row count");
+  m.def("bf16_built", &bf16_built, "whether the bfloat16 matrix-unit path is built");
+  m.def("set_matrix_units", &set_matrix_units, "use the bfloat16 matrix-unit path (where built)");
   m.def("dequantize", &dequantize, "a Matrix's weight as float32 [out, in]");
   m.def("decode_layers", &decode_layers, "one decode row through consecutive layers");
 }

@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <string>
 
 #include "quant.h"  // MatrixKind, kGroup
 
@@ -21,7 +22,15 @@ struct Matrix {
   bool half_scales() const { return kind != MatrixKind::kFloat32 && d.scalar_type() == torch::kHalf; }
 };
 
-// x [rows, in] @ W^T -> [rows, out] float32; any row count.
+// x [rows, in] @ W^T -> [rows, out] float32; any row count, the path chosen by it.
 torch::Tensor matmul(const torch::Tensor& x, const Matrix& w);
+// The same through a named path of a quantized Matrix: "direct" (up to 16 rows),
+// "chunks", "dequant" or "bf16" (where built).
+torch::Tensor matmul_path(const torch::Tensor& x, const Matrix& w, const std::string& path);
+// The path matmul takes for ``rows`` rows.
+std::string matmul_choice(const Matrix& w, int64_t rows);
+// Whether this build has the bfloat16 matrix-unit path, and turning it off or on.
+bool bf16_built();
+void set_matrix_units(bool on);
 // The weight as float32 [out, in].
 torch::Tensor dequantize(const Matrix& w);

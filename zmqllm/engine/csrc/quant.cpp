@@ -94,6 +94,8 @@ namespace {
 // has the figures that set these).
 constexpr int64_t kDirectRows = quant::kDirectRows;
 constexpr int64_t kGemmRows = 128;
+// From this many rows the bfloat16 matrix-unit path, where built (docs/scale.md).
+constexpr int64_t kBf16Rows = 8;
 // Weight rows per dequantized slice.
 constexpr int64_t kSliceRows = 256;
 
@@ -154,25 +156,50 @@ Matrix::Matrix(int64_t kind_, torch::Tensor q_, torch::Tensor d_, torch::Tensor 
   }
 }
 
-torch::Tensor matmul(const torch::Tensor& x_, const Matrix& w) {
-  TORCH_CHECK(x_.scalar_type() == torch::kFloat && x_.dim() == 2 && x_.size(1) == w.in &&
-                  x_.device().is_cpu(),
-              "matmul: x must be float32 [rows, ", w.in, "] on the CPU");
-  const torch::Tensor x = x_.contiguous();
+// The product's paths for a quantized Matrix, by row count (matmul chooses; matmul_path
+// runs a named one, for the benchmarks and the tests that hold each to its reference).
+enum class Path { kDirect, kChunks, kDequant, kBf16 };
+
+bool bf16_built() {
+#if defined(ZMQLLM_QUANT_BF16)
+  return true;
+#else
+  return false;
+#endif
+}
+
+namespace {
+
+bool g_bf16 = bf16_built();  // set_matrix_units turns it off (and on again where built)
+
+Path choose_path(int64_t rows) {
+  if (g_bf16 && rows >= kBf16Rows) return Path::kBf16;
+  if (rows <= kDirectRows) return Path::kDirect;
+  return rows < kGemmRows ? Path::kChunks : Path::kDequant;
+}
+
+torch::Tensor run_path(const torch::Tensor& x, const Matrix& w, Path path) {
   const int64_t rows = x.size(0);
-  if (w.kind == MatrixKind::kFloat32) {
-    return rows == 1 ? gemv(x, w.q) : torch::linear(x, w.q);
-  }
-  if (rows <= kDirectRows) return matmul_direct(x, w);
-  if (rows < kGemmRows) {  // kDirectRows at a time, each chunk reading the weights once more
-    torch::Tensor y = torch::empty({rows, w.out}, x.options());
-    for (int64_t r0 = 0; r0 < rows; r0 += kDirectRows) {
-      const int64_t n = std::min(kDirectRows, rows - r0);
-      y.narrow(0, r0, n).copy_(matmul_direct(x.narrow(0, r0, n), w));
-    }
-    return y;
-  }
   torch::Tensor y = torch::empty({rows, w.out}, x.options());
+  switch (path) {
+    case Path::kDirect:
+      return matmul_direct(x, w);
+    case Path::kChunks:  // kDirectRows at a time, each chunk reading the weights once more
+      for (int64_t r0 = 0; r0 < rows; r0 += kDirectRows) {
+        const int64_t n = std::min(kDirectRows, rows - r0);
+        y.narrow(0, r0, n).copy_(matmul_direct(x.narrow(0, r0, n), w));
+      }
+      return y;
+    case Path::kBf16:
+#if defined(ZMQLLM_QUANT_BF16)
+      quant::matmul_rows_bf16(quant::View(w), x.data_ptr<float>(), rows, y.data_ptr<float>());
+      return y;
+#else
+      TORCH_CHECK(false, "matmul: this build has no bfloat16 matrix-unit path");
+#endif
+    case Path::kDequant:
+      break;
+  }
   torch::Tensor slice = torch::empty({std::min(kSliceRows, w.out), w.in}, x.options());
   for (int64_t r0 = 0; r0 < w.out; r0 += kSliceRows) {
     const int64_t r1 = std::min(r0 + kSliceRows, w.out);
@@ -180,6 +207,44 @@ torch::Tensor matmul(const torch::Tensor& x_, const Matrix& w) {
     y.narrow(1, r0, r1 - r0).copy_(torch::mm(x, slice.narrow(0, 0, r1 - r0).t()));
   }
   return y;
+}
+
+torch::Tensor checked(const torch::Tensor& x, const Matrix& w) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.size(1) == w.in &&
+                  x.device().is_cpu(),
+              "matmul: x must be float32 [rows, ", w.in, "] on the CPU");
+  return x.contiguous();
+}
+
+}  // namespace
+
+void set_matrix_units(bool on) { g_bf16 = on && bf16_built(); }
+
+std::string matmul_choice(const Matrix& w, int64_t rows) {
+  if (w.kind == MatrixKind::kFloat32) return rows == 1 ? "gemv" : "linear";
+  static const char* names[] = {"direct", "chunks", "dequant", "bf16"};
+  return names[static_cast<int>(choose_path(rows))];
+}
+
+torch::Tensor matmul(const torch::Tensor& x_, const Matrix& w) {
+  const torch::Tensor x = checked(x_, w);
+  if (w.kind == MatrixKind::kFloat32) {
+    return x.size(0) == 1 ? gemv(x, w.q) : torch::linear(x, w.q);
+  }
+  return run_path(x, w, choose_path(x.size(0)));
+}
+
+torch::Tensor matmul_path(const torch::Tensor& x_, const Matrix& w, const std::string& name) {
+  const torch::Tensor x = checked(x_, w);
+  TORCH_CHECK(w.kind != MatrixKind::kFloat32, "matmul_path: an int8 or int4 Matrix");
+  const Path path = name == "direct"  ? Path::kDirect
+                    : name == "chunks" ? Path::kChunks
+                    : name == "dequant" ? Path::kDequant
+                    : name == "bf16"    ? Path::kBf16
+                                        : throw std::invalid_argument("matmul_path: unknown path");
+  TORCH_CHECK(path != Path::kDirect || x.size(0) <= kDirectRows, "matmul_path: direct takes up to ",
+              kDirectRows, " rows");
+  return run_path(x, w, path);
 }
 
 torch::Tensor dequantize(const Matrix& w) {

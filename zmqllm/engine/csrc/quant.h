@@ -28,6 +28,10 @@
 #elif defined(__AVX2__) && defined(__FMA__)
 #define ZMQLLM_QUANT_AVX2 1  // quant_avx2.cpp
 #endif                       // neither: matmul_rows_generic (quant.cpp)
+// Many rows on the 16-bit matrix units (AMX or AVX512_BF16): quant_bf16.cpp.
+#if defined(ZMQLLM_QUANT_AVX512) && defined(__AVX512BF16__)
+#define ZMQLLM_QUANT_BF16 1
+#endif
 
 enum class MatrixKind : int64_t {
   kFloat32 = 0,  // w [out, in] float32
@@ -125,5 +129,8 @@ inline void widen_block(const View& w, const RowScales& s, int64_t row, int64_t 
 void matmul_rows_generic(const View& w, const float* x, int64_t rows, float* y);  // quant.cpp
 void matmul_rows_avx2(const View& w, const float* x, int64_t rows, float* y);  // quant_avx2.cpp
 void matmul_rows_avx512(const View& w, const float* x, int64_t rows, float* y);  // quant_avx512.cpp
+// The same product for any row count through bfloat16 (weights and activations rounded
+// to it, float32 sums) on the matrix units: defined where ZMQLLM_QUANT_BF16 is.
+void matmul_rows_bf16(const View& w, const float* x, int64_t rows, float* y);  // quant_bf16.cpp
 
 }  // namespace quant
