@@ -215,6 +215,23 @@ def test_default_model_two_shards_match_hf_generate(default_model_dir: Path) -> 
         assert ours == ref, text
 
 
+@pytest.mark.parametrize("rows", [1, 8, 16, 32, 40])
+def test_bfloat16_batches_take_hfs_own_product(rows: int) -> None:
+    """A bfloat16 weight multiplies batches of any size with F.linear, HF's call (oneDNN
+    on the matrix units), bit for bit; float32 batches of 7-32 rows take W @ x^T."""
+    import torch.nn.functional as F
+
+    from zmqllm.engine.linear import Linear
+
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 64, generator=g)
+    x = torch.randn(rows, 64, generator=g)
+    half = Linear(w.bfloat16())
+    assert torch.equal(half(x.bfloat16()), F.linear(x.bfloat16(), w.bfloat16()))
+    if 7 <= rows <= 32:
+        assert torch.equal(Linear(w)(x), torch.mm(w, x.t()).t().contiguous())
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_shards_track_hf_in_the_same_dtype(tiny_model_dir: Path, dtype: str) -> None:
     tdtype = getattr(torch, dtype)

@@ -50,8 +50,14 @@ class Linear(nn.Module):
         """PyTorch's float32 linear on the CPU handles 4..15 rows a few at a time,
         re-reading the weight each time; computed as W @ x^T the same product reads
         the weight once, which pays in the band CPU_MM_MIN_ROWS..max_mm_rows. Outside
-        it F.linear is as fast or faster (and is what transformers uses)."""
-        if x.device.type == "cpu" and CPU_MM_MIN_ROWS <= x.shape[0] <= self.max_mm_rows:
+        it F.linear is as fast or faster (and is what transformers uses). bfloat16 always
+        takes F.linear, HF's own call: oneDNN's product on the matrix units (AMX or
+        AVX512_BF16), 1.2-1.6x faster than W @ x^T at 8-32 rows (docs/scale.md)."""
+        if (
+            x.device.type == "cpu"
+            and x.dtype is torch.float32
+            and CPU_MM_MIN_ROWS <= x.shape[0] <= self.max_mm_rows
+        ):
             return torch.mm(self.weight, x.t()).t().contiguous()
         return F.linear(x, self.weight)
 
