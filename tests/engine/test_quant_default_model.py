@@ -137,7 +137,7 @@ def test_int8_teacher_forced_agreement_with_float32(default_model_dir: Path) -> 
     }
     try:
         for units in (False, True):
-            if native.use_matrix_units(units) != units:
+            if bool(native.use_matrix_units(units)) != units:
                 continue  # no matrix units here: the 16-bit paths only
             for kind in ("int8", "int4"):
                 ours = Generator(default_model_dir, quant=kind).all_logits(ids).argmax(-1)

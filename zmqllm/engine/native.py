@@ -129,15 +129,20 @@ def load() -> ModuleType | None:
         return _state["module"]
 
 
-def use_matrix_units(on: bool) -> bool:
+def use_matrix_units(on: bool) -> str:
     """Whether the quantized products of many rows run in bfloat16 on the matrix units
-    (csrc/quant_bf16.cpp) in this process; returns whether they do (False where the
-    kernel or the units are missing)."""
+    (csrc/quant_bf16.cpp) in this process: which units they run on, "amx" or
+    "avx512_bf16", or "" (off, or the kernel or the units missing)."""
     module = load()
     if module is None:
-        return False
+        return ""
     module.set_matrix_units(on)
-    return on and bool(module.bf16_built())
+    if not (on and module.bf16_built()):
+        return ""
+    # Linux hands out AMX's tile state only on request; oneDNN falls back to AVX512_BF16
+    # where the request is refused (some VMs), so this says which it will find.
+    amx = torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx()
+    return "amx" if amx else "avx512_bf16"
 
 
 def import_built(path: Path) -> ModuleType:

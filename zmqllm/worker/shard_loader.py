@@ -82,7 +82,7 @@ def load_stage(cfg: Config) -> Loaded:
     t0 = time.perf_counter()
     shard = load_shard(directory, start, end, m.dtype, m.device, args, m.quant)
     kernel = shard.use_kernel(native.load()) if w.native_attention else False
-    units = native.use_matrix_units(w.matrix_units) if kernel else False
+    units = native.use_matrix_units(w.matrix_units) if kernel else ""
     # Resident growth, not the packed tensors' sizes: MKL's buffers are allocated
     # larger than they are filled.
     rss = rss_bytes()
@@ -122,7 +122,7 @@ def load_stage(cfg: Config) -> Loaded:
         weights_mib=shard.weight_bytes() >> 20,
         rss_mib=rss_bytes() >> 20,
         batched_decode_attention="compiled kernel" if kernel else "pytorch",
-        matrix_units=units,
+        matrix_units=units or "off",
         packed_weights_mib=packed_mib,
     )
     fp = model_fingerprint(directory, args, cfg.model.dtype)
