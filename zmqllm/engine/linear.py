@@ -32,6 +32,8 @@ CPU_MM_MAX_ROWS = 32
 CPU_MM_MAX_ROWS_HEAD = 15
 # Batches from this many rows up to the packed row count take the packed GEMM.
 PACK_MIN_ROWS = 7
+# Whether this CPU multiplies bfloat16 in hardware (AVX512_BF16, which every AMX CPU has).
+BF16_UNITS = torch.cpu._is_avx512_bf16_supported()
 
 
 class Linear(nn.Module):
@@ -50,12 +52,13 @@ class Linear(nn.Module):
         """PyTorch's float32 linear on the CPU handles 4..15 rows a few at a time,
         re-reading the weight each time; computed as W @ x^T the same product reads
         the weight once, which pays in the band CPU_MM_MIN_ROWS..max_mm_rows. Outside
-        it F.linear is as fast or faster (and is what transformers uses). bfloat16 always
-        takes F.linear, HF's own call: oneDNN's product on the matrix units (AMX or
-        AVX512_BF16), 1.2-1.6x faster than W @ x^T at 8-32 rows (docs/scale.md)."""
+        it F.linear is as fast or faster (and is what transformers uses). Where the CPU
+        has bfloat16 units (AMX or AVX512_BF16), bfloat16 always takes F.linear, HF's own
+        call, which oneDNN runs on them: 1.2-1.6x faster than W @ x^T at 8-32 rows
+        (docs/scale.md); elsewhere bfloat16 keeps the band, as before."""
         if (
             x.device.type == "cpu"
-            and x.dtype is torch.float32
+            and (x.dtype is torch.float32 or (x.dtype is torch.bfloat16 and not BF16_UNITS))
             and CPU_MM_MIN_ROWS <= x.shape[0] <= self.max_mm_rows
         ):
             return torch.mm(self.weight, x.t()).t().contiguous()

@@ -32,6 +32,10 @@ namespace {
 // the call passes over it.
 constexpr int64_t kPanel = 32;
 constexpr int64_t kChunk = 1024;
+// Activation rows per micro-kernel call. PyTorch keeps a compiled micro-kernel for each
+// shape it is called with; blocks of at most this many rows bound those shapes to
+// kRowBlock per (kc, panel) whatever the row counts of prefill chunks and batches.
+constexpr int64_t kRowBlock = 64;
 
 // One block's scale and offset for a weight row, as float32.
 inline void block_scale(const View& w, int64_t row, int64_t b, float* d, float* m) {
@@ -156,9 +160,12 @@ void matmul_rows_bf16(const View& w, const float* xp, int64_t rows, float* yp) {
       for (int64_t k0 = 0; k0 < w.in; k0 += kChunk) {
         const int64_t kc = std::min(kChunk, w.in - k0);
         widen_panel(w, n0, k0, kc, panel.data());
-        at::native::cpublas::brgemm(rows, kPanel, kc, w.in, kPanel, ldc, k0 > 0, a + k0,
-                                    reinterpret_cast<const at::BFloat16*>(panel.data()), c,
-                                    true);
+        const auto* b = reinterpret_cast<const at::BFloat16*>(panel.data());
+        for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+          const int64_t m = std::min(kRowBlock, rows - r0);
+          at::native::cpublas::brgemm(m, kPanel, kc, w.in, kPanel, ldc, k0 > 0,
+                                      a + r0 * w.in + k0, b, c + r0 * ldc, true);
+        }
       }
       if (!whole) {
         for (int64_t r = 0; r < rows; ++r) {
