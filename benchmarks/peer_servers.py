@@ -62,13 +62,14 @@ def _wait_http(url: str, alive: Callable[[], bool], timeout: float, log: Path) -
 
 def _stop_group(proc: subprocess.Popen[bytes]) -> None:
     """SIGTERM to the server's whole process group (vLLM runs its engine in a child
-    process), SIGKILL when it lingers."""
+    process), SIGKILL when it lingers: a vLLM server stopped while it starts up may
+    never exit by itself (seen with 0.32: its engine gone, the API process waiting)."""
     if proc.poll() is not None:
         return
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
     try:
-        proc.wait(timeout=20)
+        proc.wait(timeout=15)
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)

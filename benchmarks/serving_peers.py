@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import itertools
 import os
+import signal
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -237,6 +238,8 @@ def main() -> None:
     ap.add_argument("--no-vllm", action="store_true", help="zmqllm alone")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/serving_peers.json"))
     a = ap.parse_args()
+    # SIGTERM unwinds like Ctrl-C, so the finally blocks stop whatever server is up.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     if a.no_vllm:
         a.vllm_threads = []
     if a.model is None:
@@ -250,16 +253,18 @@ def main() -> None:
     print(f"serving peers — {model_dir.name} on {cpu}, {os.cpu_count()} cores, zmqllm {a.quant}")
     runs: dict[str, list[dict[str, Any]]] = {}
     settings: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="serving-peers-logs-") as logs:
-        for rnd in range(a.rounds):
-            order = list(runtimes(model_dir, a, Path(logs)))
-            if rnd % 2:
-                order.reverse()  # alternate who goes first: drift falls on both
-            for name, start in order:
-                print(f"round {rnd + 1}/{a.rounds}: {name}", flush=True)
-                with start() as server:
-                    runs.setdefault(name, []).append(measure(server, a, text))
-                    settings[name] = server.settings
+    # vLLM's logs outlive the run (a few MB): where a server failed mid-run, they say why.
+    logs = Path(tempfile.mkdtemp(prefix="serving-peers-logs-"))
+    print(f"vLLM logs in {logs}")
+    for rnd in range(a.rounds):
+        order = list(runtimes(model_dir, a, logs))
+        if rnd % 2:
+            order.reverse()  # alternate who goes first: drift falls on both
+        for name, start in order:
+            print(f"round {rnd + 1}/{a.rounds}: {name}", flush=True)
+            with start() as server:
+                runs.setdefault(name, []).append(measure(server, a, text))
+                settings[name] = server.settings
     summary = table(runs, a.levels)
     meta = {
         "model": str(model_dir),
