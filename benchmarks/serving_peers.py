@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # see benchmarks/_
 
 import argparse
 import asyncio
+import functools
 import itertools
 import os
 import signal
@@ -171,13 +172,24 @@ def runtimes(
     for t in a.vllm_threads:
         yield (
             f"vLLM[{t or 'own'} thr]",
-            lambda t=t: vllm_server(
-                model_dir, Path(a.vllm_venv), t, logs, a.max_model_len, a.kv_gib, tuple(a.vllm_arg)
+            functools.partial(
+                vllm_server,
+                model_dir,
+                Path(a.vllm_venv),
+                t,
+                logs,
+                a.max_model_len,
+                a.kv_gib,
+                tuple(a.vllm_arg),
             ),
         )
 
 
 Row = tuple[str, Callable[[dict[str, Any]], float], bool]
+
+
+def level_figure(level: int, key: str) -> Callable[[dict[str, Any]], float]:
+    return lambda r: float(r["levels"][level][key])
 
 
 def rows(a: argparse.Namespace) -> list[Row]:
@@ -190,7 +202,7 @@ def rows(a: argparse.Namespace) -> list[Row]:
             ("ttft_ms_p50", "TTFT p50 ms", False),
             ("ttft_ms_p99", "TTFT p99 ms", False),
         ):
-            out.append((f"c={lv} {label}", lambda r, lv=lv, key=key: r["levels"][lv][key], up))
+            out.append((f"c={lv} {label}", level_figure(lv, key), up))
     out.append(
         (
             f"prefill {a.prefill_tokens} tok/s",
