@@ -27,10 +27,10 @@
 namespace quant {
 namespace {
 
-// Weight rows per panel (two 16-wide vectors of the micro-kernel's output) and inputs
-// per chunk: a panel of 32 x 1024 bfloat16 is 64 KiB, resident in L2 while every row of
+// Weight rows per panel (four 16-wide vectors of the micro-kernel's output) and inputs
+// per chunk: a panel of 64 x 1024 bfloat16 is 128 KiB, resident in L2 while every row of
 // the call passes over it.
-constexpr int64_t kPanel = 32;
+constexpr int64_t kPanel = 64;
 constexpr int64_t kChunk = 1024;
 // Activation rows per micro-kernel call. PyTorch keeps a compiled micro-kernel for each
 // shape it is called with; blocks of at most this many rows bound those shapes to
