@@ -4,9 +4,10 @@ Batched decode (one row per stream) and prefill (one row per prompt token) multi
 rows through the same weights. This times one 7B layer's four products (qkv 4096->6144,
 o 4096->4096, gate+up 4096->28672, down 14336->4096; random weights) at each row count
 with every candidate, in alternating rounds: zmqllm's own int4 and int8 products as
-chosen for the row count (from 8 rows the bfloat16 matrix-unit path where the build has
-it) and without the matrix units (16-bit activations in passes of 16 rows, dequantize +
-float32 GEMM from 128 rows),
+chosen for the row count (from 8 rows, 12 on AMX, the bfloat16 matrix-unit path where
+the build has it), without the matrix units (16-bit activations in passes of 16 rows,
+dequantize + float32 GEMM from 128 rows) and with int8 activations (VNNI from 5 rows,
+bfloat16 from 48 on AMX),
 PyTorch's float32 and bfloat16 GEMMs (oneDNN: AVX512_BF16 or AMX where the CPU has them),
 int4 widened to bfloat16 on every call then the bfloat16 GEMM (the cost of widening a
 whole weight per forward), and PyTorch's own int4 and int8 weight-only CPU ops. It prints
@@ -77,8 +78,11 @@ def candidates(weights: dict[str, torch.Tensor]) -> dict[str, Callable[[torch.Te
         found["zmqllm int4"] = lambda xs: [kernel.matmul(x, m) for x, m in zip(xs, m4, strict=True)]
         found["zmqllm int8"] = lambda xs: [kernel.matmul(x, m) for x, m in zip(xs, m8, strict=True)]
         if kernel.bf16_built():  # the same products without the matrix units: the paths before
-            found["zmqllm int4, no matrix units"] = without_matrix_units(kernel, m4)
-            found["zmqllm int8, no matrix units"] = without_matrix_units(kernel, m8)
+            found["zmqllm int4, no matrix units"] = with_units(kernel, m4, False, False)
+            found["zmqllm int8, no matrix units"] = with_units(kernel, m8, False, False)
+        if kernel.vnni_built():  # int8_activations: 8-bit activations on VNNI (5-47 rows)
+            found["zmqllm int4, int8 activations"] = with_units(kernel, m4, True, True)
+            found["zmqllm int8, int8 activations"] = with_units(kernel, m8, True, True)
     found["torch fp32"] = lambda xs: [F.linear(x, w) for x, w in zip(xs, w32, strict=True)]
     found["torch bf16"] = lambda xs: [
         F.linear(x.to(torch.bfloat16), w) for x, w in zip(xs, w16, strict=True)
@@ -97,9 +101,13 @@ def candidates(weights: dict[str, torch.Tensor]) -> dict[str, Callable[[torch.Te
     return found
 
 
-def without_matrix_units(kernel: ModuleType, mats: list[object]) -> Callable[[list], None]:
+def with_units(
+    kernel: ModuleType, mats: list[object], units: bool, int8: bool
+) -> Callable[[list], None]:
+    """zmqllm's product as the worker settings matrix_units and int8_activations make it."""
+
     def run(xs: list[torch.Tensor]) -> None:
-        kernel.set_matrix_units(False)
+        kernel.set_matrix_units(units, int8)
         try:
             for x, m in zip(xs, mats, strict=True):
                 kernel.matmul(x, m)

@@ -1,16 +1,17 @@
 """The matrix units end to end: one worker with and without them, through HTTP, one run.
 
 A local cluster (broker, one worker of every layer, gateway) of a quantized model, its
-worker started with ``--matrix-units`` and then ``--no-matrix-units`` in alternating
-rounds. At each concurrency level that many streamed chat requests start at once
-(``ignore_eos``, as throughput.py sends them): wall tokens/s, the decode rate while every
-stream is past its prompt (tokens stamped between the last first token and the first
-stream's end, over that window), inter-token latency and TTFT; then the prefill rate of
-one ~512-token prompt on the idle cluster (prompt tokens / TTFT). Prints both side by
-side with the ratio on/off, names the CPU and the units the worker found.
+worker started with ``--matrix-units`` and then ``--no-matrix-units`` (and with
+``--int8-activations`` too, given ``--int8``) in alternating rounds. At each concurrency
+level that many streamed chat requests start at once (``ignore_eos``, as throughput.py
+sends them): wall tokens/s, the decode rate while every stream is past its prompt
+(tokens stamped between the last first token and the first stream's end, over that
+window), inter-token latency and TTFT; then the prefill rate of one ~512-token prompt on
+the idle cluster (prompt tokens / TTFT). Prints them side by side with the ratios to
+off, names the CPU and the units the worker found.
 
     python benchmarks/matrix_units.py [--model DIR] [--quant int4] [--levels 1 16 64]
-        [--new-tokens 32] [--rounds 2]
+        [--new-tokens 32] [--rounds 2] [--int8]
 
 Writes benchmarks/results/matrix_units.json.
 """
@@ -36,7 +37,12 @@ from zmqllm.engine import native
 from zmqllm.models.prepare import prepare_default_model
 from zmqllm.models.tokenizer import Tokenizer
 
-CONFIGS = {"on": ("--matrix-units",), "off": ("--no-matrix-units",)}
+CONFIGS = {
+    "on": ("--matrix-units",),
+    "off": ("--no-matrix-units",),
+    # the opt-in 8-bit activations (VNNI), where the build has them: --int8
+    "int8": ("--matrix-units", "--int8-activations"),
+}
 LONG_WORDS = 512
 
 
@@ -102,32 +108,34 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--int8", action="store_true", help="also with --int8-activations")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/matrix_units.json"))
     a = ap.parse_args()
     model = a.model or prepare_default_model(default_model_dir())
     text, n = long_prompt(Tokenizer.from_dir(model))
-    units = native.use_matrix_units(True) or "none on this CPU or build"
-    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in CONFIGS}
+    units = native.use_matrix_units(True, a.int8) or "none on this CPU or build"
+    configs = {k: v for k, v in CONFIGS.items() if k != "int8" or a.int8}
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in configs}
     for r in range(a.rounds):
-        order = list(CONFIGS.items())
+        order = list(configs.items())
         for name, flags in order[::-1] if r % 2 else order:
             print(f"round {r + 1}, matrix units {name}", flush=True)
             runs[name].append(run_config(model, a.quant, flags, a, text, n))
     print(f"\n{cpu_name()}; matrix units: {units}; {model.name} {a.quant}, one worker")
-    print("median of rounds (range); ratio on/off of the medians")
+    print("median of rounds (range); ratios on/off (and int8/off) of the medians")
     rows = [("prefill", "prompt_tok_per_s", f"prefill {n} tokens, prompt tok/s")]
     for level in a.levels:
         rows.append((str(level), "decode_tokens_per_s", f"{level} streams, decode tok/s"))
         rows.append((str(level), "tokens_per_s", f"{level} streams, wall tok/s"))
     table = []
     for key, field, label in rows:
-        vals = {k: [run[key][field] for run in runs[k]] for k in CONFIGS}
-        on, off = median(vals["on"]), median(vals["off"])
-        ratio = on / off if off else float("nan")
-        span = {k: f"({min(v):.2f}-{max(v):.2f})" for k, v in vals.items()}
-        both = f"on {on:8.2f} {span['on']}  off {off:8.2f} {span['off']}"
-        print(f"  {label:36} {both}  {ratio:5.2f}x")
-        table.append({"what": label, "on": vals["on"], "off": vals["off"], "ratio": ratio})
+        vals = {k: [run[key][field] for run in runs[k]] for k in configs}
+        med = {k: median(v) for k, v in vals.items()}
+        ratios = {k: med[k] / med["off"] if med["off"] else float("nan") for k in vals}
+        shown = "  ".join(f"{k} {med[k]:8.2f} ({min(v):.2f}-{max(v):.2f})" for k, v in vals.items())
+        print(f"  {label:36} {shown}  on {ratios['on']:5.2f}x", end="")
+        print(f"  int8 {ratios['int8']:5.2f}x" if "int8" in ratios else "")
+        table.append({"what": label, **vals, "ratio": ratios["on"], "ratios": ratios})
     meta = {"cpu": cpu_name(), "units": units, "model": model.name, "quant": a.quant,
             "new_tokens": a.new_tokens, "rounds": a.rounds}  # fmt: skip
     write_json(a.out, {"meta": meta, "table": table, "runs": runs})

@@ -142,12 +142,19 @@ def vllm_server(
 
 @contextlib.contextmanager
 def zmqllm_server(
-    model_dir: Path, quant: str, threads: int, dtype: str = "", ready_timeout: float = 300.0
+    model_dir: Path,
+    quant: str,
+    threads: int,
+    dtype: str = "",
+    ready_timeout: float = 300.0,
+    int8_activations: bool = False,
 ) -> Iterator[Server]:
     """A broker, one worker with every layer (``quant``, ``threads`` for one stream and for
-    a batch alike) and the gateway, on free loopback ports."""
+    a batch alike, 8-bit activations if asked) and the gateway, on free loopback ports."""
     layers = ModelArgs.from_dir(model_dir).num_layers
     flags = ("--dtype", dtype) if dtype else ()
+    if int8_activations:
+        flags += ("--int8-activations",)
     with tempfile.TemporaryDirectory(prefix="serving-peers-") as tmp:
         c = Cluster(
             Path(tmp),
@@ -165,6 +172,8 @@ def zmqllm_server(
             c.wait_ready(ready_timeout)
             settings: dict[str, str | int] = {"quant": quant, "threads": threads}
             settings["dtype"] = dtype or "the worker's default"
-            yield Server(f"zmqllm[{quant}]", c.url, settings)
+            settings["int8_activations"] = str(int8_activations).lower()
+            name = f"zmqllm[{quant}, int8 act]" if int8_activations else f"zmqllm[{quant}]"
+            yield Server(name, c.url, settings)
         finally:
             c.stop()

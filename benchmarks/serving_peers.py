@@ -169,6 +169,13 @@ def runtimes(
 ) -> Iterator[tuple[str, Callable[[], AbstractContextManager[Server]]]]:
     threads = a.threads or os.cpu_count() or 1
     yield f"zmqllm[{a.quant}]", lambda: zmqllm_server(model_dir, a.quant, threads, a.zmqllm_dtype)
+    if a.int8_activations:
+        yield (
+            f"zmqllm[{a.quant}, int8 act]",
+            functools.partial(
+                zmqllm_server, model_dir, a.quant, threads, a.zmqllm_dtype, int8_activations=True
+            ),
+        )
     for t in a.vllm_threads:
         yield (
             f"vLLM[{t or 'own'} thr]",
@@ -220,17 +227,21 @@ def table(runs: dict[str, list[dict[str, Any]]], a: argparse.Namespace) -> dict[
     """Print every figure as median (min-max) per runtime and zmqllm / the best vLLM
     (the highest rate, the lowest time: a ratio below 1 on a time is zmqllm ahead)."""
     names = list(runs)
-    ours = next(n for n in names if n.startswith("zmqllm"))
-    peers = [n for n in names if n != ours]
-    print(f"\n{'':26}" + "".join(f"{n:>24}" for n in names) + f"{'zmqllm/vLLM':>13}")
+    ours = [n for n in names if n.startswith("zmqllm")]  # zmqllm, then with int8 act
+    peers = [n for n in names if n not in ours]
+    heads = "".join(f"{'/vLLM':>13}" if i else f"{'zmqllm/vLLM':>13}" for i in range(len(ours)))
+    print(f"\n{'':26}" + "".join(f"{n:>24}" for n in names) + heads)
     summary: dict[str, Any] = {}
     for label, read, up in rows(a):
         cells = {n: spread([read(r) for r in runs[n]]) for n in names}
         texts = [f"{c['median']:.1f} ({c['min']:.1f}-{c['max']:.1f})" for c in cells.values()]
         best = (max if up else min)((cells[p]["median"] for p in peers), default=float("nan"))
-        ratio = cells[ours]["median"] / best if best else float("nan")
-        print(f"{label:26}" + "".join(t.rjust(24) for t in texts) + f"{ratio:>13.2f}")
-        summary[label] = {**cells, "ratio_zmqllm_over_best_vllm": ratio}
+        ratios = [cells[n]["median"] / best if best else float("nan") for n in ours]
+        shown = "".join(f"{r:>13.2f}" for r in ratios)
+        print(f"{label:26}" + "".join(t.rjust(24) for t in texts) + shown)
+        summary[label] = {**cells, "ratio_zmqllm_over_best_vllm": ratios[0]}
+        if len(ours) > 1:
+            summary[label]["ratio_int8_activations_over_best_vllm"] = ratios[1]
     return summary
 
 
@@ -257,6 +268,9 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048, help="vLLM's")
     ap.add_argument("--kv-gib", type=int, default=2, help="vLLM's VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--no-vllm", action="store_true", help="zmqllm alone")
+    ap.add_argument(
+        "--int8-activations", action="store_true", help="zmqllm with them too, one run each"
+    )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/serving_peers.json"))
     a = ap.parse_args()
     # SIGTERM unwinds like Ctrl-C, so the finally blocks stop whatever server is up.

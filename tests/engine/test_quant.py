@@ -35,17 +35,53 @@ def bf16_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.bfloat16().double() @ w.bfloat16().double().T).float()
 
 
+def int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the VNNI path meets it: in steps max|x_b| / 127 of each block of 32, rounded
+    to nearest even (float64)."""
+    rows, cols = x.shape
+    blocks = x.view(rows, cols // 32, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    # 127 / amax divided as the kernel divides (``127.0 / t`` would multiply by 1 / t).
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    codes = torch.round(blocks * inv)
+    return (codes.double() * (amax / 127.0).double()).view(rows, cols)
+
+
+def vnni_product(
+    x: torch.Tensor, w: torch.Tensor, m: torch.Tensor, d: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The VNNI path's reference: the codes' share of each weight times the int8
+    activations, the offsets' share times x itself (float64, then rounded). Int4 (``d``
+    given) takes its codes as q - 8 and its offsets as m + 8 d (one float32 rounding)."""
+    if m.numel() == 0:
+        m = torch.zeros(w.shape[0], w.shape[1] // 32)
+    if d is not None:
+        m = torch.addcmul(m.float(), d.float(), torch.full_like(d.float(), 8.0))
+    offsets = m.double().repeat_interleave(32, dim=1)
+    return (int8_activations(x) @ (w.double() - offsets).T + x.double() @ offsets.T).float()
+
+
 def path_reference(
-    path: str, x: torch.Tensor, w: torch.Tensor
+    path: str, x: torch.Tensor, w: torch.Tensor, t: QuantTensor | None = None
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """What a named path of the kernel's product must equal, and how closely: the
-    bfloat16 path its own rounding up to the order of its float32 sums; the others the
-    float32 product up to their 16-bit activations (product_tolerance)."""
+    bfloat16 and VNNI paths their own rounding up to the order of their float32 sums
+    (VNNI needs the quantized weight ``t`` whose dequantized form is ``w``); the others
+    the float32 product up to their 16-bit activations (product_tolerance)."""
     if path == "bf16":
         want = bf16_product(x, w)
         return want, reorder_tolerance(want, w.shape[1])
+    if path == "vnni":
+        assert t is not None, "the VNNI reference needs the quantized weight"
+        want = vnni_product(x, w, t.m, t.d if t.kind == "int4" else None)
+        return want, reorder_tolerance(want, w.shape[1])
     want = x @ w.T
     return want, product_tolerance(w, x, want)
+
+
+def built_paths(kernel: ModuleType) -> list[str]:
+    """The paths this CPU's build has beside the portable ones."""
+    return (["bf16"] if kernel.bf16_built() else []) + (["vnni"] if kernel.vnni_built() else [])
 
 
 @pytest.fixture(scope="module")
@@ -134,11 +170,11 @@ def test_kernel_product_matches_pytorch_on_the_dequantized_weight(
     x = torch.randn(rows, cols, generator=g)
     matrix = kernel.Matrix(quant.KIND[kind], t.q, t.d, t.m)
     w = quant.dequantize(t)
-    want, tol = path_reference(kernel.matmul_choice(matrix, rows), x, w)
+    want, tol = path_reference(kernel.matmul_choice(matrix, rows), x, w, t)
     torch.testing.assert_close(kernel.matmul(x, matrix), want, **tol)
     paths = ["chunks", "dequant"] + (["direct"] if rows <= 16 else [])
-    for path in paths + (["bf16"] if kernel.bf16_built() else []):
-        want, tol = path_reference(path, x, w)
+    for path in paths + built_paths(kernel):
+        want, tol = path_reference(path, x, w, t)
         torch.testing.assert_close(kernel.matmul_path(x, matrix, path), want, **tol, msg=path)
     torch.testing.assert_close(kernel.dequantize(matrix), quant.dequantize(t))
 
@@ -152,16 +188,23 @@ def test_bf16_path_widens_float16_scales_as_dequantize_does(kernel: ModuleType, 
     matrix = kernel.Matrix(2, half.q, half.d, half.m)
     w = quant.dequantize(QuantTensor("int4", t.q, half.d.float(), half.m.float()))
     x = torch.randn(rows, 2112, generator=g)
-    for path in ["chunks", "dequant"] + (["bf16"] if kernel.bf16_built() else []):
-        want, tol = path_reference(path, x, w)
+    for path in ["chunks", "dequant", *built_paths(kernel)]:
+        want, tol = path_reference(
+            path, x, w, QuantTensor("int4", t.q, half.d.float(), half.m.float())
+        )
         torch.testing.assert_close(kernel.matmul_path(x, matrix, path), want, **tol, msg=path)
 
 
 def test_matrix_units_can_be_turned_off(kernel: ModuleType) -> None:
+    """Off: the 16-bit widening loop, in chunks of 16 rows, then dequantize + GEMM. On:
+    the widening loop up to 7 rows (11 with AMX tiles), then bfloat16 where built. With
+    int8 activations too: VNNI from 5 rows, bfloat16 only from 48 rows on AMX tiles."""
     t = quant.quantize(torch.randn(40, 64), "int4")
     matrix = kernel.Matrix(2, t.q, t.d, t.m)
+    rows = (4, 5, 8, 12, 40, 48, 300)
     try:
         kernel.set_matrix_units(False)
+        assert kernel.matrix_units() == ""
         assert [kernel.matmul_choice(matrix, n) for n in (1, 16, 17, 128)] == [
             "direct",
             "direct",
@@ -169,8 +212,22 @@ def test_matrix_units_can_be_turned_off(kernel: ModuleType) -> None:
             "dequant",
         ]
         kernel.set_matrix_units(True)
-        want = "bf16" if kernel.bf16_built() else "chunks"
-        assert kernel.matmul_choice(matrix, 40) == want
+        units = kernel.matrix_units().split(",") if kernel.matrix_units() else []
+        amx = "amx" in units
+        assert units == (["amx" if amx else "avx512_bf16"] if kernel.bf16_built() else [])
+        choices = [kernel.matmul_choice(matrix, n) for n in rows]
+        if kernel.bf16_built():
+            first = 12 if amx else 8
+            assert choices == ["bf16" if n >= first else "direct" for n in rows]
+        kernel.set_matrix_units(True, vnni=True)
+        if kernel.vnni_built():
+            assert kernel.matrix_units().split(",")[0] == "avx512_vnni"
+            many = "bf16" if amx else "vnni"
+            assert [kernel.matmul_choice(matrix, n) for n in rows] == (
+                ["direct"] + ["vnni"] * 4 + [many] * 2
+            )
+        kernel.set_matrix_units(False, vnni=True)  # VNNI needs the units on
+        assert kernel.matrix_units() == ""
     finally:
         kernel.set_matrix_units(True)
     with pytest.raises(RuntimeError, match="up to 16 rows"):
@@ -188,8 +245,9 @@ def test_kernel_product_of_q8_0_blocks_without_offsets(kernel: ModuleType, rows:
     x = torch.randn(rows, 96, generator=g)
     w = quant.dequantize(t)
     matrix = kernel.Matrix(1, t.q, t.d, t.m)
-    want, tol = path_reference(kernel.matmul_choice(matrix, rows), x, w)
-    torch.testing.assert_close(kernel.matmul(x, matrix), want, **tol)
+    for path in [kernel.matmul_choice(matrix, rows), *built_paths(kernel)]:
+        want, tol = path_reference(path, x, w, t)
+        torch.testing.assert_close(kernel.matmul_path(x, matrix, path), want, **tol, msg=path)
 
 
 def test_kernel_refuses_what_it_cannot_multiply(kernel: ModuleType) -> None:
@@ -251,8 +309,11 @@ def round_as_the_kernel(gen: Generator, kernel: ModuleType) -> None:
 
             def forward(x: torch.Tensor, lin: QuantLinear = lin, matrix: object = matrix):
                 w = quant.dequantize(lin.tensor)
-                if kernel.matmul_choice(matrix, x.shape[0]) == "bf16":
+                path = kernel.matmul_choice(matrix, x.shape[0])
+                if path == "bf16":
                     return bf16_product(x, w)
+                if path == "vnni":
+                    return vnni_product(x, w, lin.m, lin.d if lin.kind == "int4" else None)
                 return x @ w.T
 
             lin.forward = forward  # type: ignore[method-assign]
@@ -273,6 +334,10 @@ def test_quantized_generation_kernel_equals_pytorch_path(
     assert fast.shards[0].kernel is not None or native.load() is None
     if fast.shards[0].kernel is not None:
         round_as_the_kernel(slow, fast.shards[0].kernel)
+    check_generation(fast, slow, prompt)
+
+
+def check_generation(fast: Generator, slow: Generator, prompt: list[int]) -> None:
     assert list(fast.generate(prompt, 24)) == list(slow.generate(prompt, 24))
     # A batch of three decode rows through the same weights (the batched path).
     for g in (fast, slow):

@@ -492,6 +492,32 @@ def test_activations_leave_in_the_wire_dtype_and_the_next_stage_takes_them(
     assert (tok.session, tok.step, tok.finish) == ("s1", 0, None)
 
 
+@pytest.mark.parametrize(("units", "int8"), [(True, True), (True, False), (False, True)])
+def test_the_matrix_unit_settings_reach_the_kernel(setup: Setup, units: bool, int8: bool) -> None:
+    """matrix_units and int8_activations as the int4 products of this process take them."""
+    from zmqllm.engine import native
+
+    kernel = native.load()
+    if kernel is None:
+        pytest.skip("the compiled kernels cannot be built here")
+    broker = FakeBroker(setup.ctx)
+    setup.brokers.append(broker)  # closed with the others
+    cfg = setup.config(broker, "0:4", INTERVAL, 30)
+    cfg.model.quant = "int4"
+    cfg.worker.matrix_units, cfg.worker.int8_activations = units, int8
+    try:
+        got = load_stage(cfg).matrix_units
+    finally:
+        native.use_matrix_units(True)
+    want = []
+    if units and int8 and kernel.vnni_built():
+        want.append("avx512_vnni")
+    if units and kernel.bf16_built():
+        want.append(got.split(",")[-1])
+        assert want[-1] in ("amx", "avx512_bf16")
+    assert got == ",".join(want)
+
+
 def test_results_are_tagged_with_their_group_per_next_worker(setup: Setup) -> None:
     _, worker = setup.worker()
     for sid, hop in (("a/0", "w1"), ("b/0", "w2"), ("c/0", "w1"), ("d/0", "w1")):

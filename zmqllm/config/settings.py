@@ -202,8 +202,16 @@ class WorkerSettings:
     # depend on how many others share its forward (docs/scale.md, "Many rows").
     matrix_units: bool = setting(
         True,
-        "int8/int4 products of 8 rows or more (batched decode, prefill) in bfloat16 on the "
-        "CPU's matrix units (AMX, or AVX512_BF16), where the CPU has them",
+        "int8/int4 products of 8 rows or more (12 with AMX: batched decode, prefill) in "
+        "bfloat16 on the CPU's matrix units (AMX, or AVX512_BF16), where the CPU has them",
+    )
+    # Off by default: 8-bit steps move the default model's logits ~5 % of the largest
+    # (bfloat16: ~1 %) and change its greedy text on the test prompts (docs/scale.md).
+    int8_activations: bool = setting(
+        False,
+        "int8/int4 products of 5 to 47 rows (of 5 and more without AMX) with activations "
+        "quantized to int8 per block of 32, on AVX-512 VNNI (llama.cpp's numbers; 1.5x "
+        "faster at 16 rows); needs matrix_units",
     )
     # Faster batched decode, at the cost of a second copy of the weights.
     packed_rows: int = setting(

@@ -142,15 +142,24 @@ class Generator:
             h = shard(h, segs)
         return h
 
-    def all_logits(self, ids: Sequence[int], session: str = "all-logits") -> torch.Tensor:
-        """Logits at every position of ``ids`` from one prefill: [len(ids), vocab]
-        (teacher-forced agreement and perplexity)."""
+    def all_logits(
+        self, ids: Sequence[int], session: str = "all-logits", chunk: int = 0
+    ) -> torch.Tensor:
+        """Logits at every position of ``ids``: [len(ids), vocab] (teacher-forced
+        agreement and perplexity), from one prefill or from forwards of ``chunk`` tokens
+        (the products of a chunk's row count, as a worker's prefill_chunk makes them)."""
+        step = chunk or len(ids)
         self.open(session, len(ids))
         try:
-            h = torch.tensor(list(ids), dtype=torch.long)
-            for shard, pool in zip(self.shards, self.pools, strict=True):
-                h = shard(h, [Segment(pool.get(session), len(ids))], all_logits=shard.is_last)
-            return h
+            parts = []
+            for i in range(0, len(ids), step):
+                part = list(ids[i : i + step])
+                h = torch.tensor(part, dtype=torch.long)
+                for shard, pool in zip(self.shards, self.pools, strict=True):
+                    segment = Segment(pool.get(session), len(part))
+                    h = shard(h, [segment], all_logits=shard.is_last)
+                parts.append(h)
+            return torch.cat(parts)
         finally:
             self.close(session)
 

@@ -129,20 +129,18 @@ def load() -> ModuleType | None:
         return _state["module"]
 
 
-def use_matrix_units(on: bool) -> str:
-    """Whether the quantized products of many rows run in bfloat16 on the matrix units
-    (csrc/quant_bf16.cpp) in this process: which units they run on, "amx" or
-    "avx512_bf16", or "" (off, or the kernel or the units missing)."""
+def use_matrix_units(on: bool, int8_activations: bool = False) -> str:
+    """Whether the quantized products of several rows use the CPU's matrix units in this
+    process (csrc/quant_bf16.cpp: bfloat16 on AMX or AVX512_BF16) and, with
+    ``int8_activations``, its 8-bit dot products (csrc/quant_vnni.cpp: AVX-512 VNNI), and
+    which: e.g. "avx512_vnni,amx", or "" (off, or the kernel or the units missing). Linux
+    hands out AMX's tile state only on request; the kernel asks, and oneDNN falls back to
+    AVX512_BF16 where it is refused (some VMs), which the name says."""
     module = load()
     if module is None:
         return ""
-    module.set_matrix_units(on)
-    if not (on and module.bf16_built()):
-        return ""
-    # Linux hands out AMX's tile state only on request; oneDNN falls back to AVX512_BF16
-    # where the request is refused (some VMs), so this says which it will find.
-    amx = torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx()
-    return "amx" if amx else "avx512_bf16"
+    module.set_matrix_units(on, int8_activations)
+    return str(module.matrix_units())
 
 
 def import_built(path: Path) -> ModuleType:

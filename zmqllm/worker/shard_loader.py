@@ -46,6 +46,8 @@ class Loaded:
     end: int
     num_layers: int
     context: int
+    # The units the quantized products of several rows use (native.use_matrix_units).
+    matrix_units: str = ""
 
 
 def load_stage(cfg: Config) -> Loaded:
@@ -82,7 +84,7 @@ def load_stage(cfg: Config) -> Loaded:
     t0 = time.perf_counter()
     shard = load_shard(directory, start, end, m.dtype, m.device, args, m.quant)
     kernel = shard.use_kernel(native.load()) if w.native_attention else False
-    units = native.use_matrix_units(w.matrix_units) if kernel else ""
+    units = native.use_matrix_units(w.matrix_units, w.int8_activations) if kernel else ""
     # Resident growth, not the packed tensors' sizes: MKL's buffers are allocated
     # larger than they are filled.
     rss = rss_bytes()
@@ -126,7 +128,7 @@ def load_stage(cfg: Config) -> Loaded:
         packed_weights_mib=packed_mib,
     )
     fp = model_fingerprint(directory, args, cfg.model.dtype)
-    return Loaded(stage, fp, start, end, args.num_layers, args.max_position_embeddings)
+    return Loaded(stage, fp, start, end, args.num_layers, args.max_position_embeddings, units)
 
 
 def _device_free(device: str) -> tuple[int, str] | None:

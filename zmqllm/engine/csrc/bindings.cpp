@@ -20,7 +20,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("matmul_path", &matmul_path, "x @ W^T through a named path of a quantized Matrix");
   m.def("matmul_choice", &matmul_choice, "the path matmul takes for a row count");
   m.def("bf16_built", &bf16_built, "whether the bfloat16 matrix-unit path is built");
-  m.def("set_matrix_units", &set_matrix_units, "use the bfloat16 matrix-unit path (where built)");
+  m.def("vnni_built", &vnni_built, "whether the 8-bit-activation VNNI path is built");
+  m.def("set_matrix_units", &set_matrix_units, "use the bfloat16 and VNNI paths (where built)",
+        pybind11::arg("on"), pybind11::arg("vnni") = false);
+  m.def("matrix_units", &matrix_units, "the units the products of many rows use now");
   m.def("dequantize", &dequantize, "a Matrix's weight as float32 [out, in]");
   m.def("decode_layers", &decode_layers, "one decode row through consecutive layers");
 }

@@ -29,8 +29,13 @@ torch::Tensor matmul(const torch::Tensor& x, const Matrix& w);
 torch::Tensor matmul_path(const torch::Tensor& x, const Matrix& w, const std::string& path);
 // The path matmul takes for ``rows`` rows.
 std::string matmul_choice(const Matrix& w, int64_t rows);
-// Whether this build has the bfloat16 matrix-unit path, and turning it off or on.
+// Whether this build has the bfloat16 matrix-unit path and the 8-bit-activation VNNI
+// path; turning them off or on (VNNI only with ``on`` and ``vnni``); the units the
+// products of several rows use now ("" when none: "avx512_vnni", then "amx" or
+// "avx512_bf16", comma-separated).
 bool bf16_built();
-void set_matrix_units(bool on);
+bool vnni_built();
+void set_matrix_units(bool on, bool vnni);
+std::string matrix_units();
 // The weight as float32 [out, in].
 torch::Tensor dequantize(const Matrix& w);

@@ -12,6 +12,7 @@
 #include "quant.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/cpu/Utils.h>  // init_amx
 
 #include <algorithm>
 #include <vector>
@@ -94,8 +95,18 @@ namespace {
 // has the figures that set these).
 constexpr int64_t kDirectRows = quant::kDirectRows;
 constexpr int64_t kGemmRows = 128;
-// From this many rows the bfloat16 matrix-unit path, where built (docs/scale.md).
+// From this many rows the bfloat16 matrix-unit path where built (docs/scale.md): on
+// AVX512_BF16 alone, 8; on AMX, whose widening costs more than the tiles' products
+// save at fewer rows, 12.
 constexpr int64_t kBf16Rows = 8;
+constexpr int64_t kBf16AmxRows = 12;
+// From this many rows 8-bit activations on VNNI, where built and asked for: a repacked
+// panel costs about 1.5 one-row passes over the weights, each row then a fifth of one.
+// The 16-bit widening loop stays below it (one-row decode keeps its 16-bit activations).
+constexpr int64_t kVnniRows = 5;
+// From this many rows AMX tiles in bfloat16 beat VNNI (their widening costs twice the
+// repacking, their products next to nothing); without AMX, VNNI for every row count.
+constexpr int64_t kAmxRows = 48;
 // Weight rows per dequantized slice.
 constexpr int64_t kSliceRows = 256;
 
@@ -158,7 +169,7 @@ Matrix::Matrix(int64_t kind_, torch::Tensor q_, torch::Tensor d_, torch::Tensor 
 
 // The product's paths for a quantized Matrix, by row count (matmul chooses; matmul_path
 // runs a named one, for the benchmarks and the tests that hold each to its reference).
-enum class Path { kDirect, kChunks, kDequant, kBf16 };
+enum class Path { kDirect, kChunks, kDequant, kBf16, kVnni };
 
 bool bf16_built() {
 #if defined(ZMQLLM_QUANT_BF16)
@@ -168,12 +179,31 @@ bool bf16_built() {
 #endif
 }
 
+bool vnni_built() {
+#if defined(ZMQLLM_QUANT_VNNI)
+  return true;
+#else
+  return false;
+#endif
+}
+
 namespace {
 
-bool g_bf16 = bf16_built();  // set_matrix_units turns it off (and on again where built)
+// set_matrix_units turns these on (where built) and off.
+bool g_bf16 = bf16_built();
+bool g_vnni = false;
+// Whether the bfloat16 products run on AMX tiles: the CPU has them and Linux granted
+// this process their state (oneDNN's micro-kernel falls back to AVX512_BF16 otherwise).
+bool amx_tiles() {
+  static const bool granted = bf16_built() && at::cpu::init_amx();
+  return granted;
+}
 
 Path choose_path(int64_t rows) {
-  if (g_bf16 && rows >= kBf16Rows) return Path::kBf16;
+  if (g_vnni && rows >= kVnniRows) {
+    return g_bf16 && rows >= kAmxRows && amx_tiles() ? Path::kBf16 : Path::kVnni;
+  }
+  if (g_bf16 && rows >= (amx_tiles() ? kBf16AmxRows : kBf16Rows)) return Path::kBf16;
   if (rows <= kDirectRows) return Path::kDirect;
   return rows < kGemmRows ? Path::kChunks : Path::kDequant;
 }
@@ -197,6 +227,13 @@ torch::Tensor run_path(const torch::Tensor& x, const Matrix& w, Path path) {
 #else
       TORCH_CHECK(false, "matmul: this build has no bfloat16 matrix-unit path");
 #endif
+    case Path::kVnni:
+#if defined(ZMQLLM_QUANT_VNNI)
+      quant::matmul_rows_vnni(quant::View(w), x.data_ptr<float>(), rows, y.data_ptr<float>());
+      return y;
+#else
+      TORCH_CHECK(false, "matmul: this build has no VNNI path");
+#endif
     case Path::kDequant:
       break;
   }
@@ -218,11 +255,21 @@ torch::Tensor checked(const torch::Tensor& x, const Matrix& w) {
 
 }  // namespace
 
-void set_matrix_units(bool on) { g_bf16 = on && bf16_built(); }
+void set_matrix_units(bool on, bool vnni) {
+  g_bf16 = on && bf16_built();
+  g_vnni = on && vnni && vnni_built();
+}
+
+std::string matrix_units() {
+  std::string units;
+  if (g_vnni) units = "avx512_vnni";
+  if (g_bf16) units += std::string(units.empty() ? "" : ",") + (amx_tiles() ? "amx" : "avx512_bf16");
+  return units;
+}
 
 std::string matmul_choice(const Matrix& w, int64_t rows) {
   if (w.kind == MatrixKind::kFloat32) return rows == 1 ? "gemv" : "linear";
-  static const char* names[] = {"direct", "chunks", "dequant", "bf16"};
+  static const char* names[] = {"direct", "chunks", "dequant", "bf16", "vnni"};
   return names[static_cast<int>(choose_path(rows))];
 }
 
@@ -241,6 +288,7 @@ torch::Tensor matmul_path(const torch::Tensor& x_, const Matrix& w, const std::s
                     : name == "chunks" ? Path::kChunks
                     : name == "dequant" ? Path::kDequant
                     : name == "bf16"    ? Path::kBf16
+                    : name == "vnni"    ? Path::kVnni
                                         : throw std::invalid_argument("matmul_path: unknown path");
   TORCH_CHECK(path != Path::kDirect || x.size(0) <= kDirectRows, "matmul_path: direct takes up to ",
               kDirectRows, " rows");

@@ -13,6 +13,7 @@
 // Its numbers: each weight w = d * q + m rounded to bfloat16 (as dequantize(w).bfloat16()
 // rounds it) and each activation rounded to bfloat16, the products summed in float32: the
 // product of HF's bfloat16 weights with float32 accumulation (tests/engine/test_quant_bf16.py).
+#include "lanes_avx512.h"
 #include "quant.h"
 
 #if defined(ZMQLLM_QUANT_BF16)
@@ -37,34 +38,20 @@ constexpr int64_t kChunk = 1024;
 // kRowBlock per (kc, panel) whatever the row counts of prefill chunks and batches.
 constexpr int64_t kRowBlock = 64;
 
-// One block's scale and offset for a weight row, as float32.
-inline void block_scale(const View& w, int64_t row, int64_t b, float* d, float* m) {
-  const int64_t at = row * w.groups + b;
-  if (w.half) {
-    *d = _cvtsh_ss(static_cast<const uint16_t*>(w.d)[at]);
-    *m = w.m != nullptr ? _cvtsh_ss(static_cast<const uint16_t*>(w.m)[at]) : 0.0f;
-  } else {
-    *d = static_cast<const float*>(w.d)[at];
-    *m = w.m != nullptr ? static_cast<const float*>(w.m)[at] : 0.0f;
-  }
-}
-
 // Block b of a weight row as 32 bfloat16 in order (weights 0..31), rounded to nearest
 // even from d * q + m in float32, multiplied then added (no fused multiply-add) as
 // dequantize() computes it, so the two round to the same bfloat16.
-inline __m512i widen_block_bf16(const View& w, int64_t row, int64_t b) {
-  float d, m;
-  block_scale(w, row, b, &d, &m);
+inline __m512i widen_block_bf16(MatrixKind kind, const uint8_t* qrow, int64_t b, float d, float m) {
   __m512 lo, hi;  // weights 0..15 and 16..31 as float32 codes
-  if (w.kind == MatrixKind::kInt8) {
-    const int8_t* q = reinterpret_cast<const int8_t*>(w.q) + row * w.in + b * kGroup;
+  if (kind == MatrixKind::kInt8) {
+    const auto* q = reinterpret_cast<const int8_t*>(qrow) + b * kGroup;
     lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
     hi = _mm512_cvtepi32_ps(
         _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
   } else {
     // Byte j holds weight j (low nibble) and j + 16 (high nibble).
     const __m512i raw = _mm512_cvtepu8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.q + row * w.qstride + b * kGroup / 2)));
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(qrow + b * kGroup / 2)));
     lo = _mm512_cvtepi32_ps(_mm512_and_si512(raw, _mm512_set1_epi32(15)));
     hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(raw, 4));
   }
@@ -76,44 +63,24 @@ inline __m512i widen_block_bf16(const View& w, int64_t row, int64_t b) {
       _mm512_cvtne2ps_pbh(_mm512_add_ps(dhi, vm), _mm512_add_ps(dlo, vm)));
 }
 
-// r[i] holds 16 units of 32 bits (row i's pairs); afterwards r[u] holds unit u of every
-// row: a 16 x 16 transpose of 32-bit units, in three rounds of shuffles.
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  // t[4a + c], in its 128-bit lane L: unit 4L + c of rows 4a..4a+3.
-  for (int i = 0; i < 16; i += 4) {
-    const __m512i lo0 = t[i], hi0 = t[i + 1], lo1 = t[i + 2], hi1 = t[i + 3];
-    t[i] = _mm512_unpacklo_epi64(lo0, lo1);
-    t[i + 1] = _mm512_unpackhi_epi64(lo0, lo1);
-    t[i + 2] = _mm512_unpacklo_epi64(hi0, hi1);
-    t[i + 3] = _mm512_unpackhi_epi64(hi0, hi1);
-  }
-  // Unit 4L + c gathers lane L of t[c], t[4 + c], t[8 + c], t[12 + c].
-  for (int c = 0; c < 4; ++c) {
-    const __m512i a = _mm512_shuffle_i32x4(t[c], t[4 + c], 0x44);   // lanes 0, 1 of each
-    const __m512i b = _mm512_shuffle_i32x4(t[c], t[4 + c], 0xEE);   // lanes 2, 3 of each
-    const __m512i e = _mm512_shuffle_i32x4(t[8 + c], t[12 + c], 0x44);
-    const __m512i f = _mm512_shuffle_i32x4(t[8 + c], t[12 + c], 0xEE);
-    r[c] = _mm512_shuffle_i32x4(a, e, 0x88);
-    r[4 + c] = _mm512_shuffle_i32x4(a, e, 0xDD);
-    r[8 + c] = _mm512_shuffle_i32x4(b, f, 0x88);
-    r[12 + c] = _mm512_shuffle_i32x4(b, f, 0xDD);
-  }
-}
-
 // Weight rows n0..n0+kPanel (rows past w.out as zeros) and inputs k0..k0+kc widened into
-// panel [kc / 2][kPanel][2].
-void widen_panel(const View& w, int64_t n0, int64_t k0, int64_t kc, uint16_t* panel) {
+// panel [kc / 2][kPanel][2]; ``d`` and ``m`` hold room for the chunk's scales of 16 rows.
+void widen_panel(const View& w, int64_t n0, int64_t k0, int64_t kc, uint16_t* panel, float* d,
+                 float* m) {
+  const int64_t b0 = k0 / kGroup, b1 = (k0 + kc) / kGroup;
   for (int64_t half = 0; half < kPanel; half += 16) {
-    for (int64_t b = k0 / kGroup; b < (k0 + kc) / kGroup; ++b) {
+    // The 16 rows' scales for the chunk's blocks, [block][row]: read as vectors once,
+    // not one scalar per row and block.
+    scales16(w, n0 + half, b0, b1, d, m);
+    const int64_t live = std::min<int64_t>(16, w.out - n0 - half);
+    const uint8_t* q0 = w.q + (n0 + half) * w.qstride;
+    for (int64_t b = b0; b < b1; ++b) {
       __m512i r[16];
+      const float* db = d + (b - b0) * 16;
+      const float* mb = m + (b - b0) * 16;
       for (int i = 0; i < 16; ++i) {
-        const int64_t row = n0 + half + i;
-        r[i] = row < w.out ? widen_block_bf16(w, row, b) : _mm512_setzero_si512();
+        r[i] = i < live ? widen_block_bf16(w.kind, q0 + i * w.qstride, b, db[i], mb[i])
+                        : _mm512_setzero_si512();
       }
       transpose16(r);
       // Unit p is inputs 2p, 2p + 1 of the block: pair (b * 16 + p) of the chunk.
@@ -146,6 +113,7 @@ void matmul_rows_bf16(const View& w, const float* xp, int64_t rows, float* yp) {
   const int64_t panels = (w.out + kPanel - 1) / kPanel;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     std::vector<uint16_t> panel(kChunk * kPanel);
+    std::vector<float> d(kChunk / kGroup * 16), m(kChunk / kGroup * 16);
     std::vector<float> edge;  // the last panel's sums when it is narrower than kPanel
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * kPanel;
@@ -159,7 +127,7 @@ void matmul_rows_bf16(const View& w, const float* xp, int64_t rows, float* yp) {
       }
       for (int64_t k0 = 0; k0 < w.in; k0 += kChunk) {
         const int64_t kc = std::min(kChunk, w.in - k0);
-        widen_panel(w, n0, k0, kc, panel.data());
+        widen_panel(w, n0, k0, kc, panel.data(), d.data(), m.data());
         const auto* b = reinterpret_cast<const at::BFloat16*>(panel.data());
         for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
           const int64_t m = std::min(kRowBlock, rows - r0);
