@@ -17,6 +17,7 @@ from typing import Any
 from zmqllm.bus.messages import ErrorCode, SessionError
 from zmqllm.bus.sampling_params import NO_LOGPROBS, SamplingParams
 from zmqllm.client.request import GenerateRequest
+from zmqllm.client.streams import DeltaEvent
 
 
 @dataclass
@@ -186,6 +187,15 @@ class FakeBrokerClient:
         self.streams.append(stream)
         return stream
 
+    def ask(self, *, request_id: str, model: str, max_tokens: int, **_: Any) -> FakeAskStream:
+        """A remote (text) model's answer: the default script's token count in pieces of
+        text, each after the script's delay."""
+        call = GenerateCall(request_id, [], max_tokens, SamplingParams(), [], None)
+        self.calls.append(call)
+        stream = FakeAskStream(self, call, self.default_script)
+        self.streams.append(stream)
+        return stream
+
     @property
     def request_streams(self) -> list[FakeTokenStream]:
         """The streams of HTTP requests, without the readiness warm-ups."""
@@ -205,3 +215,16 @@ class FakeBrokerClient:
             "sessions": len(self.open_streams),
             **self.status_extra,
         }
+
+
+class FakeAskStream(FakeTokenStream):
+    """A remote model's answer: DeltaEvents of one word each, "stop" on the last."""
+
+    async def _events(self) -> AsyncIterator[Any]:
+        pieces = max(1, len(self.script.tokens) - 1)
+        for step in range(pieces):
+            if self.script.delay:
+                await asyncio.sleep(self.script.delay)
+            finish = "stop" if step + 1 == pieces else None
+            self.finished = finish is not None
+            yield DeltaEvent("word ", step, finish)

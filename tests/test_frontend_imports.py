@@ -39,6 +39,7 @@ FRONT_END_MODULES = [
     "zmqllm.launch.supervision",
     "zmqllm.gateway.app",
     "zmqllm.gateway.main",
+    "zmqllm.remote.sse",
     "zmqllm.remote.upstream",
     "zmqllm.bus.ask_body",
     "zmqllm.remote.main",

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import structlog
 
-from zmqllm.log import bind_request, configure_logging, get_logger, new_request_id
+from zmqllm.log import bind_request, configure_logging, get_logger, new_request_id, printable
 
 
 @pytest.fixture(autouse=True)
@@ -285,3 +285,50 @@ def test_tracebacks_carry_no_locals(fmt: str) -> None:
         for record in lines_of(stream):
             for exc in record["exception"]:
                 assert all("locals" not in frame for frame in exc["frames"])
+
+
+def test_printable_escapes_every_control_character() -> None:
+    # C0 (ESC, BEL, CR, newline, tab), DEL and C1 (0x9b is CSI by itself) all escaped.
+    assert printable("a\x1b[2Jb\x07\r\n\t\x7f\x9b31m\x85z") == (
+        "a\\x1b[2Jb\\x07\\r\\n\\t\\x7f\\x9b31m\\x85z"
+    )
+    assert printable("plain text, ünïcode, 中文 and \\ stay") == (
+        "plain text, ünïcode, 中文 and \\ stay"
+    )
+    assert printable("one\x1b[Kline\ntwo\r", keep_newlines=True) == "one\\x1b[Kline\ntwo\\r"
+
+
+class Raises(Exception):
+    def __str__(self) -> str:
+        return "peer said \x1b]0;pwned\x07"
+
+
+def test_console_format_escapes_what_a_peer_or_client_sent() -> None:
+    """A build string, a refused Host, a library's line, an exception's message: shown
+    escaped on a terminal, never acted on."""
+    stream = FakeTty()  # the console format with colours, as a terminal gets it
+    configure_logging("gateway", fmt="console", stream=stream)
+    log = get_logger("zmqllm.gateway")
+    log.info("request refused: Host not allowed", host="evil\x1b[2J\x9b2J.example")
+    log.info("worker registered \x1b[2J", build={"torch": "2.13\x1b[2J"}, said=b"\x1b[2J")
+    logging.getLogger("uvicorn.access").info('"GET /\x1b[2J HTTP/1.1" 404')
+    try:
+        raise Raises()
+    except Raises:
+        log.exception("failed")
+    text = stream.getvalue()
+    assert "\x1b[2J" not in text and "\x9b" not in text and "\x1b]0" not in text
+    assert "evil\\x1b[2J\\x9b2J.example" in text
+    assert "worker registered \\x1b[2J" in text and "2.13\\x1b[2J" in text
+    assert "GET /\\x1b[2J HTTP/1.1" in text
+    assert "peer said \\x1b]0;pwned\\x07" in text
+    assert "\x1b[" in text  # the renderer's own colours are still there
+    assert "Traceback (most recent call last):\n" in text  # still lines of their own
+
+
+def test_json_format_escapes_control_characters_by_itself() -> None:
+    stream = io.StringIO()
+    configure_logging("gateway", stream=stream)
+    get_logger().info("request refused: Host not allowed", host="evil\x1b[2J\x9b.example")
+    assert "\x1b" not in stream.getvalue() and "\x9b" not in stream.getvalue()
+    assert lines_of(stream)[0]["host"] == "evil\x1b[2J\x9b.example"

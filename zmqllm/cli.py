@@ -247,6 +247,12 @@ def cmd_status(ns: argparse.Namespace) -> int:
     from zmqllm.client.status import fetch_status, format_status
     from zmqllm.config.paths import log_dir
     from zmqllm.config.up_state import STATE_ENV, STATE_FILE, read_state
+    from zmqllm.log import printable
+
+    def show(text: str, err: bool = False) -> None:
+        # Names, builds and reasons in a status are what peers sent: no escapes get through
+        # to the terminal (JSON escapes control characters by itself).
+        print(printable(text, keep_newlines=True), file=sys.stderr if err else sys.stdout)
 
     cfg = _load(ns)
     folder = keys_dir(cfg.security)
@@ -256,24 +262,24 @@ def cmd_status(ns: argparse.Namespace) -> int:
     try:  # --broker is [gateway] broker: the frontend a gateway would connect to
         status = fetch_status(cfg.gateway.broker, timeout=ns.timeout, keys=keys)
     except (TimeoutError, SessionError) as exc:  # no answer, or an error / unreadable one
-        print(f"zmqllm status: {exc}", file=sys.stderr)
+        show(f"zmqllm status: {exc}", err=True)
         if up is not None:
-            print(format_children(up), file=sys.stderr)
+            show(format_children(up), err=True)
         return 1
     if up is not None:
         status["up"] = up
     if ns.drift:  # for scripts and CI: only the differences, and 1 when there are any
         drift = status.get("drift") or []
-        print(json.dumps(drift, indent=2) if ns.json else format_drift(status))
+        show(json.dumps(drift, indent=2) if ns.json else format_drift(status))
         return 1 if drift_lines(status) else 0
     if ns.json:
-        print(json.dumps(status, indent=2))
+        show(json.dumps(status, indent=2))
     else:
-        print(format_status(status))
-        print("\n" + format_resources(status))
-        print("\n" + format_drift(status))
+        show(format_status(status))
+        show("\n" + format_resources(status))
+        show("\n" + format_drift(status))
         if up is not None:
-            print("\n" + format_children(up))
+            show("\n" + format_children(up))
     return 0
 
 

@@ -6,20 +6,32 @@ lines of one request can be followed across the gateway, the broker and the work
 a single filter on ``request_id``. Records from the standard ``logging`` module (uvicorn,
 asyncio, warnings) are rendered the same way, so nothing on stderr breaks the format.
 
+Text from a peer or a client (a worker's build, a refused Host header) may hold terminal
+escapes: ``printable`` writes control characters out as escapes, and the console format
+(the one a terminal shows) passes every string value through it; JSON escapes them anyway.
+
 This module runs in the broker and the gateway, so it must not import torch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
+import re
 import sys
 import uuid
 from typing import Any, TextIO
 
 import structlog
 from structlog.tracebacks import ExceptionDictTransformer
-from structlog.typing import EventDict, FilteringBoundLogger, Processor, WrappedLogger
+from structlog.typing import (
+    EventDict,
+    ExcInfo,
+    FilteringBoundLogger,
+    Processor,
+    WrappedLogger,
+)
 
 __all__ = [
     "KERNELS_BUILDING",
@@ -30,6 +42,7 @@ __all__ = [
     "configure_logging",
     "get_logger",
     "new_request_id",
+    "printable",
 ]
 
 LOG_LEVELS: dict[str, int] = {
@@ -52,6 +65,46 @@ _LEADING_KEYS = ("timestamp", "level", "service", "event")
 # Loggers that install their own handlers and stop propagation; they are pointed back at
 # the root handler so their lines come out in our format too.
 _SELF_HANDLING_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
+
+
+# C0 controls, DEL and C1 controls: what a terminal acts on instead of showing. ESC starts
+# the sequences that clear the screen, move the cursor or retitle the window, 0x9b is CSI
+# on its own, and CR or a newline can forge what looks like another line.
+_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f]")
+_NAMED_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+# Values the console renderer prints as lines of their own: their newlines stay.
+_LINES_KEYS = frozenset({"stack", "exception"})
+
+
+def _escape(match: re.Match[str]) -> str:
+    char = match.group()
+    return _NAMED_ESCAPES.get(char) or f"\\x{ord(char):02x}"
+
+
+def printable(text: str, keep_newlines: bool = False) -> str:
+    """``text`` with every control character (C0, DEL, C1) written out as an escape
+    (``\\x1b``, ``\\n``, ``\\x9b``), so text from a peer or a client can be printed to a
+    terminal as it is: no sequence in it reaches the terminal. ``keep_newlines`` keeps
+    ``\\n`` for text of several lines (a log's tail, a table)."""
+    if keep_newlines:
+        return "\n".join(printable(line) for line in text.split("\n"))
+    return _CONTROLS.sub(_escape, text)
+
+
+def _escape_controls(_logger: WrappedLogger, _method: str, event_dict: EventDict) -> EventDict:
+    # Only str values: the console renderer shows every other value by its repr, which
+    # escapes controls already.
+    for key, value in event_dict.items():
+        if isinstance(value, str):
+            event_dict[key] = printable(value, keep_newlines=key in _LINES_KEYS)
+    return event_dict
+
+
+def _escaped_traceback(sio: TextIO, exc_info: ExcInfo) -> None:
+    """The plain traceback, each line escaped: an exception's message may quote a peer."""
+    text = io.StringIO()
+    structlog.dev.plain_traceback(text, exc_info)
+    sio.write(printable(text.getvalue(), keep_newlines=True))
 
 
 class _ZmqllmHandler(logging.StreamHandler):
@@ -135,12 +188,13 @@ def configure_logging(
         isatty = getattr(out, "isatty", None)
         # ConsoleRenderer formats exc_info itself, so no traceback processor goes before it.
         # Its default formatter is rich's when rich is installed, which prints every
-        # frame's locals: pinned to the plain one.
+        # frame's locals: pinned to the plain one (escaped, as every value shown here).
         render = [
+            _escape_controls,
             structlog.dev.ConsoleRenderer(
                 colors=bool(isatty and isatty()),
-                exception_formatter=structlog.dev.plain_traceback,
-            )
+                exception_formatter=_escaped_traceback,
+            ),
         ]
     else:
         render = [

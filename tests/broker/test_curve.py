@@ -10,12 +10,14 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import zmq
 
 from tests.broker.test_loop import Harness, Peer, open_msg, register_msg
+from zmqllm.broker.admission import MAX_KEY_WORKERS, OUT_OF_SCOPE
 from zmqllm.bus.keys import PeerKeys, add_key, init_keys, load_broker_keys, load_peer_keys
 from zmqllm.bus.messages import (
     Error,
@@ -208,22 +210,105 @@ def test_a_worker_key_registers_only_what_it_was_issued_for(
 ) -> None:
     """`zmqllm keys add worker NAME --model M --layers A:B`: that key's REGISTER for
     another model, or for layers outside A:B, is refused naming the claim; within them it
-    joins."""
+    joins the model a worker of an unscoped key defined."""
     h, folder = keyed
-    add_key(folder, "worker", "half", {"model": "", "layers": "0:2"})
+    add_key(folder, "worker", "half", {"model": "m", "layers": "0:2"})
     half = load_peer_keys(folder / "issued" / "half", "worker")
     h.broker.auth.refresh(force=True)  # type: ignore[union-attr]
     whole = h.worker("w-whole", curve=half)
     whole.send(register_msg(0, 4))
     reason = h.expect(whole, Refused).reason
+    assert reason.startswith(OUT_OF_SCOPE)
     assert "issued for layers 0:2, not 0:4" in reason
     add_key(folder, "worker", "other-model", {"model": "mini"})
     other = load_peer_keys(folder / "issued" / "other-model", "worker")
     h.broker.auth.refresh(force=True)  # type: ignore[union-attr]
     named = h.worker("w-named", curve=other)
     named.send(register_msg(0, 4))
-    assert "issued for model 'mini', not ''" in h.expect(named, Refused).reason
+    assert "issued for model 'mini', not 'm'" in h.expect(named, Refused).reason
+    h.register("w-def", 2, 4)  # the unscoped key: defines model m
     ok = h.worker("w-ok", curve=half)
     ok.send(register_msg(0, 2))
     h.expect(ok, Registered)
-    assert [w["id"] for w in h.status()["workers"]] == ["w-ok"]
+    assert sorted(w["id"] for w in h.status()["workers"]) == ["w-def", "w-ok"]
+
+
+def test_a_scoped_key_without_pins_cannot_define_its_model(
+    keyed: tuple[Harness, Path],
+) -> None:
+    """While its model has no worker (loading, or after a broker restart), a key scoped
+    to a model and layers but pinning nothing of it can register it neither as a model
+    of its own layer count (a one-hop route drawing every prompt, honest workers then
+    refused) nor as a remote text model: its REGISTER goes unanswered, the worker tries
+    again later, and joins once an unscoped worker has defined the model."""
+    h, folder = keyed
+    add_key(folder, "worker", "host-2", {"model": "m", "layers": "0:2"})
+    scoped = load_peer_keys(folder / "issued" / "host-2", "worker")
+    h.broker.auth.refresh(force=True)  # type: ignore[union-attr]
+    one_hop = h.worker("w-one-hop", curve=scoped)
+    one_hop.send(register_msg(0, 2, num_layers=2))
+    as_text = h.worker("w-as-text", curve=scoped)
+    as_text.send(replace(register_msg(0, 1, num_layers=1, digest="remote:x"), text_model=True))
+    assert silent(one_hop) and silent(as_text)
+    st = h.status()
+    assert st["workers"] == [] and st["models"] == []
+    assert st["dropped"].get("backend:register_waits") == 2
+    honest = h.register("w-honest", 0, 4)  # unscoped: the model is m, 4 layers
+    honest.keepalive = True
+    one_hop.send(register_msg(0, 2, num_layers=2))
+    assert "the cluster's has 4" in h.expect(one_hop, Refused).reason
+    later = h.worker("w-later", curve=scoped)
+    later.send(register_msg(0, 2))
+    h.expect(later, Registered)
+    models = h.status()["models"]
+    assert [(m["name"], m["num_layers"], m["text_model"]) for m in models] == [("m", 4, False)]
+
+
+def test_a_pinned_key_registers_only_the_model_it_was_issued_for(
+    keyed: tuple[Harness, Path],
+) -> None:
+    """`--digest D --num-layers N --kind layers`: a REGISTER saying anything else of the
+    model is refused as outside the key's scope, and the reply does not hold the pinned
+    digest; one saying exactly that may define the model."""
+    h, folder = keyed
+    pins = {"model": "m", "layers": "0:2", "digest": "fp-1", "num_layers": "4", "kind": "layers"}
+    add_key(folder, "worker", "pinned", pins)
+    pinned = load_peer_keys(folder / "issued" / "pinned", "worker")
+    h.broker.auth.refresh(force=True)  # type: ignore[union-attr]
+    wrong = [
+        register_msg(0, 2, digest="fp-other"),
+        register_msg(0, 2, num_layers=2),
+        replace(register_msg(0, 1, num_layers=1, digest="fp-1"), text_model=True),
+    ]
+    for i, reg in enumerate(wrong):
+        w = h.worker(f"w-wrong-{i}", curve=pinned)
+        w.send(reg)
+        reason = h.expect(w, Refused).reason
+        assert reason.startswith(OUT_OF_SCOPE), reason
+        assert "fp-1" not in reason
+    assert h.status()["workers"] == []
+    right = h.worker("w-right", curve=pinned)
+    right.send(register_msg(0, 2))
+    h.expect(right, Registered)
+    (model,) = h.status()["models"]
+    assert (model["name"], model["num_layers"], model["digest"]) == ("m", 4, "fp-1")
+
+
+def test_a_worker_key_holds_a_bounded_share_of_registrations(
+    keyed: tuple[Harness, Path],
+) -> None:
+    """One key, however many routing ids it uses, holds at most MAX_KEY_WORKERS
+    registrations; another key is not held back by it, and a worker registering again
+    under its own id is not one more."""
+    h, folder = keyed
+    held = [h.register(f"w{i:02d}", 0, 4) for i in range(MAX_KEY_WORKERS)]
+    extra = h.worker("w-extra")
+    extra.send(register_msg(0, 4))
+    assert f"holds {MAX_KEY_WORKERS} registrations" in h.expect(extra, Refused).reason
+    held[0].send(register_msg(0, 4))
+    h.expect(held[0], Registered)
+    add_key(folder, "worker", "second")
+    second = load_peer_keys(folder / "issued" / "second", "worker")
+    h.broker.auth.refresh(force=True)  # type: ignore[union-attr]
+    h.register("w-second", 0, 4, curve=second)
+    assert len(h.status()["workers"]) == MAX_KEY_WORKERS + 1

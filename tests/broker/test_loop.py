@@ -278,6 +278,7 @@ def register_msg(
     context: int = 1024,
     version: str = __version__,
     build: dict[str, Any] | None = None,
+    served: str = "m",
 ) -> Register:
     return Register(
         start=start,
@@ -292,6 +293,7 @@ def register_msg(
         host="test-host",
         pid=4242,
         build=build if build is not None else {},
+        served=served,
     )
 
 
@@ -491,10 +493,11 @@ def test_replicas_that_differ_elsewhere_join_and_show_as_drift(
     st = h.status()
     assert st["drift"] == [
         {
-            "model": "",
+            "model": "m",
             "layers": [0, 4],
             "field": "torch",
             "values": {"2.13.0": ["w0", "w1"], "2.12.1": ["w2"]},
+            "workers": 3,
         }
     ]
     assert {w["id"]: w["build"]["torch"] for w in st["workers"]}["w2"] == "2.12.1"

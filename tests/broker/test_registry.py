@@ -50,7 +50,7 @@ def register(
     summary: dict[str, Any] | None = None,
     context: int = 512,
     version: str = VERSION,
-    served: str = "",
+    served: str = "m",  # every worker names its model (the broker refuses "")
     text_model: bool = False,
 ) -> Register:
     return Register(

@@ -48,6 +48,7 @@ def register(reg: Registry, wid: str, start: int, end: int, **kw: Any) -> Worker
         context=512,
         version=__version__,
         fingerprint="d1",
+        served="m",
     )
     values.update(kw)
     return reg.add(wid.encode(), Register(**values))

@@ -124,3 +124,63 @@ def test_a_worker_key_carries_what_it_was_issued_for(tmp_path: Path) -> None:
         add_key(folder, "worker", "odd", {"capacity": "9"})
     with pytest.raises(KeysError, match="characters"):
         add_key(folder, "worker", "odd", {"model": 'a"\nb'})
+
+
+def test_a_worker_key_pins_the_model_it_may_define(tmp_path: Path) -> None:
+    """`--digest`, `--num-layers` and `--kind` go in the key file beside the model and
+    layers (the broker holds each REGISTER to them: broker/admission.py)."""
+    from zmqllm.bus.keys import key_claims
+
+    folder = init_keys(tmp_path / "keys")
+    pins = {"model": "m", "layers": "16:32", "digest": "0f3a", "num_layers": "32", "kind": "layers"}
+    add_key(folder, "worker", "gpu-2", pins)
+    assert key_claims(folder / "workers" / "gpu-2.key") == pins
+    assert key_claims(folder / "issued" / "gpu-2" / "worker.key") == pins
+
+
+@pytest.mark.parametrize(
+    ("claims", "match"),
+    [
+        ({"kind": "gguf"}, "kind 'gguf'"),
+        ({"num_layers": "0"}, "num_layers '0'"),
+        ({"num_layers": "many"}, "num_layers 'many'"),
+        ({"num_layers": "2000"}, "num_layers '2000'"),
+        ({"digest": "d" * 129}, "1 to 128"),
+        ({"kind": "text", "num_layers": "2"}, "one layer"),
+        ({"layers": "16:40", "num_layers": "32"}, "past the model's 32 layers"),
+        ({"layers": "16-32"}, "give a range A:B"),
+    ],
+)
+def test_pins_that_cannot_hold_are_refused_when_issued(
+    tmp_path: Path, claims: dict[str, str], match: str
+) -> None:
+    folder = init_keys(tmp_path / "keys")
+    with pytest.raises(KeysError, match=match):
+        add_key(folder, "worker", "odd", claims)
+    assert not (folder / "workers" / "odd.key").exists()
+
+
+def test_keys_add_takes_the_pins_as_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from zmqllm.bus.keys import key_claims
+    from zmqllm.cli import main
+
+    folder = init_keys(tmp_path / "keys")
+    args = ["keys", "add", "worker", "gpu-2", "--keys", str(folder), "--model", "m"]
+    pins = ["--layers", "0:16", "--digest", "0f3a", "--num-layers", "32", "--kind", "layers"]
+    assert main([*args, *pins]) == 0
+    assert key_claims(folder / "workers" / "gpu-2.key") == {
+        "model": "m",
+        "layers": "0:16",
+        "digest": "0f3a",
+        "num_layers": "32",
+        "kind": "layers",
+    }
+    # A remote model is one layer long: --kind text pins that too.
+    text = ["keys", "add", "worker", "remote-1", "--keys", str(folder), "--model", "gpt"]
+    assert main([*text, "--digest", "remote:gpt-4o", "--kind", "text"]) == 0
+    claims = key_claims(folder / "workers" / "remote-1.key")
+    assert claims["num_layers"] == "1" and claims["kind"] == "text"
+    assert main(["keys", "add", "client", "app", "--keys", str(folder), "--digest", "x"]) == 2
+    assert "a worker key's" in capsys.readouterr().err

@@ -74,6 +74,7 @@ class ScriptedWorker:
             fingerprint="fp-client-test",
             model={"num_layers": 4, "hidden_size": 64},
             host="test-host",
+            served="scripted",
         )
 
     def _serve(self) -> None:

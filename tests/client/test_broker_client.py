@@ -23,7 +23,7 @@ from zmqllm.bus.messages import (
 )
 from zmqllm.bus.sampling_params import SamplingParams
 from zmqllm.client.broker_client import BrokerClient
-from zmqllm.client.streams import TokenEvent
+from zmqllm.client.streams import MAX_UNREAD_EVENTS, TokenEvent
 
 # -- generating --------------------------------------------------------------------------
 
@@ -277,5 +277,41 @@ def test_a_stream_opened_on_the_new_broker_survives_the_restart_notice() -> None
                 assert [e.token for e in await collect(new)] == [5, 6]
             with pytest.raises(SessionError, match="restarted"):
                 await collect(old)
+
+    run(body)
+
+
+def test_a_reader_too_far_behind_fails_slow_consumer_and_cancels() -> None:
+    """Issue 40, item 3: a stream's queue was unbounded for its reader: a client that
+    stopped reading held every token of the answer while its workers went on."""
+    max_tokens = MAX_UNREAD_EVENTS + 50
+
+    async def body(client: BrokerClient, fake: FakeBroker) -> None:
+        async with generate(client, session="s1", max_tokens=max_tokens) as stream:
+            opened = await fake.expect(MsgType.OPEN)
+            for step in range(MAX_UNREAD_EVENTS + 1):
+                await fake.token(opened, step, 10)
+            # Nobody reads: past MAX_UNREAD_EVENTS the session is cancelled at once.
+            cancel = await fake.expect(MsgType.CANCEL)
+            assert cancel.msg.session == "s1"
+            with pytest.raises(SessionError) as failed:
+                await collect(stream)
+        assert failed.value.code is ErrorCode.SLOW_CONSUMER
+        assert str(MAX_UNREAD_EVENTS) in failed.value.message
+        assert "s1" not in client._streams  # later tokens are dropped as of no stream
+
+    run(body)
+
+
+def test_a_reader_within_the_bound_gets_every_token() -> None:
+    async def body(client: BrokerClient, fake: FakeBroker) -> None:
+        count = MAX_UNREAD_EVENTS
+        async with generate(client, session="s1", max_tokens=count) as stream:
+            opened = await fake.expect(MsgType.OPEN)
+            for step in range(count):
+                await fake.token(opened, step, 10, finish="length" if step == count - 1 else None)
+            await client.status()  # every token has been read from the socket
+            events = await collect(stream)
+        assert len(events) == count and events[-1].finish == "length"
 
     run(body)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,7 @@ from zmqllm.bus.messages import (
 )
 from zmqllm.bus.protocol import MAX_FRAMES, decode, encode
 from zmqllm.bus.wire_types import Payload
+from zmqllm.cli import main
 from zmqllm.client.status import fetch_status, format_status
 
 SAMPLE: dict[str, Any] = {
@@ -267,3 +269,42 @@ def test_an_error_answer_raises_its_code(router: zmq.Socket) -> None:
     with pytest.raises(SessionError, match="too many status requests") as info:
         fetch_answered(router, refuse)
     assert info.value.code is ErrorCode.BUSY
+
+
+# A worker's build with a screen-clearing sequence in it, and a C1 CSI in a worker's name.
+HOSTILE_DRIFT = [
+    {
+        "model": "m\x1b]0;title\x07",
+        "layers": [0, 4],
+        "field": "torch",
+        "values": {"2.13.0\x1b[2J": ["w0"], "2.12.1": ["w1\x9b2J"], "(not sent)": ["w2"]},
+    }
+]
+
+
+@pytest.mark.parametrize("only_drift", [True, False])
+def test_status_prints_what_workers_sent_escaped(
+    router: zmq.Socket,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    only_drift: bool,
+) -> None:
+    """`zmqllm status --drift` (and the full status) never hands the terminal an escape."""
+    monkeypatch.setenv("ZMQLLM_HOME", str(tmp_path))  # no keys, no `zmqllm up` state
+    hostile = {**SAMPLE, "drift": HOSTILE_DRIFT}
+    hostile["workers"] = [{**SAMPLE["workers"][0], "id": "w\x1b[2J", "peer": "\x1bc"}]
+    address = router.getsockopt_string(zmq.LAST_ENDPOINT)
+    thread = serve_once(router, lambda key: StatusReply.of(hostile, request_id=key))
+    argv = ["status", "--broker", address, "--insecure", "--timeout", "10"]
+    code = main([*argv, "--drift"] if only_drift else argv)
+    thread.join(timeout=15.0)
+    out = capsys.readouterr().out
+    assert code == (1 if only_drift else 0)
+    assert not any(c in out for c in "\x1b\x07\x9b")
+    assert (
+        "  model m\\x1b]0;title\\x07 layers 0:4  torch differs: 2.13.0\\x1b[2J: w0; "
+        "2.12.1: w1\\x9b2J; (not sent): w2"
+    ) in out.splitlines()
+    if not only_drift:
+        assert "w\\x1b[2J" in out and "\\x1bc" in out  # the worker table's cells too

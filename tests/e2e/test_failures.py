@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import signal
 import time
 from pathlib import Path
@@ -66,6 +67,40 @@ def test_killed_worker_ends_stream_with_error_and_cluster_heals(
     status, chunks, _ = post_chat(c, "Hello there!", "max_tokens=16")
     assert status == 200
     assert b"".join(p for _, p in chunks).decode() == reference.body("Hello there!", 16)
+
+
+@pytest.mark.parametrize(
+    "failover",
+    [("--failover-retries", "0"), ("--failover-timeout", "2")],
+    ids=["failover-off", "retries-spent"],
+)
+def test_a_plain_chat_cut_by_a_killed_worker_looks_cut(
+    fresh_cluster: Cluster, failover: tuple[str, str]
+) -> None:
+    """Issue 40, item 14: /chat cut mid-answer by a SIGKILLed stage, with failover off or
+    no replica to fail over to, must not end its chunked body cleanly: http.client raises
+    IncompleteRead (curl exits 18), after the error line."""
+    c = fresh_cluster
+    c.start_broker()
+    for layers in ("0:2", "2:4"):
+        c.start_worker(layers)
+    c.start_gateway(*failover)
+    c.wait_ready()
+    conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=60)
+    conn.request("POST", "/chat?max_tokens=900", body=b"Once upon a time")
+    response = conn.getresponse()
+    assert response.status == 200
+    received = response.read1(65536)
+    c.kill(c.by_name("worker-2-4")[0], signal.SIGKILL)
+    with pytest.raises(http.client.IncompleteRead):
+        while piece := response.read1(65536):
+            received += piece
+    conn.close()
+    assert b"[error: " in received
+    request_id = response.getheader("x-request-id")
+    gateway = c.log_lines(c.by_name("gateway")[0])
+    cut = [line for line in gateway if "mid-stream" in line.get("event", "")]
+    assert cut and all(line.get("request_id") == request_id for line in cut), cut
 
 
 def test_broker_restart_workers_reregister(fresh_cluster: Cluster, reference) -> None:

@@ -179,17 +179,16 @@ def test_the_cluster_page_shows_each_worker_and_its_range(
         # Rates need two snapshots a second apart.
         tokens_per_s = page.locator('#summary dd[data-figure="tokens-per-s"]')
         expect(tokens_per_s).to_have_text(re.compile(r"^\d+\.\d$"))
-        expect(page.locator('.worker dd[data-figure="busy"]')).to_have_text(
-            [re.compile(r"^\d+ %$")] * len(workers)
-        )
         # Each host's workers together (all on this machine here), and each worker's CPU.
         hosts = {w["info"]["host"] for w in workers}
         for host in hosts:
             expect(page.get_by_role("listitem", name=f"host {host}")).to_contain_text(
                 f"{len(workers)} workers, RSS "
             )
-        # The prefix cache's figures are not the clients' to see (prefix_stats is off).
+        # The prefix cache's figures are not the clients' to see (prefix_stats is off), nor
+        # the busy time a hit shortens.
         expect(page.locator('.worker dd[data-figure="prefix"]')).to_have_count(0)
+        expect(page.locator('.worker dd[data-figure="busy"]')).to_have_count(0)
         page.screenshot(path=str(shots / "cluster.png"), full_page=True)
     finally:
         done.set()

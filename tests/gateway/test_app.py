@@ -19,6 +19,7 @@ from tests.gateway.support import (
     CHAT_ANSWER,
     CONTEXT,
     MODEL,
+    TEST_HOSTS,
     answer_script,
     eos_id,
     make_app,
@@ -28,6 +29,10 @@ from tests.gateway.support import (
     tiny_tokenizer,
     wait_for,
 )
+from zmqllm.config.settings import GatewaySettings
+from zmqllm.config.up_state import STATE_ENV, write_state
+from zmqllm.gateway.api_keys import ApiKeys
+from zmqllm.gateway.app import create_app
 from zmqllm.models.tokenizer import Tokenizer
 
 httpx = pytest.importorskip("httpx")
@@ -552,6 +557,45 @@ async def test_ready_waits_for_a_successful_warm_up(fake: FakeBrokerClient, tok:
         assert "warm-up failed" in app.state.readiness.reason
         fake.default_script = Script([5, eos_id(tok)])
         await wait_async(lambda: app.state.readiness.ready)
+
+
+@pytest.mark.parametrize("keyed", [False, True])
+async def test_ready_shows_the_launchers_details_only_to_an_authorized_caller(
+    tok: Tokenizer, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, keyed: bool
+) -> None:
+    """Issue 40, item 11: /ready needs no key and showed every failing child's log file
+    (an absolute path) and exit status to anyone. Now only to a caller with a valid key,
+    or, on a gateway without keys, one on the loopback interface."""
+    log_file = str(tmp_path / "logs" / "remote-0-0.log")
+    child = {"name": "remote-0-0", "role": "worker", "state": "failing", "exits": 5}
+    child |= {"last_exit": "exited with code 1", "log": log_file, "next_start_at": 9.0}
+    state = tmp_path / "up-state.json"
+    write_state(state, [child], time.time())
+    monkeypatch.setenv(STATE_ENV, str(state))
+    fake = FakeBrokerClient(Script([5, eos_id(tok)]))
+    keys = ApiKeys(["sk-operator-1"]) if keyed else None
+    settings = GatewaySettings(allowed_hosts=TEST_HOSTS)
+    app = create_app(fake, settings, tok, "tiny-test", 2048, api_keys=keys)
+
+    async def ready(client_host: str, headers: dict[str, str]) -> dict[str, Any]:
+        transport = httpx.ASGITransport(app=app, client=(client_host, 4000))
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+            return (await c.get("/ready", headers=headers)).json()
+
+    async with app.router.lifespan_context(app):
+        await wait_async(lambda: app.state.readiness.ready)
+        outsider = await ready("198.18.0.9", {})
+        local = await ready("127.0.0.1", {})
+        keyed_caller = await ready("198.18.0.9", {"Authorization": "Bearer sk-operator-1"})
+    assert outsider["failing"] == [{"name": "remote-0-0", "role": "worker"}]
+    assert log_file not in json.dumps(outsider)
+    if keyed:
+        assert local == outsider  # a key decides, not the address
+        (whole,) = keyed_caller["failing"]
+    else:
+        (whole,) = local["failing"]
+    assert whole["log"] == log_file and whole["exits"] == 5
+    assert whole["last_exit"] == "exited with code 1"
 
 
 async def wait_async(predicate: Any, timeout: float = 5.0) -> None:

@@ -4,6 +4,7 @@ JSON route a body not labelled JSON 415; none of them starts a generation."""
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from tests.fake_broker_client import FakeBrokerClient
 from tests.gateway.support import CHAT_ANSWER, answer_script, make_app, tiny_tokenizer
 from zmqllm.gateway.browser_guard import HostRule, OriginRule, host_name
+from zmqllm.log import configure_logging
 from zmqllm.models.tokenizer import Tokenizer
 
 httpx = pytest.importorskip("httpx")
@@ -74,6 +76,8 @@ def test_origins_are_compared_by_scheme_host_and_port() -> None:
     assert not rule.allows("http://app.example.com") and not rule.allows("http://localhost")
     assert not rule.allows("null") and not rule.allows("garbage")
     assert OriginRule(["*"]).allows("https://anything.example")
+    # A stray bracket made urlsplit raise: a 500 for a hostile Origin, now a refusal.
+    assert not rule.allows("https://x].example") and not rule.allows("http://[::1")
 
 
 @pytest.mark.parametrize(("method", "path", "kwargs"), READABLE)
@@ -175,3 +179,24 @@ async def test_json_with_a_charset_is_json(tok: Tokenizer) -> None:
             headers={"Content-Type": "application/json; charset=utf-8"},
         )
     assert response.status_code == 200, response.text
+
+
+async def test_a_refused_host_or_origin_reaches_the_console_log_escaped(
+    tok: Tokenizer, restore_logging: None
+) -> None:
+    """The console format (an operator's terminal) shows a hostile Host or Origin with its
+    escapes written out: no sequence in a request header reaches the terminal."""
+    stream = io.StringIO()
+    configure_logging("gateway", fmt="console", stream=stream)
+    app, fake = default_app(tok)
+    async with client(app) as c:
+        host = await c.get("/health", headers={"Host": b"evil\x1b[2J.example"})
+        origin = await c.post(
+            "/chat", content=b"Hi", headers={"Origin": b"https://x\x9b2J\x1bc\x07.example"}
+        )
+    assert (host.status_code, origin.status_code) == (400, 403)
+    text = stream.getvalue()
+    assert "request refused: Host not allowed" in text and "evil\\x1b[2J.example" in text
+    assert "request refused: cross-origin" in text and "x\\x9b2J\\x1bc\\x07.example" in text
+    assert not any(c in text for c in "\x1b\x07\x9b")
+    assert fake.calls == []

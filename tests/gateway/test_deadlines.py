@@ -7,11 +7,13 @@ the end of a stream already under way.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 import pytest
 
-from tests.fake_broker_client import FakeBrokerClient, Script
+from tests.fake_broker_client import FakeBrokerClient, FakeTokenEvent, Script
 from tests.gateway.support import (
     ANSWER,
     CHAT_ANSWER,
@@ -21,6 +23,7 @@ from tests.gateway.support import (
     sse_json,
     tiny_tokenizer,
 )
+from zmqllm.gateway.streaming import GenerationError, TextStream
 from zmqllm.models.tokenizer import Tokenizer
 
 httpx = pytest.importorskip("httpx")
@@ -127,3 +130,50 @@ async def test_tokens_in_time_are_not_cut(tok: Tokenizer) -> None:
     async with client_for(fake, tok, **settings) as client:
         assert (await client.post("/chat", content=b"Hi")).text == CHAT_ANSWER
     assert fake.cancels == []
+
+
+class QueuedTokens:
+    """A session whose tokens all arrived already: reading the next never suspends, as
+    when an HTTP client reads slower than the tokens come and they wait queued."""
+
+    session = "s-queued"
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.route: list[str] = []
+        self.tokens = tokens
+        self.cancelled = False
+
+    async def __aenter__(self) -> QueuedTokens:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    def __aiter__(self) -> AsyncIterator[FakeTokenEvent]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[FakeTokenEvent]:
+        for step, token in enumerate(self.tokens):
+            yield FakeTokenEvent(token, step, None, None)
+
+    async def cancel(self) -> None:
+        self.cancelled = True
+
+
+async def test_the_request_deadline_fires_while_tokens_wait_queued(tok: Tokenizer) -> None:
+    """Issue 40, item 3: the deadline wrapped the read, and a read of a queued token
+    never suspends, so a slow reader's request outlived request_timeout by as long as it
+    took to read what was queued."""
+    session = QueuedTokens(tok.encode(" ".join([ANSWER] * 20)))
+    text = TextStream(
+        session, tok.incremental_decoder(prompt_ids=[]), max_tokens=10_000, timeout=0.2
+    )
+    await text.open()
+    read = []
+    with pytest.raises(GenerationError) as failed:
+        async for chunk in text.chunks():
+            read.append(chunk)
+            await anyio.sleep(0.3)  # the HTTP write of this chunk waited on the client
+    await text.close()
+    assert failed.value.code == "timeout" and "request timeout of 0.2 s" in failed.value.message
+    assert session.cancelled and len(read) == 1

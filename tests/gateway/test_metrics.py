@@ -189,17 +189,23 @@ async def test_prefix_cache_figures_reach_clients_only_when_asked(
     tok: Tokenizer, shown: bool
 ) -> None:
     """A guess's hit count says whether another client sent a prompt: off by default in
-    /metrics and /cluster/status (the cluster page), on with prefix_stats."""
+    /metrics and /cluster/status (the cluster page), on with prefix_stats. So do the
+    figures a hit changes (issue 40, item 6): the first stage's tokens (a hit computes
+    fewer rows), forwards and the time spent in them."""
     fake = FakeBrokerClient(answer_script(tok))
     app = make_app(fake, tok, prefix_stats=shown)
     stats = {"prefix_query_tokens": 40, "prefix_hit_tokens": 32, "prefix_cached_tokens": 64}
-    worker = {"id": "w0", "layers": [0, 2], "stats": {**stats, "forwards": 3}}
+    work = {"tokens": 41, "forwards": 3, "busy_s": 0.5, "mean_forward_ms": 9.0}
+    worker = {"id": "w0", "layers": [0, 2], "stats": {**stats, **work, "sessions": 2}}
     fake.status_extra = {"workers": [worker]}
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
         text = (await c.get("/metrics")).text
         page = (await c.get("/cluster/status")).json()
     assert ("zmqllm_worker_prefix_cache_hit_tokens_total{" in text) is shown
     assert ("zmqllm_worker_prefix_cache_tokens{" in text) is shown
-    assert "zmqllm_worker_forwards_total{" in text  # the rest is there either way
+    for metric in ("tokens_total", "forwards_total", "busy_seconds_total", "forward_ms_mean"):
+        assert (f"zmqllm_worker_{metric}{{" in text) is shown, metric
+    assert "zmqllm_worker_sessions{" in text  # the rest is there either way
     (w,) = page["broker"]["workers"]
-    assert ("prefix_hit_tokens" in w["stats"]) is shown and w["stats"]["forwards"] == 3
+    assert ("prefix_hit_tokens" in w["stats"]) is shown and w["stats"]["sessions"] == 2
+    assert all((key in w["stats"]) is shown for key in work)

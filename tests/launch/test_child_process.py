@@ -88,6 +88,24 @@ def test_the_child_leads_its_own_group_and_a_signal_reaches_all_of_it(tmp_path: 
         child.kill()
 
 
+def test_a_child_starts_with_the_stop_signals_at_their_defaults(tmp_path: Path) -> None:
+    """Whatever this process has: a background job of a script starts with SIGINT ignored,
+    and an ignored signal would stay ignored in every child it starts."""
+    code = (
+        "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler,"
+        " signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)"
+    )
+    stops = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in stops}
+    try:
+        child = spawn("probe", py(code), tmp_path / "probe.log")
+    finally:  # the test runner's own handlers, whatever they were
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert child.wait(timeout=30) == 0
+    assert child.text().split() == ["True", "True"]
+
+
 def test_kill_ends_the_child_and_reaps_it(tmp_path: Path) -> None:
     child = spawn("sleeper", py("import time; time.sleep(600)"), tmp_path / "s.log")
     assert child.alive() and child.poll() is None
@@ -144,6 +162,13 @@ def test_tail_and_describe_exit(tmp_path: Path) -> None:
     assert describe_exit(3) == "exited with code 3"
     assert describe_exit(-signal.SIGKILL) == "killed by SIGKILL"
     assert describe_exit(-200) == "killed by signal 200"
+
+
+def test_a_tail_printed_to_the_terminal_carries_no_escapes(tmp_path: Path) -> None:
+    """`zmqllm up` prints a failing child's last lines: they may quote a peer or a client."""
+    log = tmp_path / "x.log"
+    log.write_text('boom: bad host "evil\x1b[2J\x9b2J"\r\nlast\n')
+    assert tail(log) == 'boom: bad host "evil\\x1b[2J\\x9b2J"\nlast'
 
 
 def test_log_files_are_private_whatever_the_umask(tmp_path: Path) -> None:

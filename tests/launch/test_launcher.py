@@ -70,8 +70,7 @@ def test_launcher_does_not_import_torch() -> None:
 
 # Answers /ready with 200, like a gateway whose route has warmed up.
 FAKE_GATEWAY = """
-import http.server, signal, sys
-signal.signal(signal.SIGINT, signal.default_int_handler)  # as in SLEEPER
+import http.server, sys
 class Ready(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200 if self.path == "/ready" else 404)
@@ -84,12 +83,12 @@ try:
 except KeyboardInterrupt:
     print("gateway stopped", flush=True)
 """
-# Runs until SIGINT, then says so: the log shows the stop was clean and in order.
+# Runs until SIGINT, then says so: the log shows the stop was clean and in order. Like
+# FAKE_GATEWAY it installs no SIGINT handler of its own (as a role still importing): spawn
+# starts every child with SIGINT at its default, even where the test runner was started
+# with it ignored (a background job of a script), so Python's KeyboardInterrupt is there.
 SLEEPER = """
-import os, signal, time
-# SIGINT raises KeyboardInterrupt even where the test runner was started with it ignored
-# (a background job of a script), which its children would inherit.
-signal.signal(signal.SIGINT, signal.default_int_handler)
+import os, time
 print("started", os.getpid(), flush=True)
 try:
     time.sleep(600)
@@ -154,6 +153,56 @@ def test_cluster_stops_in_order_and_kills_stragglers(
         return float((tmp_path / f"{name}.log").read_text().split()[-1])
 
     assert stopped_at("gateway") <= stopped_at("worker-a") <= stopped_at("broker")
+
+
+# Run by a process started with SIGINT ignored, as a script's `bin/up &`, nohup and some
+# supervisors start one: a Cluster of SLEEPERs, stopped once all are up; prints how long
+# the stop took and how each child ended.
+IN_THE_BACKGROUND = """
+import signal, sys, time
+from pathlib import Path
+from zmqllm.launch import launcher
+from zmqllm.launch.plan import Child
+print("SIGINT ignored:", signal.getsignal(signal.SIGINT) == signal.SIG_IGN, flush=True)
+launcher.STOP_GRACE_S = 30.0  # a child that misses its SIGINT shows as a slow stop
+directory, code = Path(sys.argv[1]), sys.argv[2]
+roles = {"broker": "broker", "worker-a": "worker", "gateway": "gateway"}
+children = [Child(name, role, (sys.executable, "-c", code)) for name, role in roles.items()]
+cluster = launcher.Cluster(children, directory)
+cluster.start()
+for name in roles:
+    log = directory / f"{name}.log"
+    while not (log.exists() and "started" in log.read_text()):
+        time.sleep(0.05)
+begun = time.monotonic()
+cluster.stop()
+print(f"stopped in {time.monotonic() - begun:.3f}", flush=True)
+for name, proc in cluster.procs.items():
+    print(name, proc.returncode, flush=True)
+"""
+
+
+def test_children_stop_on_sigint_though_the_launcher_started_with_it_ignored(
+    tmp_path: Path,
+) -> None:
+    """An ignored SIGINT is inherited across exec: without spawn setting it back to its
+    default, every child would wait out the grace and be killed."""
+    run = subprocess.run(
+        py(IN_THE_BACKGROUND, str(tmp_path), SLEEPER),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0] == "SIGINT ignored: True"  # the launcher really started that way
+    assert "did not stop in time" not in run.stderr and "killing it" not in run.stderr
+    assert sorted(lines[2:]) == ["broker 0", "gateway 0", "worker-a 0"]
+    for name in ("broker", "worker-a", "gateway"):
+        assert "stopped by SIGINT" in (tmp_path / f"{name}.log").read_text()
+    # A child that missed its SIGINT would take a third of the 30 s grace or more.
+    assert float(lines[1].split()[-1]) < 5.0
 
 
 def test_a_previous_log_is_kept_once(tmp_path: Path) -> None:

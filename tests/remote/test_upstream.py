@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import json
 import pickle
 import socket
 import threading
@@ -17,7 +18,8 @@ import pytest
 
 from testbed.fake_upstream import FakeUpstream
 from zmqllm.log import configure_logging
-from zmqllm.remote.upstream import Delta, Upstream, UpstreamError, UpstreamSettings, shown_url
+from zmqllm.remote.sse import Delta
+from zmqllm.remote.upstream import Upstream, UpstreamError, UpstreamSettings, shown_url
 
 KEY = "sk-test-SECRET-4242"
 CHAT = {"messages": [{"role": "user", "content": "hello there world"}], "temperature": 0.5}
@@ -326,6 +328,7 @@ def test_done_without_a_finish_is_a_stop_and_eof_after_a_finish_is_fine() -> Non
         ((sse('{"choices":[{"delta":{"content":5}}]}'),), "malformed"),
         ((sse('{"choices":[],"usage":{"prompt_tokens":"3"}}'),), "malformed"),
         ((b'data: {"choices":[{"delta":{"content":"\xff"}}]}\n\n',), "not UTF-8"),
+        ((b"data: " + b"[" * 100_000 + b"\n\n",), "nested too deep"),
         ((sse(end=b""),), "stream ended before the answer finished"),
     ],
 )
@@ -445,3 +448,82 @@ def test_an_event_split_over_several_data_lines_is_joined() -> None:
     deltas, error = run(settings("http://upstream.test/v1"), transport=canned(raw))
     assert error is None
     assert deltas == [Delta("two lines"), Delta(finish="stop")]
+
+
+def test_a_crlf_split_between_two_reads_is_one_line_end() -> None:
+    """A read that ends between "\\r" and "\\n" ends no event: the pair is one line end,
+    so an event of several data lines stays whole however the bytes arrive."""
+    raw = (
+        b'data: {"choices":[{"index":0,\r\n'
+        b'data: "delta":{"content":"crlf"}}]}\r\n\r\n'
+        b'data: {"choices":[{"index":0,"delta":{},\r\n'
+        b'data: "finish_reason":"stop"}]}\r\n\r\n'
+        b"data: [DONE]\r\n\r\n"
+    )
+    pieces = [raw[i : i + 1] for i in range(len(raw))]
+    deltas, error = run(settings("http://upstream.test/v1"), transport=canned(*pieces))
+    assert error is None
+    assert deltas == [Delta("crlf"), Delta(finish="stop")]
+
+
+# One event's data may hold at most this (zmqllm.remote.sse.MAX_EVENT_BYTES; the errors
+# say "1 MiB").
+EVENT_LIMIT = 1 << 20
+FINISH = '{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}'
+
+
+class DecodeCount:
+    """json.loads, counting its calls and the characters it is given; past ``budget`` it
+    fails at once (a quadratic parser would otherwise run for minutes)."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.calls = self.chars = 0
+        self._loads = json.loads
+
+    def __call__(self, value: str | bytes, **kwargs: Any) -> Any:
+        self.calls += 1
+        self.chars += len(value)
+        assert self.chars <= self.budget, f"{self.calls} decodes of {self.chars} so far"
+        return self._loads(value, **kwargs)
+
+
+def one_event_of_lines(data_bytes: int) -> bytes:
+    """One event whose data is about ``data_bytes`` long in lines of 3 bytes ("1," and
+    its newline): a chunk with the text "x" and a long list beside it."""
+    head = b'data: {"choices":[{"index":0,"delta":{"content":"x"}}],"pad":[\n'
+    lines = max(0, data_bytes - len(head)) // 3
+    return head + b"data: 1,\n" * lines + b"data: 1]}\n\n"
+
+
+def in_reads(raw: bytes, size: int = 4096) -> list[bytes]:
+    return [raw[i : i + size] for i in range(0, len(raw), size)]
+
+
+@pytest.mark.parametrize("data_bytes", [49_000, EVENT_LIMIT - 64], ids=["16k_lines", "1MiB"])
+def test_an_event_of_many_lines_costs_work_linear_in_its_bytes(
+    monkeypatch: pytest.MonkeyPatch, data_bytes: int
+) -> None:
+    """16,000 data lines in one event (and 1 MiB of them): each byte decoded at most twice,
+    where trying the event so far at every line decoded it 16,000 times."""
+    raw = one_event_of_lines(data_bytes) + sse(FINISH)
+    decodes = DecodeCount(budget=2 * len(raw))
+    monkeypatch.setattr(json, "loads", decodes)
+    deltas, error = run(settings("http://upstream.test/v1"), transport=canned(*in_reads(raw)))
+    assert error is None
+    assert deltas == [Delta("x"), Delta(finish="stop")]
+    assert decodes.calls <= 4  # the long event once, its first line alone once, the finish
+
+
+def test_an_event_over_the_limit_fails_the_stream_after_linear_work(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    before = sse('{"choices":[{"index":0,"delta":{"content":"a"}}]}', end=b"")
+    raw = before + one_event_of_lines(EVENT_LIMIT + 64) + sse(FINISH)
+    decodes = DecodeCount(budget=len(raw))
+    monkeypatch.setattr(json, "loads", decodes)
+    deltas, error = run(settings("http://upstream.test/v1"), transport=canned(*in_reads(raw)))
+    assert deltas == [Delta("a")]  # what came before it still went out
+    assert error is not None and error.code == "upstream_error"
+    assert "sent an event over 1 MiB" in error.message
+    assert "POST /v1/chat/completions" in error.message

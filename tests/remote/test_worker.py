@@ -8,16 +8,19 @@ thread, as the worker's own loop would; the streams run on the worker's upstream
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import io
 import json
 import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import zmq
@@ -39,8 +42,8 @@ from zmqllm.bus.wire_types import Payload, SessionKey
 from zmqllm.config.settings import Config, ConfigError
 from zmqllm.log import configure_logging
 from zmqllm.remote.main import MAX_KEY_BYTES, read_api_key, serve
-from zmqllm.remote.upstream import UpstreamSettings
-from zmqllm.remote.worker import RemoteWorker
+from zmqllm.remote.upstream import Upstream, UpstreamSettings
+from zmqllm.remote.worker import RemoteWorker, TokenFloor
 from zmqllm.worker.inbox import Reset, take_in
 
 KEY = "sk-unit-SECRET-31337"
@@ -114,6 +117,7 @@ def ask(
     kind: AskKind = AskKind.CHAT,
     max_tokens: int = 16,
     raw: bytes | None = None,
+    request_id: str = "r1",
 ) -> Ask:
     if fields is None:
         fields = (
@@ -125,7 +129,7 @@ def ask(
     return Ask(
         session=session,
         attempt=1,
-        request_id="r1",
+        request_id=request_id,
         model="served-m1",
         kind=kind,
         max_tokens=max_tokens,
@@ -272,8 +276,8 @@ def test_a_long_piece_goes_in_deltas_the_wire_takes(worker: RemoteWorker) -> Non
 
 
 def test_an_upstream_past_max_tokens_is_cut(worker: RemoteWorker, up: FakeUpstream) -> None:
-    """2,000 pieces for max_tokens 4: the worker stops reading past the slack (a few pieces)
-    and ends the session with finish "length"."""
+    """2,000 pieces of a word each for max_tokens 4: the worker stops reading past the
+    slack (16 tokens, a word being one at least) and ends the session with "length"."""
     up.mode = "flood"
     worker.handle(ask(max_tokens=4))
     deltas = [m for m in settle(worker) if isinstance(m, Delta)]
@@ -475,6 +479,118 @@ def test_the_session_log_holds_no_key(
     assert "session finished" in stream.getvalue()
     assert "upstream failed; session failed" in stream.getvalue()
     assert KEY not in stream.getvalue()
+
+
+# -- what an upstream sends: canned bytes -------------------------------------------------
+def sse(*chunks: dict[str, Any], done: bool = True) -> bytes:
+    events = b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in chunks)
+    return events + (b"data: [DONE]\n\n" if done else b"")
+
+
+def chat_chunk(text: str | None = None, finish: str | None = None) -> dict[str, Any]:
+    delta = {} if text is None else {"content": text}
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+@contextlib.contextmanager
+def canned_worker(answer: Callable[[str], bytes]) -> Iterator[RemoteWorker]:
+    """A worker whose upstream streams, in reads of 4 KiB, the bytes ``answer`` gives for
+    the request's last message."""
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        raw = answer(json.loads(request.content)["messages"][-1]["content"])
+
+        async def body() -> Any:
+            for start in range(0, len(raw), 4096):
+                yield raw[start : start + 4096]
+
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
+
+    w = make_worker("http://upstream.test/v1")
+    asyncio.run(w.upstream.aclose())
+    w.upstream = Upstream(w.upstream.settings, transport=httpx.MockTransport(handler))
+    w.link = FakeLink()  # type: ignore[assignment]
+    w._thread.start()
+    try:
+        yield w
+    finally:
+        w.close()
+        w.ctx.term()
+
+
+def say(text: str) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": text}]}
+
+
+def test_an_answer_sent_a_character_an_event_comes_whole() -> None:
+    """47 events of one character each for max_tokens 16: more events than max_tokens and
+    its slack, but 12 words, 12 tokens by the upstream's count. Nothing is cut, and the
+    finish is the upstream's own."""
+    text = "the cat sat on the mat and then the dog came by"
+    usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 12}}
+    raw = sse(*(chat_chunk(c) for c in text), chat_chunk(finish="stop"), usage)
+    with canned_worker(lambda _: raw) as w:
+        w.handle(ask(max_tokens=16))
+        deltas = [m for m in settle(w) if isinstance(m, Delta)]
+    assert len(text) > 16 + 16
+    assert "".join(d.text for d in deltas) == text
+    last = deltas[-1]
+    assert (last.finish, last.prompt_tokens, last.completion_tokens) == ("stop", 3, 12)
+
+
+def test_an_upstream_counting_past_max_tokens_is_cut_by_its_own_count() -> None:
+    """A count the upstream sends along the way is the answer's length: one word of 40
+    tokens' worth, past max_tokens 4 and its slack, is cut there."""
+    raw = sse(
+        *(chat_chunk("a") | {"usage": {"completion_tokens": n}} for n in range(1, 41)),
+        chat_chunk(finish="stop"),
+    )
+    with canned_worker(lambda _: raw) as w:
+        w.handle(ask(max_tokens=4))
+        deltas = [m for m in settle(w) if isinstance(m, Delta)]
+    assert "".join(d.text for d in deltas) == "a" * (4 + 16)
+    assert deltas[-1].finish == "length"
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [["one two  three"], list("one two  three"), ["on", "e t", "wo ", " ", "thr", "ee"]],
+    ids=["whole", "characters", "split"],
+)
+def test_the_token_floor_counts_words_however_the_text_is_cut(pieces: list[str]) -> None:
+    floor = TokenFloor()
+    for piece in pieces:
+        floor.add(piece)
+    assert (floor.words, floor.chars, floor.least) == (3, 14, 3)
+    floor.add("", reported=7)
+    assert floor.least == 7
+
+
+def test_an_oversized_event_fails_only_its_session(restore_logging: None) -> None:
+    """One session's upstream sends an event of 1 MiB and more, in lines of 3 bytes: that
+    session fails with a clear error, logged with its request id; the other session on
+    the same worker, at the same time, is answered whole."""
+    stream = io.StringIO()
+    configure_logging("worker", "debug", "json", stream=stream)
+    head = b'data: {"choices":[{"index":0,"delta":{"content":"x"}}],"pad":[\n'
+    hostile = sse(chat_chunk("a"), done=False)
+    hostile += head + b"data: 1,\n" * ((1 << 20) // 3 + 64) + b"data: 1]}\n\n"
+    fine = sse(chat_chunk("fine"), chat_chunk(finish="stop"))
+    with canned_worker(lambda said: hostile if said == "hostile" else fine) as w:
+        w.handle(ask("bad", say("hostile"), request_id="r-bad"))
+        w.handle(ask("good", say("hello"), request_id="r-good"))
+        bad, good = settle(w, "bad"), settle(w, "good")
+    error = only_error(bad)
+    assert (error.code, error.request_id) == (ErrorCode.UPSTREAM_ERROR, "r-bad")
+    assert "sent an event over 1 MiB" in error.message
+    assert [m.text for m in bad if isinstance(m, Delta)] == ["a"]
+    assert "".join(m.text for m in good if isinstance(m, Delta)) == "fine"
+    assert isinstance(good[-1], Delta) and good[-1].finish == "stop"
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    (failed,) = [line for line in lines if line["event"] == "upstream stream failed"]
+    assert failed["request_id"] == "r-bad" and failed["reason"] == "event_too_large"
+    (ended,) = [line for line in lines if line["event"] == "upstream failed; session failed"]
+    assert ended["request_id"] == "r-bad" and ended["code"] == "upstream_error"
 
 
 # -- serve -------------------------------------------------------------------------------

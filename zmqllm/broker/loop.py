@@ -19,12 +19,13 @@ from typing import Any
 
 import zmq
 
+from zmqllm.broker.admission import Admission
 from zmqllm.broker.registry import Registry, RegistryError, WorkerEntry
 from zmqllm.broker.session_records import Out
 from zmqllm.broker.session_table import SessionTable
 from zmqllm.broker.status import broker_status, no_route_reason
 from zmqllm.bus.auth import CLIENTS, WORKERS, Authenticator, ClientKeys, HandshakeMonitor, peer_key
-from zmqllm.bus.keys import BrokerKeys, as_server, claim_refusal
+from zmqllm.bus.keys import BrokerKeys, as_server
 from zmqllm.bus.messages import (
     Activation,
     Ask,
@@ -92,6 +93,7 @@ class Broker:
         self.client_keys = ClientKeys()
         self.boot = uuid.uuid4().hex[:12]
         self.registry = Registry.from_settings(settings)
+        self.admission = Admission(self.registry, __version__)
         self.table = SessionTable(
             self.registry,
             self.boot,
@@ -478,29 +480,32 @@ class Broker:
         )
 
     def on_register(self, identity: bytes, reg: Register, key: str = "") -> None:
-        reason = self.registry.refusal(reg, __version__, identity)
-        if reason is None and self.auth is not None and key:
-            # A key issued for one model or layer range registers nothing else.
-            claims = self.auth.claims(WORKERS, key)
-            reason = claim_refusal(claims, reg.served, reg.start, reg.end) if claims else None
-        if reason:
-            self.drops.drop("backend:refused", why=reason)
-            self.send([Out.to_worker(identity, Refused(reason=reason))])
+        # A key issued for one model, layer range and model definition registers nothing
+        # else (admission.py).
+        claims = self.auth.claims(WORKERS, key) if self.auth is not None and key else {}
+        verdict = self.admission.check(identity, reg, key, claims)
+        if verdict.waits:
+            # Unanswered: the worker registers again after its backoff.
+            self.drops.drop("backend:register_waits", why=verdict.waits)
+            return
+        if verdict.reply is not None:
+            self.drops.drop("backend:refused", why=verdict.refused)
+            self.send([Out.to_worker(identity, verdict.reply)])
             return
         now = time.monotonic()
         old = self.registry.by_identity.get(identity)
         if old is not None:
             self.send(self._remove(old, f"worker {old.worker_id} registered again", now))
         try:
-            w = self.registry.add(identity, reg)
+            w = self.registry.add(identity, reg, key)
         except RegistryError as exc:  # refusal() said yes, but the state moved meanwhile
             self.send([Out.to_worker(identity, Refused(reason=str(exc)))])
             return
-        w.key = key
         log.info(
             "worker registered",
             worker=w.worker_id,
             model=w.served,
+            digest=reg.fingerprint,
             text_model=w.text_model,
             layers=f"{w.start}:{w.end}",
             capacity=w.capacity,

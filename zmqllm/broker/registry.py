@@ -176,6 +176,8 @@ class ModelPools:
         return {
             "name": self.name,
             "text_model": self.text_model,
+            # What an operator pins a worker key to (`zmqllm keys add ... --digest`).
+            "digest": self.fingerprint,
             "num_layers": self.num_layers,
             "context": self.context,
             "workers": self.size(),
@@ -272,6 +274,10 @@ class Registry:
             return f"invalid register: {exc}"
         if not 0 <= reg.start < reg.end <= n:
             return f"layer range {reg.start}:{reg.end} is not inside [0, {n})"
+        if not reg.served:
+            # On the wire "" once meant "the broker's only model"; as a model of its own it
+            # made every OPEN that names no model ambiguous. Every worker names its model.
+            return 'the REGISTER names no model (served ""): a worker names the model it serves'
         # The worker id is the routing id as text, sent back in REGISTERED: the name rule
         # keeps it one-to-one with the identity (no two identities decode to the same id).
         if identity is not None and not is_name(identity):
@@ -332,9 +338,18 @@ class Registry:
         m = self.models.get(old.served)
         return int(m is not None and m.size() == 1)
 
-    def add(self, identity: bytes, reg: Register) -> WorkerEntry:
+    def defines(self, reg: Register, identity: bytes | None = None) -> bool:
+        """Whether admitting ``reg`` would define its model: no other worker serves it."""
+        m = self.models.get(reg.served)
+        if m is None:
+            return True
+        old = self.by_identity.get(identity) if identity is not None else None
+        return m.size() - (old is not None and old.served == reg.served) == 0
+
+    def add(self, identity: bytes, reg: Register, key: str = "") -> WorkerEntry:
         """Admit a worker, replacing its entry under the same identity. RegistryError,
-        changing nothing, for any reason refusal() names but the version."""
+        changing nothing, for any reason refusal() names but the version. ``key``: the
+        CURVE public key it registered with."""
         reason = self._reason(reg, identity)
         if reason is not None:
             raise RegistryError(reason[:MAX_TEXT])
@@ -368,6 +383,7 @@ class Registry:
             text_model=reg.text_model,
             peer=reg.peer,
             build=dict(reg.build),
+            key=key,
         )
         self.workers[w.worker_id] = w
         self.by_identity[identity] = w

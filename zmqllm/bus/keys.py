@@ -29,11 +29,15 @@ from typing import Any, Literal
 import zmq
 import zmq.auth
 
+from zmqllm.bus.messages import MAX_LAYERS
 from zmqllm.config.paths import zmqllm_home
 from zmqllm.config.settings import ConfigError, SecuritySettings
 
 __all__ = [
     "ALLOWED_FOLDERS",
+    "CLAIMS",
+    "DEFINING_CLAIMS",
+    "KINDS",
     "BrokerKeys",
     "KeysError",
     "PeerKeys",
@@ -41,7 +45,11 @@ __all__ = [
     "allowed_keys",
     "as_client",
     "as_server",
+    "check_claims",
+    "claim_refusal",
+    "folder_claims",
     "init_keys",
+    "key_claims",
     "keys_dir",
     "load_broker_keys",
     "load_peer_keys",
@@ -126,8 +134,8 @@ def init_keys(folder: Path) -> Path:
 def add_key(folder: Path, role: Role, name: str, claims: Mapping[str, str] | None = None) -> Path:
     """Make a pair for another client or worker, allow its public key, and return the
     folder to copy to that host (``issued/NAME``: its pair under the role's file names,
-    and ``broker.key``). ``claims`` (a worker's: ``model``, ``layers``) go in the public
-    key file's metadata: the broker refuses a REGISTER of that key for anything else."""
+    and ``broker.key``). ``claims`` (a worker's: CLAIMS) go in the public key file's
+    metadata: the broker refuses a REGISTER of that key for anything else."""
     if role not in ALLOWED_FOLDERS:
         raise KeysError(f"a key is for a client or a worker, not {role!r}")
     if not _NAME_RE.fullmatch(name):
@@ -139,12 +147,7 @@ def add_key(folder: Path, role: Role, name: str, claims: Mapping[str, str] | Non
     issued = folder / "issued" / name
     if allowed.exists() or issued.exists():
         raise KeysError(f"a key named {name!r} already exists in {folder}")
-    bad = sorted(set(claims or {}) - set(CLAIMS))
-    if bad:
-        raise KeysError(f"a key claims only {', '.join(CLAIMS)}, not {', '.join(bad)}")
-    for value in (claims or {}).values():
-        if not re.fullmatch(r"[A-Za-z0-9_.:/@+-]{0,256}", value):
-            raise KeysError(f"a key's claim {value!r:.80} has characters a claim cannot hold")
+    check_claims(claims or {})
     _private_dir(issued)
     public, _ = _new_pair(issued, role, claims)
     shutil.copyfile(broker_public, issued / "broker.key")
@@ -179,9 +182,47 @@ def load_broker_keys(folder: Path) -> BrokerKeys:
     return BrokerKeys(public=public, secret=secret, folder=folder)
 
 
-# What a worker key may be issued for (`zmqllm keys add worker NAME --model M --layers A:B`).
-CLAIMS = ("model", "layers")
-_CLAIM_LINE = re.compile(r'^\s+(model|layers)\s*=\s*"([^"]{0,256})"\s*$')
+# What a worker key may be issued for (`zmqllm keys add worker NAME --model M --layers A:B
+# --digest D --num-layers N --kind layers|text`): the model's name, the layers it may serve,
+# and what it pins of the model (its digest, layer count and kind: a model of layers or a
+# remote text model). The broker lets a key define a model only when it pins all of
+# DEFINING_CLAIMS (broker/admission.py).
+CLAIMS = ("model", "layers", "digest", "num_layers", "kind")
+DEFINING_CLAIMS = ("model", "digest", "num_layers", "kind")
+KINDS = ("layers", "text")
+_CLAIM_LINE = re.compile(r"^\s+(" + "|".join(CLAIMS) + r')\s*=\s*"([^"]{0,256})"\s*$')
+_CLAIM_VALUE = re.compile(r"[A-Za-z0-9_.:/@+-]{0,256}")
+_LAYERS_CLAIM = re.compile(r"(\d{0,4}):(\d{0,4})")
+MAX_DIGEST = 128  # Register.fingerprint's bound on the wire
+
+
+def check_claims(claims: Mapping[str, str]) -> None:
+    """KeysError unless ``claims`` are ones a broker can hold a REGISTER to: known names,
+    values a ZPL string holds, and pins that agree with each other."""
+    bad = sorted(set(claims) - set(CLAIMS))
+    if bad:
+        raise KeysError(f"a key claims only {', '.join(CLAIMS)}, not {', '.join(bad)}")
+    for value in claims.values():
+        if not _CLAIM_VALUE.fullmatch(value):
+            raise KeysError(f"a key's claim {value!r:.80} has characters a claim cannot hold")
+    layers = _LAYERS_CLAIM.fullmatch(claims.get("layers", ":"))
+    if layers is None:
+        raise KeysError(f"layers {claims['layers']!r}: give a range A:B (either end may be empty)")
+    digest = claims.get("digest")
+    if digest is not None and not 1 <= len(digest) <= MAX_DIGEST:
+        raise KeysError(f"a model digest is 1 to {MAX_DIGEST} characters")
+    kind = claims.get("kind")
+    if kind is not None and kind not in KINDS:
+        raise KeysError(f"kind {kind!r}: one of {', '.join(KINDS)}")
+    n = claims.get("num_layers")
+    if n is not None:
+        if not n.isdigit() or not 1 <= int(n) <= MAX_LAYERS:
+            raise KeysError(f"num_layers {n!r}: a whole number in [1, {MAX_LAYERS}]")
+        if kind == "text" and int(n) != 1:
+            raise KeysError("a remote (text) model registers as one layer: num_layers 1")
+        end = layers.group(2)
+        if end and int(end) > int(n):
+            raise KeysError(f"layers {claims['layers']} reach past the model's {n} layers")
 
 
 def key_claims(path: Path) -> dict[str, str]:
@@ -218,7 +259,8 @@ def folder_claims(folder: Path) -> dict[bytes, dict[str, str]]:
 
 
 def claim_refusal(claims: Mapping[str, str], model: str, start: int, end: int) -> str | None:
-    """Why a worker with these key claims may not register layers start:end of model."""
+    """Why a worker with these key claims may not register layers start:end of model (the
+    name and range claims only; broker/admission.py holds a REGISTER to the pins too)."""
     if "model" in claims and claims["model"] != model:
         return f"this worker's key was issued for model {claims['model']!r}, not {model!r}"
     if "layers" in claims:

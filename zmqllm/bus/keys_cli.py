@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import re
 from pathlib import Path
 from typing import Any
 
-from zmqllm.bus.keys import ALLOWED_FOLDERS, KeysError, add_key, allowed_keys, init_keys
+from zmqllm.bus.keys import (
+    ALLOWED_FOLDERS,
+    CLAIMS,
+    KINDS,
+    KeysError,
+    add_key,
+    allowed_keys,
+    init_keys,
+)
 from zmqllm.config.paths import zmqllm_home
 
 __all__ = ["add_keys_command"]
-
-_LAYERS_RE = re.compile(r"\d*:\d*")
 
 
 def _default_dir() -> Path:
@@ -34,13 +39,12 @@ def cmd_init(ns: argparse.Namespace) -> int:
 
 def cmd_add(ns: argparse.Namespace) -> int:
     folder = Path(ns.keys).expanduser() if ns.keys else _default_dir()
-    claims = {k: v for k, v in (("model", ns.model), ("layers", ns.layers)) if v}
+    given = {claim: getattr(ns, claim) for claim in CLAIMS}
+    claims = {k: str(v) for k, v in given.items() if v is not None and v != ""}
+    if claims.get("kind") == "text":
+        claims.setdefault("num_layers", "1")  # a remote model registers as one layer
     if claims and ns.role != "worker":
-        raise KeysError("--model and --layers are a worker key's claims")
-    if "layers" in claims and not _LAYERS_RE.fullmatch(claims["layers"]):
-        raise KeysError(
-            f"--layers {claims['layers']!r}: give a range A:B (either end may be empty)"
-        )
+        raise KeysError("--model, --layers, --digest, --num-layers and --kind are a worker key's")
     issued = add_key(folder, ns.role, ns.name, claims)
     allowed = folder / ALLOWED_FOLDERS[ns.role] / f"{ns.name}.key"
     print(
@@ -78,6 +82,16 @@ def add_keys_command(sub: Any) -> None:
     q.add_argument("--model", metavar="M", help="a worker key: the only model it may serve")
     q.add_argument(
         "--layers", metavar="A:B", help="a worker key: the layers it may serve (within A:B)"
+    )
+    # Pins: what the key's REGISTER must say of the model. With all of them (and --model)
+    # the key may define the model while no other worker serves it; without, it waits
+    # for a worker of an unscoped key to define it.
+    q.add_argument("--digest", metavar="D", help="a worker key: the model's digest (fingerprint)")
+    q.add_argument(
+        "--num-layers", type=int, metavar="N", help="a worker key: the model's layer count"
+    )
+    q.add_argument(
+        "--kind", choices=KINDS, help="a worker key: a model of layers, or a remote text model"
     )
     q.set_defaults(func=cmd_add)
 

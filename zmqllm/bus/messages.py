@@ -313,8 +313,8 @@ class Register(Message):
     # Most prompt tokens per forward: the rows of the largest activation it sends and
     # takes, the same on every worker of a cluster (0: not said).
     prefill_chunk: int = wire(integer(0, MAX_CONTEXT), 0)
-    # The model's name, what clients ask for ("" from a worker that names none: the
-    # broker's only model).
+    # The model's name, what clients ask for. A worker always names one: the broker
+    # refuses "" (only an OPEN's "" means "the broker's only model").
     served: str = wire(name(empty=True), "")
     # A text model (a remote API): sessions are ASK/DELTA, not tokens; it registers the
     # whole model as layers 0:1 of 1.

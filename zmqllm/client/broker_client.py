@@ -338,8 +338,9 @@ class BrokerClient:
         logprobs = None
         if msg.logprob_ids is not None and msg.logprobs is not None:
             logprobs = (msg.logprob_ids, msg.logprobs)
-        stream.push_event(TokenEvent(msg.token, msg.step, finish, logprobs))
-        if finish is not None:
+        if not stream.push_event(TokenEvent(msg.token, msg.step, finish, logprobs)):
+            self._overrun(stream)
+        elif finish is not None:
             self._streams.forget(stream)
 
     def _on_delta(self, msg: Delta) -> None:
@@ -356,8 +357,9 @@ class BrokerClient:
             stream.boot = msg.boot
             stream.orphan_deadline = None
         event = DeltaEvent(msg.text, msg.step, msg.finish, msg.prompt_tokens, msg.completion_tokens)
-        stream.push_event(event)
-        if msg.finish is not None:
+        if not stream.push_event(event):
+            self._overrun(stream)
+        elif msg.finish is not None:
             self._streams.forget(stream)
 
     def _on_error(self, msg: Error) -> None:
@@ -400,6 +402,18 @@ class BrokerClient:
             return
         with contextlib.suppress(Exception):
             self._streams.fail(stream, SessionError(ErrorCode.INTERNAL, "the client failed"))
+        self._cancel_later(stream)
+
+    def _overrun(self, stream: TokenStream) -> None:
+        """A stream's reader fell too far behind (streams.MAX_UNREAD_EVENTS): fail it for
+        the reader and cancel its session with the broker."""
+        self._streams.forget(stream)
+        error = stream.overrun()
+        log.warning("stream cancelled", request_id=stream.request_id, reason=error.code.value)
+        self._cancel_later(stream)
+
+    def _cancel_later(self, stream: TokenStream) -> None:
+        """Send the stream's CANCEL from a task: the receive loop does not wait on sends."""
         task = asyncio.create_task(self.cancel(stream))
         self._cancels.add(task)
         task.add_done_callback(self._cancels.discard)

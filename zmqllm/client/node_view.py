@@ -8,6 +8,7 @@ from collections import defaultdict
 from typing import Any
 
 from zmqllm.client.status import _rows, _table
+from zmqllm.log import printable
 
 __all__ = ["drift_lines", "format_children", "format_drift", "format_resources"]
 
@@ -83,14 +84,15 @@ def format_resources(st: dict[str, Any]) -> str:
 
 
 def drift_lines(st: dict[str, Any]) -> list[str]:
-    """One line per pool and field on which its replicas differ."""
+    """One line per pool and field on which its replicas differ, escaped: the fields,
+    values and names are what workers sent, and a value may hold terminal escapes."""
     lines = []
     for d in st.get("drift") or []:
         try:
             a, b = d["layers"]
             model = f"model {d['model']} " if d.get("model") else ""
             values = "; ".join(f"{v}: {', '.join(ids)}" for v, ids in d["values"].items())
-            lines.append(f"  {model}layers {a}:{b}  {d['field']} differs: {values}")
+            lines.append(printable(f"  {model}layers {a}:{b}  {d['field']} differs: {values}"))
         except (KeyError, TypeError, ValueError, AttributeError):
             lines.append("  ? (an entry of another shape)")
     return lines

@@ -22,6 +22,7 @@ from zmqllm.bus.wire_types import Payload, ProtocolError, is_valid_id
 from zmqllm.client.request import GenerateRequest
 
 __all__ = [
+    "MAX_UNREAD_EVENTS",
     "DeltaEvent",
     "StreamOwner",
     "StreamTable",
@@ -30,6 +31,14 @@ __all__ = [
     "ask_frames",
     "open_frames",
 ]
+
+
+# Events a stream may hold that its reader has not taken. A reader that falls this far
+# behind (an HTTP client that stopped reading its stream) has its session failed
+# (slow_consumer) and cancelled: its workers stop at once rather than generating the
+# whole answer into memory that nobody reads. A text model's stream has no token budget
+# to bound it otherwise.
+MAX_UNREAD_EVENTS = 1024
 
 
 class StreamOwner(Protocol):
@@ -102,7 +111,7 @@ class TokenStream:
         # Set when a broker restart was seen before this stream's first token: if none
         # arrives by then, the stream was opened on the dead broker and is failed.
         self.orphan_deadline: float | None = None
-        # At most max_tokens events and one error: the client drops anything else.
+        # At most MAX_UNREAD_EVENTS events and one error: the client drops anything else.
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._open_frames: list[Any] | None = frames
 
@@ -147,12 +156,29 @@ class TokenStream:
         self._queue.put_nowait(_Item())
         await self.client.cancel(self)
 
-    def push_event(self, event: TokenEvent | DeltaEvent) -> None:
+    def push_event(self, event: TokenEvent | DeltaEvent) -> bool:
+        """Queue an event for the reader; False (nothing queued) when the reader has
+        MAX_UNREAD_EVENTS unread: the owner fails the stream (``overrun``)."""
+        if self._queue.qsize() >= MAX_UNREAD_EVENTS:
+            return False
         self.next_step = event.step + 1
         self._queue.put_nowait(_Item(event=event))
+        return True
 
     def push_error(self, error: SessionError) -> None:
         self._queue.put_nowait(_Item(error=error))
+
+    def overrun(self) -> SessionError:
+        """The reader fell MAX_UNREAD_EVENTS behind: the unread events are dropped and the
+        reader's next read raises the error returned (also what the owner reports)."""
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        error = SessionError(
+            ErrorCode.SLOW_CONSUMER,
+            f"the reader fell {MAX_UNREAD_EVENTS} tokens behind the generation; cancelled",
+        )
+        self.push_error(error)
+        return error
 
 
 def open_frames(request: GenerateRequest) -> list[Any]:

@@ -225,6 +225,8 @@ def _check_gateway(s: GatewaySettings, where: str) -> GatewaySettings:
         where,
         minimum=0,
     )
+    # Below a kernel send buffer's least size the bound could not be set on a socket.
+    _check_positive(s, ("max_unread_bytes",), where, minimum=4096)
     _check_positive(
         s,
         (

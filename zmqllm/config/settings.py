@@ -344,9 +344,10 @@ class GatewaySettings:
     # (/metrics, /cluster/status) only where they are one tenant.
     prefix_stats: bool = setting(
         False,
-        "show each worker's prefix cache figures in /metrics and /cluster/status; they tell "
-        "any client whether another sent a prompt (a guess's hits), so they are off unless "
-        "the clients are one tenant (zmqllm status always shows them)",
+        "show each worker's prefix cache figures and the work figures a cache hit changes "
+        "(tokens, forwards, busy seconds, forward times) in /metrics and /cluster/status; "
+        "they tell any client whether another sent a prompt (a guess's hits), so they are "
+        "off unless the clients are one tenant (zmqllm status always shows them)",
     )
     # Fair share between API keys (zmqllm/gateway/key_shares.py), with two keys or more.
     key_max_concurrent: int = setting(
@@ -378,8 +379,18 @@ class GatewaySettings:
     # Against clients that stop reading a stream: each would hold its slots for good.
     write_timeout: float = setting(
         30.0,
-        "seconds a response may wait for a client that reads nothing; then the connection "
-        "is closed and its generation cancelled",
+        "seconds a response may wait for a client that reads nothing, or that leaves over "
+        "max_unread_bytes unread and takes less than that in this time; then the "
+        "connection is cut and its generation cancelled",
+    )
+    # Against clients that read nothing while the kernel's buffers absorb their stream,
+    # or read a trickle (zmqllm/gateway/write_progress.py).
+    max_unread_bytes: int = setting(
+        262_144,
+        "bytes of a response a client may leave unread (each connection's kernel send "
+        "buffer is sized to it); a client leaving more must take at least this many every "
+        "write_timeout, else its connection is cut and its generation cancelled",
+        metavar="BYTES",
     )
     api_keys_file: str = setting(
         "",

@@ -25,11 +25,10 @@ from typing import Any
 import anyio
 from starlette.requests import Request
 
-from zmqllm.client.request import GenerateRequest
 from zmqllm.config.settings import GatewaySettings
 from zmqllm.gateway.backend import BrokerClientLike
 from zmqllm.gateway.errors import CLIENT_CLOSED, RETRY_AFTER_S, APIError, broker_failure
-from zmqllm.gateway.key_shares import KeyShares, OverShare
+from zmqllm.gateway.key_shares import Held, KeyShares, OverShare
 from zmqllm.gateway.request_context import RequestRecord, client_disconnected
 
 __all__ = ["Admission", "ClientGone", "Gate", "QueueFull", "QueueTimeout", "Release"]
@@ -158,28 +157,56 @@ class Gate:
             cluster_kv_tokens,
         )
 
-    def check_share(self, record: RequestRecord, requests: Sequence[GenerateRequest]) -> None:
-        """429 at once if the request's key would hold more than its share (key_shares)."""
-        kv = sum(r.kv_tokens for r in requests)
+    def precheck(self, record: RequestRecord, choices: int) -> None:
+        """Before a request's prompt is tokenized (its KV tokens not known yet): 429 at once
+        if its key's slots, or the gateway's queue, leave no room for ``choices``
+        generations, so a request bound to be refused costs no tokenizing. claim_share
+        decides for good once the request is planned."""
         try:
-            self.shares.check(record.tenant, len(requests), kv)
+            self.shares.check(record.tenant, choices, 0)
         except OverShare as over:
-            record.error = "key_share_exceeded"
-            raise APIError(
-                429,
-                over.message(),
-                code="key_share_exceeded",
-                type="rate_limit_error",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            ) from None
+            raise self._over_share(record, over) from None
+        q = self.queue
+        if q.running + choices > q.max_concurrent and q.queued >= q.max_queued:
+            raise self._queue_full(record)
 
-    async def admit(
-        self, record: RequestRecord, request: Request | None, kv_tokens: int
-    ) -> Release:
-        """Wait for a slot; errors become APIError. The slot and ``kv_tokens`` count
-        against the request's key (check_share) until the returned release is called."""
-        # Held from here (queued too), so concurrent requests of one key see each other.
-        self.shares.take(record.tenant, kv_tokens)
+    def claim_share(self, record: RequestRecord, kv_each: Sequence[int]) -> list[Held]:
+        """Take the request's slots (one per choice) and KV tokens from its key's share,
+        or 429 at once past it (key_shares). Each part is the admitted generation's to
+        give back (``admit``); one never admitted must be given back by its caller."""
+        try:
+            return self.shares.claim(record.tenant, kv_each)
+        except OverShare as over:
+            raise self._over_share(record, over) from None
+
+    def _over_share(self, record: RequestRecord, over: OverShare) -> APIError:
+        record.error = "key_share_exceeded"
+        return APIError(
+            429,
+            over.message(),
+            code="key_share_exceeded",
+            type="rate_limit_error",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+
+    def _queue_full(self, record: RequestRecord) -> APIError:
+        s = self.settings
+        record.error = "too_many_requests"
+        return APIError(
+            429,
+            f"the gateway is at its limit of {s.max_concurrent} running and "
+            f"{s.max_queued} queued requests; retry shortly",
+            code="too_many_requests",
+            type="rate_limit_error",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+
+    async def admit(self, record: RequestRecord, request: Request | None, held: Held) -> Release:
+        """Wait for a slot; errors become APIError. ``held`` (claim_share: counted against
+        the request's key from the claim on, queued too, so concurrent requests of one key
+        see each other) is given back with the slot by the returned release, or at once
+        if no slot is admitted."""
+        held.admitted = True
         try:
             # Fail fast: an OPEN sent into a dead link would only time out much later.
             # Checked before queueing (no wait for a dead broker) and again once a slot
@@ -187,13 +214,13 @@ class Gate:
             await self._check_broker_link(record)
             await self._admit(record, request)
         except BaseException:
-            self.shares.give(record.tenant, kv_tokens)
+            held.give()
             raise
         try:
             await self._check_broker_link(record)
         except BaseException:
             self.queue.release()
-            self.shares.give(record.tenant, kv_tokens)
+            held.give()
             raise
         released = False
 
@@ -202,7 +229,7 @@ class Gate:
             if not released:
                 released = True
                 self.queue.release()
-                self.shares.give(record.tenant, kv_tokens)
+                held.give()
 
         return release
 
@@ -226,15 +253,7 @@ class Gate:
         try:
             await self.queue.acquire(disconnected)
         except QueueFull:
-            record.error = "too_many_requests"
-            raise APIError(
-                429,
-                f"the gateway is at its limit of {s.max_concurrent} running and "
-                f"{s.max_queued} queued requests; retry shortly",
-                code="too_many_requests",
-                type="rate_limit_error",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            ) from None
+            raise self._queue_full(record) from None
         except QueueTimeout:
             record.error = "queue_timeout"
             raise APIError(

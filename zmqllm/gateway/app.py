@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import os
 from collections.abc import AsyncIterator
 
@@ -23,7 +24,7 @@ from zmqllm.gateway.browser_guard import BrowserGuardMiddleware
 from zmqllm.gateway.errors import RETRY_AFTER_S, install_error_handlers
 from zmqllm.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from zmqllm.gateway.metrics import GatewayMetrics, StatusCache
-from zmqllm.gateway.readiness import Readiness
+from zmqllm.gateway.readiness import Readiness, failing_shown
 from zmqllm.gateway.request_context import RequestContextMiddleware
 from zmqllm.gateway.service import GatewayService
 from zmqllm.models.tokenizer import Tokenizer
@@ -43,6 +44,13 @@ def _warmup_prompt(tokenizer: Tokenizer) -> list[int]:
     if not ids and tokenizer.bos_token_id is not None:
         ids = [tokenizer.bos_token_id]
     return ids or [0]
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def create_app(
@@ -154,7 +162,7 @@ def create_app(
         # Under `zmqllm up`: the children it cannot keep up (a worker, a remote model),
         # while the rest serves.
         failing = failing_children(read_state(os.environ.get(STATE_ENV)))
-        detail = {"failing": failing} if failing else {}
+        detail = {"failing": failing_shown(failing, _may_see_details(request))} if failing else {}
         if state.ready:
             return JSONResponse({"status": "ready", **detail})
         return JSONResponse(
@@ -162,5 +170,13 @@ def create_app(
             status_code=503,
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
+
+    def _may_see_details(request: Request) -> bool:
+        """Whether the caller may see the launcher's details: it holds a valid API key, or,
+        with none configured, it calls from this machine's loopback interface."""
+        if api_keys is not None:
+            return api_keys.check(request.headers.get("authorization")).allowed
+        host = request.client.host if request.client is not None else ""
+        return is_loopback(host)
 
     return app

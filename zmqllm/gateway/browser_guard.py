@@ -94,10 +94,11 @@ class HostRule:
 
 
 def _origin_key(origin: str) -> tuple[str, str, int | None] | None:
-    parts = urlsplit(origin.strip().lower())
-    if not parts.scheme or not parts.hostname:
-        return None
     try:
+        # urlsplit raises on a stray bracket ("https://x].example"), .port on a bad port.
+        parts = urlsplit(origin.strip().lower())
+        if not parts.scheme or not parts.hostname:
+            return None
         port = parts.port or DEFAULT_PORTS.get(parts.scheme)
     except ValueError:
         return None

@@ -25,6 +25,7 @@ from zmqllm.gateway.admission import Gate, Release
 from zmqllm.gateway.backend import BrokerClientLike, TokenStreamLike, broker_error_fields
 from zmqllm.gateway.choices import Choices
 from zmqllm.gateway.errors import CLIENT_CLOSED, APIError, broker_failure
+from zmqllm.gateway.key_shares import Held
 from zmqllm.gateway.planning import own_tokenizer
 from zmqllm.gateway.remote_requests import RemoteAsk
 from zmqllm.gateway.request_context import RequestRecord, client_disconnected
@@ -69,15 +70,20 @@ class Generations:
     async def open_choices(
         self, requests: Sequence[GenerateRequest], record: RequestRecord, request: Request
     ) -> Choices:
-        """Open every choice's session at once (the key's share checked first for all of
+        """Open every choice's session at once (the key's share claimed first for all of
         them); if one fails, close the others and raise."""
-        self.gate.check_share(record, requests)
-        results: list[TextStream | BaseException] = list(
-            await asyncio.gather(
-                *(self.open(r, record, request) for r in requests),
-                return_exceptions=True,
+        held = self.gate.claim_share(record, [r.kv_tokens for r in requests])
+        opens = [self.open(r, record, h, request) for r, h in zip(requests, held, strict=True)]
+        try:
+            results: list[TextStream | BaseException] = list(
+                await asyncio.gather(*opens, return_exceptions=True)
             )
-        )
+        finally:
+            # A choice whose generation never started still holds its part of the share
+            # (a cancelled gather too); one that started gives it back when it closes.
+            for part in held:
+                if not part.admitted:
+                    part.give()
         streams = [r for r in results if isinstance(r, TextStream)]
         failures = [r for r in results if not isinstance(r, TextStream)]
         if failures:
@@ -89,15 +95,24 @@ class Generations:
         self, generate: GenerateRequest, record: RequestRecord, request: Request
     ) -> TextStream:
         """As ``open_choices``, for a request of one choice."""
-        self.gate.check_share(record, [generate])
-        return await self.open(generate, record, request)
+        (held,) = self.gate.claim_share(record, [generate.kv_tokens])
+        try:
+            return await self.open(generate, record, held, request)
+        finally:
+            if not held.admitted:
+                held.give()
 
     async def open(
-        self, generate: GenerateRequest, record: RequestRecord, request: Request | None = None
+        self,
+        generate: GenerateRequest,
+        record: RequestRecord,
+        held: Held,
+        request: Request | None = None,
     ) -> TextStream:
         """Wait for a slot, start the session and wait for its first token; errors
         become APIError.
 
+        ``held`` is the generation's part of its key's share (``Gate.claim_share``).
         ``request`` is watched for a disconnect while the request waits in the queue.
         The caller owns the returned stream and must ``close`` it.
         """
@@ -116,13 +131,16 @@ class Generations:
                 stops=generate.stops,
             )
 
-        return await self._start(record, request, make, generate.kv_tokens)
+        return await self._start(record, request, make, held)
 
     async def ask(
         self, model: str, ask: RemoteAsk, record: RequestRecord, request: Request | None = None
     ) -> TextStream:
         """As ``open``, for a remote (text) model: the request's fields go to its worker
-        as they are (ask_body checks them there), its answer comes back as text."""
+        as they are (ask_body checks them there), its answer comes back as text. It takes
+        a slot of its key's share as any generation does (no KV tokens: the upstream
+        holds its own cache)."""
+        (held,) = self.gate.claim_share(record, [0])
 
         def make(release: Release) -> TextStream:
             stream = self.client.ask(
@@ -135,7 +153,11 @@ class Generations:
             # Stop strings are the upstream's to apply: they travel in ``fields``.
             return self._text_stream(stream, None, ask.max_tokens, release)
 
-        return await self._start(record, request, make)
+        try:
+            return await self._start(record, request, make, held)
+        finally:
+            if not held.admitted:
+                held.give()
 
     # --- one generation --------------------------------------------------------------
 
@@ -178,11 +200,11 @@ class Generations:
         record: RequestRecord,
         request: Request | None,
         make: Callable[[Release], TextStream],
-        kv_tokens: int = 0,
+        held: Held,
     ) -> TextStream:
         """Admit the generation, start the stream ``make`` builds and wait for its first
         token; errors become APIError. The stream gives the slot back when it closes."""
-        release = await self.gate.admit(record, request, kv_tokens)
+        release = await self.gate.admit(record, request, held)
         try:
             text_stream = make(release)
             record.add_generation(text_stream)

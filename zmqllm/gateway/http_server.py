@@ -9,11 +9,14 @@ checked where it is read: ``zmqllm.gateway.body``.)
 
 A TLS handshake that never completes is bounded the same (``header_timeout``).
 
-Nor does uvicorn bound a response's writes: once a client stops reading, its socket's
-buffers fill, the transport pauses writing, and every ``send`` of the response waits for
-it to resume, forever, holding the request's generation slots and sessions. The protocol
-aborts a connection whose writing stays paused for ``write_timeout`` seconds; the
-application then sees the client gone (``http.disconnect``) and cancels the generation.
+Nor does uvicorn bound a response's writes: a client that stops reading holds the
+request's generation slots and sessions for as long as the server keeps writing into its
+buffers, which Linux grows to megabytes. The protocol fixes each connection's kernel send
+buffer at ``max_unread_bytes``, counts what it writes, asks the kernel what is still
+unread, and lets ``zmqllm.gateway.write_progress`` judge: a client that leaves more than
+``max_unread_bytes`` unread must take at least that many bytes every ``write_timeout``
+seconds, else its connection is reset; the application then sees the client gone
+(``http.disconnect``) and cancels the generation.
 
 TLS files are checked before uvicorn sees them: uvicorn would fail on a missing or bad
 file with a traceback from deep inside its startup, and prompt on the terminal for the
@@ -27,8 +30,9 @@ import asyncio.constants
 import contextlib
 import logging
 import ssl
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import h11
 import uvicorn
@@ -37,9 +41,17 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from zmqllm.config.settings import ConfigError, GatewaySettings
 from zmqllm.gateway.request_context import record_in
 from zmqllm.gateway.responses import INCOMPLETE_RESPONSE_LOG
+from zmqllm.gateway.write_progress import (
+    Stalled,
+    WriteProgress,
+    bound_send_buffer,
+    reset_on_close,
+    unsent_in_kernel,
+)
 from zmqllm.log import get_logger
 
 __all__ = [
+    "MIN_UNREAD_BYTES",
     "DeadlineProtocol",
     "base_url",
     "deadline_protocol",
@@ -50,25 +62,56 @@ __all__ = [
 # Seconds uvicorn waits for open streams on SIGINT/SIGTERM before cancelling them (which
 # cancels their sessions); long enough for a short answer to finish.
 GRACEFUL_SHUTDOWN_S = 5
+# Below the kernel's smallest send buffer (4608 on Linux) the bound would mean nothing.
+MIN_UNREAD_BYTES = 4096
 
 log = get_logger("zmqllm.gateway")
 
 
-class DeadlineProtocol(H11Protocol):
-    """uvicorn's h11 protocol with a deadline on each request's line and headers, and one
-    on a response's writes while the client reads nothing."""
+class _CountingTransport:
+    """The connection's transport as the protocol sees it: the same, but counting the
+    bytes handed to it (uvicorn writes a response only through ``write``)."""
 
-    # seconds; deadline_protocol makes a class with others
-    header_timeout = 10.0
-    write_timeout = 30.0
+    def __init__(self, transport: asyncio.Transport, wrote: Callable[[], None]) -> None:
+        self._transport = transport
+        self._wrote = wrote
+        self.written = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written += len(data)
+        self._transport.write(data)
+        self._wrote()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class DeadlineProtocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each request's line and headers, and a
+    floor on how fast a client must take a response it has fallen behind on."""
+
+    # deadline_protocol makes a class with others
+    header_timeout = 10.0  # seconds
+    write_timeout = 30.0  # seconds: the window write progress is judged over
+    max_unread_bytes = 262_144
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_timer: asyncio.TimerHandle | None = None
-        self._write_timer: asyncio.TimerHandle | None = None
+        self._progress_timer: asyncio.TimerHandle | None = None
+        self._progress = WriteProgress(self.write_timeout, self.max_unread_bytes)
+        # A few samples a window, at most one a second: cheap next to the writes.
+        self._sample_every = min(1.0, self.write_timeout / 4)
+        self._counter: _CountingTransport | None = None
+        self._socket: Any = None
+        self._kernel_counts = True  # until the kernel says it cannot
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        self._socket = transport.get_extra_info("socket")
+        if self._socket is not None:
+            bound_send_buffer(self._socket, self.max_unread_bytes)
+        self._counter = _CountingTransport(transport, self._arm_progress_check)
+        super().connection_made(cast(asyncio.Transport, self._counter))
         self._arm_header_deadline()
 
     def on_response_complete(self) -> None:
@@ -79,27 +122,46 @@ class DeadlineProtocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_deadline()
-        self._disarm_write_deadline()
+        if self._progress_timer is not None:
+            self._progress_timer.cancel()
+            self._progress_timer = None
         super().connection_lost(exc)
 
-    def pause_writing(self) -> None:
-        super().pause_writing()
-        if self._write_timer is None:
-            self._write_timer = self.loop.call_later(self.write_timeout, self._write_deadline)
+    def _unread(self) -> int:
+        """Bytes written and not yet taken by the client: the transport's buffer and the
+        kernel's send queue. Where the kernel cannot say, the transport's alone: the
+        bounded send buffer then fills and pauses the writes, which counts as behind.
+        Over TLS the kernel's count is of encrypted bytes, a few percent more than those
+        written: the client is taken to have read a little less than it has."""
+        unread = self.transport.get_write_buffer_size()
+        if self._kernel_counts and self._socket is not None:
+            in_kernel = unsent_in_kernel(self._socket)
+            if in_kernel is None:
+                self._kernel_counts = False
+            else:
+                unread += in_kernel
+        return unread
 
-    def resume_writing(self) -> None:
-        self._disarm_write_deadline()
-        super().resume_writing()
+    def _arm_progress_check(self) -> None:
+        if self._progress_timer is None and not self.transport.is_closing():
+            self._progress_timer = self.loop.call_later(self._sample_every, self._check_progress)
 
-    def _disarm_write_deadline(self) -> None:
-        if self._write_timer is not None:
-            self._write_timer.cancel()
-            self._write_timer = None
-
-    def _write_deadline(self) -> None:
-        self._write_timer = None
-        if not self.flow.write_paused:
+    def _check_progress(self) -> None:
+        self._progress_timer = None
+        if self.transport.is_closing() or self._counter is None:
             return
+        unread = self._unread()
+        paused = self.flow.write_paused
+        stalled = self._progress.observe(
+            self.loop.time(), self._counter.written - unread, unread, paused
+        )
+        if stalled is not None:
+            self._cut(stalled)
+        elif unread or paused:
+            self._arm_progress_check()
+        # else all taken: the next write samples again
+
+    def _cut(self, stalled: Stalled) -> None:
         scope: Any = self.cycle.scope if self.cycle is not None else None
         record = record_in(scope) if scope is not None else None
         request_id = None
@@ -108,11 +170,20 @@ class DeadlineProtocol(H11Protocol):
             if record.error is None:
                 record.error = record.finish_reason = "write_timeout"
         log.warning(
-            "client read nothing for write_timeout: connection aborted",
+            "client read nothing for write_timeout: connection aborted"
+            if stalled.delivered == 0
+            else "client read too slowly for write_timeout: connection aborted",
             request_id=request_id,
             write_timeout=self.write_timeout,
+            unread_bytes=stalled.unread,
+            delivered_bytes=stalled.delivered,
+            required_bytes=stalled.required,
         )
-        # close() would wait for the buffered bytes to be read, which they never are.
+        # close() would wait for the buffered bytes to be read, which they never are; and
+        # a plain close of the socket would still deliver what the kernel holds, at the
+        # client's pace.
+        if self._socket is not None:
+            reset_on_close(self._socket)
         self.transport.abort()
 
     def _arm_header_deadline(self) -> None:
@@ -136,14 +207,17 @@ class DeadlineProtocol(H11Protocol):
         self.transport.close()
 
 
-def deadline_protocol(header_timeout: float, write_timeout: float) -> type[DeadlineProtocol]:
-    """The protocol class with these deadlines (seconds)."""
+def deadline_protocol(
+    header_timeout: float, write_timeout: float, max_unread_bytes: int = 262_144
+) -> type[DeadlineProtocol]:
+    """The protocol class with these deadlines (seconds) and this bound on unread bytes."""
 
     class Protocol(DeadlineProtocol):
         pass
 
     Protocol.header_timeout = header_timeout
     Protocol.write_timeout = write_timeout
+    Protocol.max_unread_bytes = max_unread_bytes
     return Protocol
 
 
@@ -214,6 +288,11 @@ def uvicorn_config(app: Any, settings: GatewaySettings) -> uvicorn.Config:
     uvicorn_errors = logging.getLogger("uvicorn.error")
     if not any(isinstance(f, _DeliberateAborts) for f in uvicorn_errors.filters):
         uvicorn_errors.addFilter(_DeliberateAborts())
+    if settings.max_unread_bytes < MIN_UNREAD_BYTES:
+        raise ConfigError(
+            f"max_unread_bytes in [gateway] must be at least {MIN_UNREAD_BYTES}, "
+            f"got {settings.max_unread_bytes!r}"
+        )
     tls = tls_files(settings)
     if tls:
         # A TLS handshake comes before the request line, so the header deadline (armed
@@ -229,7 +308,9 @@ def uvicorn_config(app: Any, settings: GatewaySettings) -> uvicorn.Config:
         log_config=None,  # keep configure_logging's JSON lines
         access_log=False,  # the gateway logs one richer line per request itself
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        http=deadline_protocol(settings.header_timeout, settings.write_timeout),
+        http=deadline_protocol(
+            settings.header_timeout, settings.write_timeout, settings.max_unread_bytes
+        ),
         # Past this many connections plus requests in progress, uvicorn answers 503 at
         # once instead of letting memory and file descriptors run out.
         limit_concurrency=settings.limit_concurrency,

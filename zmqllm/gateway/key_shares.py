@@ -11,6 +11,12 @@ than half the cluster while others wait. A request past its key's share gets 429
 ``Retry-After`` at once, before it queues. Shares apply when the gateway has two API keys
 or more (one key is one tenant; an open gateway has none to tell apart).
 
+A request's whole claim (every choice of it) is checked and taken in one step, with no
+await between: a check that a later take follows lets concurrent requests of one key
+each pass the check before any of them takes (8 requests of ``n=4`` against a share of
+4 slots held 20). Each choice's part is then given back once, when its generation ends
+or fails to start.
+
 Socket-free: the admission gate (``admission.Gate``) claims and gives back, tests drive
 it directly.
 """
@@ -18,10 +24,19 @@ it directly.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-__all__ = ["KeyShares", "OverShare"]
+import anyio
+
+__all__ = ["TOKENIZING_PER_KEY", "Held", "KeyShares", "OverShare", "TokenizingTurns"]
+
+
+# Prompts one key may have tokenizing at once; its others wait their turn. Tokenizing a
+# body near max_body_bytes costs a core most of a second: 16 at once from one key held
+# every tokenizer thread while other keys' small prompts waited behind them.
+TOKENIZING_PER_KEY = 2
 
 
 @dataclass(frozen=True)
@@ -72,6 +87,16 @@ class KeyShares:
         if limit is not None and self.kv_tokens[tenant] + kv_tokens > limit:
             raise OverShare("KV tokens", self.kv_tokens[tenant], kv_tokens, limit)
 
+    def claim(self, tenant: str | None, kv_each: Sequence[int]) -> list[Held]:
+        """Check and take a slot and its KV tokens for each choice, atomically; OverShare
+        (nothing taken) past the share."""
+        self.check(tenant, len(kv_each), sum(kv_each))
+        held = []
+        for kv in kv_each:
+            self.take(tenant, kv)
+            held.append(Held(self, tenant, kv))
+        return held
+
     def take(self, tenant: str | None, kv_tokens: int) -> None:
         """One choice's slot and its KV tokens, held until ``give``."""
         if tenant is not None:
@@ -86,3 +111,54 @@ class KeyShares:
         if self.slots[tenant] <= 0:
             del self.slots[tenant]
             self.kv_tokens.pop(tenant, None)
+
+
+class Held:
+    """One choice's slot and KV tokens of its key's share; ``give`` returns them once,
+    however many of the paths that end a generation call it."""
+
+    __slots__ = ("_shares", "admitted", "given", "kv_tokens", "tenant")
+
+    def __init__(self, shares: KeyShares, tenant: str | None, kv_tokens: int) -> None:
+        self._shares = shares
+        self.tenant = tenant
+        self.kv_tokens = kv_tokens
+        self.admitted = False  # its generation's admission gives it back from then on
+        self.given = False
+
+    def give(self) -> None:
+        if not self.given:
+            self.given = True
+            self._shares.give(self.tenant, self.kv_tokens)
+
+
+class TokenizingTurns:
+    """At most TOKENIZING_PER_KEY prompts of one key tokenizing at once (a request with
+    no tenant, on a gateway of one tenant, is not held back)."""
+
+    def __init__(self, per_key: int = TOKENIZING_PER_KEY) -> None:
+        self.per_key = per_key
+        self._turns: dict[str, anyio.Semaphore] = {}
+        self._users: Counter[str] = Counter()
+
+    @property
+    def keys(self) -> int:
+        """Keys with a prompt tokenizing or waiting to (a semaphore is kept per key only
+        while it is in use)."""
+        return len(self._turns)
+
+    @asynccontextmanager
+    async def turn(self, tenant: str | None) -> AsyncIterator[None]:
+        if tenant is None:
+            yield
+            return
+        turns = self._turns.setdefault(tenant, anyio.Semaphore(self.per_key))
+        self._users[tenant] += 1
+        try:
+            async with turns:
+                yield
+        finally:
+            self._users[tenant] -= 1
+            if self._users[tenant] <= 0:
+                del self._users[tenant]
+                del self._turns[tenant]

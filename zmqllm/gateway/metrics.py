@@ -83,14 +83,26 @@ _WORKER_COUNTERS = (
 )
 
 
+# A worker's figures that tell whether another tenant sent a prompt: the prefix cache's
+# own, and what a hit changes, the rows the first stage computes (a hit skips the cached
+# prompt's tokens) and the time its forwards take. Shown to clients only with
+# prefix_stats; `zmqllm status` always shows them.
+_WORK_STATS = frozenset({"tokens", "forwards", "busy_s", "mean_forward_ms", "last_forward_ms"})
+
+
+def reveals_prompts(key: str) -> bool:
+    """Whether a worker's stats ``key`` is one only prefix_stats shows clients."""
+    return key.startswith("prefix_") or key in _WORK_STATS
+
+
 def without_prefix_stats(status: dict[str, Any] | None) -> dict[str, Any] | None:
-    """``status`` with no worker's prefix cache figures (prefix_stats off)."""
+    """``status`` without any worker's figures that reveal prompts (prefix_stats off)."""
     if not status or not isinstance(status.get("workers"), list):
         return status
     workers = []
     for w in status["workers"]:
         if isinstance(w, dict) and isinstance(w.get("stats"), dict):
-            stats = {k: v for k, v in w["stats"].items() if not k.startswith("prefix_")}
+            stats = {k: v for k, v in w["stats"].items() if not reveals_prompts(k)}
             w = {**w, "stats": stats}
         workers.append(w)
     return {**status, "workers": workers}
@@ -158,11 +170,9 @@ class ClusterCollector(Collector):
         yield dropped
         yield from _auth_metrics(st.get("auth", {}))
         labels = ["worker", "layers", "model"]
-        shown = [g for g in _WORKER_GAUGES if self.prefix_stats or not g[0].startswith("prefix_")]
+        shown = [g for g in _WORKER_GAUGES if self.prefix_stats or not reveals_prompts(g[0])]
         gauges = {k: GaugeMetricFamily(n, t, labels=labels) for k, n, t in shown}
-        counted = [
-            c for c in _WORKER_COUNTERS if self.prefix_stats or not c[0].startswith("prefix_")
-        ]
+        counted = [c for c in _WORKER_COUNTERS if self.prefix_stats or not reveals_prompts(c[0])]
         counters = {k: CounterMetricFamily(n, t, labels=labels) for k, n, t in counted}
         draining = GaugeMetricFamily("zmqllm_worker_draining", "1 while draining", labels=labels)
         faults = CounterMetricFamily(

@@ -25,7 +25,7 @@ from zmqllm.gateway.backend import BrokerClientLike, broker_error_fields
 from zmqllm.gateway.served_models import ModelDirectory, complete_route
 from zmqllm.log import bind_request, get_logger, new_request_id
 
-__all__ = ["Readiness"]
+__all__ = ["Readiness", "failing_shown"]
 
 log = get_logger("zmqllm.gateway")
 
@@ -179,3 +179,18 @@ def _no_route_reason(status: dict[str, Any], model: str) -> str:
             "and the gateway the same --model-name"
         )
     return "no complete route: waiting for workers to cover every layer"
+
+
+# What anyone may see of a failing child of `zmqllm up` on /ready; its exits, exit
+# status, next start and log file (an absolute path on the host) only an authorized
+# caller sees (failing_shown).
+_PUBLIC_CHILD_FIELDS = ("name", "role")
+
+
+def failing_shown(failing: list[dict[str, Any]], authorized: bool) -> list[dict[str, Any]]:
+    """The failing children as /ready shows them to its caller: whole to an authorized
+    one (a valid API key; without keys, a caller on the loopback interface), else only
+    which children fail. /ready needs no key (a load balancer's probe has none)."""
+    if authorized:
+        return failing
+    return [{k: child.get(k) for k in _PUBLIC_CHILD_FIELDS} for child in failing]

@@ -21,8 +21,9 @@ from zmqllm.client.request import GenerateRequest
 from zmqllm.config.settings import GatewaySettings
 from zmqllm.gateway.admission import Gate
 from zmqllm.gateway.backend import BrokerClientLike
-from zmqllm.gateway.choices import Choices
+from zmqllm.gateway.choices import Choices, check_choices
 from zmqllm.gateway.generations import Generations
+from zmqllm.gateway.key_shares import TokenizingTurns
 from zmqllm.gateway.planning import (
     PlainQuery,
     Planner,
@@ -67,6 +68,8 @@ class GatewayService:
     models: ModelDirectory = field(init=False)
     planner: Planner = field(init=False)
     gate: Gate = field(init=False)
+    # Prompts of one API key tokenizing at once (key_shares.TOKENIZING_PER_KEY).
+    tokenizing: TokenizingTurns = field(init=False, default_factory=TokenizingTurns)
     generations: Generations = field(init=False)
 
     def __post_init__(self) -> None:
@@ -100,7 +103,10 @@ class GatewayService:
             default = self.settings.default_max_tokens
             ask = openai_ask(body, AskKind.CHAT, {"messages": messages}, default)
             return await self._ask(model, ask, request)
-        planned = await self.planner.chat_requests(body, record_of(request).request_id)
+        record = record_of(request)
+        self.gate.precheck(record, check_choices(body.n, self.settings.max_concurrent))
+        async with self.tokenizing.turn(record.tenant):
+            planned = await self.planner.chat_requests(body, record.request_id)
         return await self._generate(model, planned, request)
 
     async def completion(self, body: CompletionRequest, request: Request) -> Opened:
@@ -111,7 +117,10 @@ class GatewayService:
             default = self.settings.default_max_tokens
             ask = openai_ask(body, AskKind.COMPLETION, {"prompt": body.prompt}, default)
             return await self._ask(model, ask, request)
-        planned = await self.planner.completion_requests(body, record_of(request).request_id)
+        record = record_of(request)
+        self.gate.precheck(record, check_choices(body.n, self.settings.max_concurrent))
+        async with self.tokenizing.turn(record.tenant):
+            planned = await self.planner.completion_requests(body, record.request_id)
         return await self._generate(model, planned, request)
 
     async def plain_chat(self, prompt: str, query: PlainQuery, request: Request) -> TextStream:
@@ -121,7 +130,9 @@ class GatewayService:
         if model.text_model:
             ask = plain_ask(prompt, query, self.settings.default_max_tokens)
             return await self.generations.ask(model.name, ask, record, request)
-        planned = await self.planner.plain_request(prompt, query, record.request_id)
+        self.gate.precheck(record, 1)
+        async with self.tokenizing.turn(record.tenant):
+            planned = await self.planner.plain_request(prompt, query, record.request_id)
         return await self.generations.open_one(planned, record, request)
 
     async def _generate(

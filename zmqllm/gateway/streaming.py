@@ -216,8 +216,12 @@ class TextStream:
         budget = min((t for t in (limit, left) if t is not None), default=None)
         if budget is None:
             return await self._next_event()
-        with anyio.move_on_after(max(budget, 0.0)):
-            return await self._next_event()
+        # Checked before each read, not only by the scope: a read of an event already
+        # queued (a client that reads slower than tokens come) never suspends, so the
+        # scope's deadline would never be seen while the queue holds tokens.
+        if budget > 0:
+            with anyio.move_on_after(budget):
+                return await self._next_event()
         with anyio.CancelScope(shield=True):
             await self._stream.cancel()
         if left is not None and (limit is None or left <= limit):

@@ -5,8 +5,9 @@ parent; then signalled as a group, waited for, and read back through the tail of
 `zmqllm up` (``launcher.py``) and the tests' and benchmarks' local clusters
 (``testbed/cluster.py``) both start their processes here, so a child behaves the same
 under both: a Ctrl-C in the terminal reaches only the process that started it, a signal
-sent to a child reaches anything that child started, and no child outlives a parent that
-was SIGKILLed while it held the ports. Torch-free.
+sent to a child reaches anything that child started, no child outlives a parent that
+was SIGKILLed while it held the ports, and every child starts with SIGINT and SIGTERM at
+their defaults, whatever the parent inherited. Torch-free.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
+
+from zmqllm.log import printable
 
 __all__ = [
     "LOG_DIR_MODE",
@@ -36,6 +39,8 @@ LOG_DIR_MODE = 0o700  # owner only: see private_log_dir
 LOG_FILE_MODE = 0o600
 TAIL_LINES = 20
 _PR_SET_PDEATHSIG = 1
+# The signals a stop arrives by (the launcher sends SIGINT, a parent's death SIGTERM).
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 # --- log files ---------------------------------------------------------------------------
@@ -64,12 +69,14 @@ def open_private_log(path: Path, append: bool = False) -> BinaryIO:
 
 
 def tail(path: Path, lines: int = TAIL_LINES) -> str:
-    """The last ``lines`` lines of a log, or a note saying there are none."""
+    """The last ``lines`` lines of a log, or a note saying there are none; control
+    characters escaped, as it is printed to a terminal and a child's last words may quote
+    a peer or a client (a crash's message, a library's line)."""
     try:
         text = path.read_text(errors="replace")
     except OSError:
         return "(no log)"
-    return "\n".join(text.splitlines()[-lines:]) or "(empty log)"
+    return "\n".join(printable(line) for line in text.splitlines()[-lines:]) or "(empty log)"
 
 
 def describe_exit(code: int) -> str:
@@ -108,6 +115,17 @@ def _die_with_parent() -> None:
     # when the thread that forked exits: spawn from a thread that outlives its children.
     if _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _prepare_child() -> None:
+    # Runs in the child before exec. A process started in the background by a script
+    # (`bin/up &`), by nohup or by some supervisors has SIGINT ignored, and an ignored
+    # signal stays ignored across fork and exec: its children would sit out every stop's
+    # grace and be SIGKILLed. At their defaults, Python turns SIGINT into
+    # KeyboardInterrupt and the roles install their own handlers, as from a terminal.
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+    _die_with_parent()
 
 
 # --- one child -------------------------------------------------------------------------
@@ -188,6 +206,6 @@ def spawn(
             # Its own session and group: a Ctrl-C in the terminal reaches the parent alone,
             # which stops its children in the order it chooses.
             start_new_session=True,
-            preexec_fn=_die_with_parent if _PRCTL is not None else None,
+            preexec_fn=_prepare_child,
         )
     return ChildProcess(name, popen, log)

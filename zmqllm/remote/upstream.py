@@ -6,7 +6,7 @@ failures come out as ``UpstreamError`` with a short code. A request is retried o
 nothing of the answer has been passed on: after a delta, a retry would repeat text. A
 consumer that stops early closes the generator (``contextlib.aclosing``) or cancels its
 task: the connection is then closed at once, which is how the upstream learns to stop.
-No torch here: a remote worker needs no ML stack.
+The stream's bytes become deltas in ``sse.py``. No torch here: a remote worker needs no ML stack.
 """
 
 from __future__ import annotations
@@ -14,18 +14,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from zmqllm.log import get_logger
+from zmqllm.remote.sse import Delta, EventReader, StreamFault, error_detail, utf8
 
 __all__ = [
     "ERROR_CODES",
-    "Delta",
     "Upstream",
     "UpstreamError",
     "UpstreamSettings",
@@ -38,18 +37,14 @@ log = get_logger("zmqllm.worker")
 logging.getLogger("httpx").setLevel(logging.WARNING)
 
 ERROR_CODES = ("bad_request", "busy", "upstream_error", "timeout")
-MAX_LINE_BYTES = 1 << 20
 MAX_ERROR_BODY_BYTES = 64 << 10
 MAX_MODELS_BODY_BYTES = 4 << 20
 MAX_MESSAGE_CHARS = 1000
-MAX_DETAIL_CHARS = 600  # the upstream's own words, leaving room for the URL in a message
-MAX_FINISH_CHARS = 32
 BACKOFF_CAP_S = 10.0
 # The request itself is wrong: sending it again, or elsewhere, cannot help.
 _BAD_REQUEST_STATUSES = frozenset({400, 404, 413, 422})
 # Failures with no status line: no answer had begun, so a retry repeats nothing.
 _RETRIED_EXCEPTIONS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError)
-_LINE_END = re.compile(rb"\r\n|\r|\n")
 _ENDPOINTS = {"chat": "/chat/completions", "completion": "/completions"}
 
 
@@ -79,7 +74,7 @@ class UpstreamError(Exception):
         if code not in ERROR_CODES:
             raise ValueError(f"unknown upstream error code {code!r}")
         # One line, and one the wire can carry (an upstream's error text may not be).
-        message = " ".join(_utf8(message).split())
+        message = " ".join(utf8(message).split())
         if len(message) > MAX_MESSAGE_CHARS:
             message = message[: MAX_MESSAGE_CHARS - 1] + "…"
         # All three in args, so the error pickles whole.
@@ -88,14 +83,6 @@ class UpstreamError(Exception):
 
     def __str__(self) -> str:
         return self.message
-
-
-@dataclass
-class Delta:
-    text: str = ""
-    finish: str | None = None  # "stop", "length", or the upstream's own reason
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
 
 
 def _shown(method: str, url: httpx.URL) -> str:
@@ -117,56 +104,6 @@ def shown_url(url: str) -> str:
     return f"{parsed.scheme}://{host}{port}{parsed.path}"
 
 
-def _utf8(text: str) -> str:
-    # JSON may carry a lone surrogate ("\ud800"), which no UTF-8 wire can carry: the
-    # message holding it could not be sent, and its session would fail for one character.
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "replace").decode("utf-8")
-    return text
-
-
-def _detail(body: Any, raw: str) -> str:
-    """The upstream's own error message: {"error": {"message": ...}} and its kin."""
-    error = body.get("error", body) if isinstance(body, dict) else None
-    if isinstance(error, dict):
-        error = error.get("message") or error.get("detail")
-    if isinstance(error, str) and error:
-        return error[:MAX_DETAIL_CHARS]
-    return raw[:200] or "(no message)"
-
-
-def _count(usage: dict[str, Any], key: str) -> int | None:
-    value = usage.get(key)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ValueError(f"usage.{key} is not a count")
-    return value
-
-
-def _to_delta(chunk: dict[str, Any], kind: str) -> Delta | None:
-    """The delta one stream chunk carries (None: nothing new); ValueError names a bad shape."""
-    choices = chunk.get("choices") or []
-    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
-        raise ValueError("'choices' is not a list of objects")
-    # Only the first choice is ours: the worker asks for one.
-    choice: dict[str, Any] = next((c for c in choices if c.get("index", 0) == 0), {})
-    holder = (choice.get("delta") or {}) if kind == "chat" else choice
-    if not isinstance(holder, dict):
-        raise ValueError("a choice's delta is not an object")
-    text = holder.get("content" if kind == "chat" else "text")
-    reason = choice.get("finish_reason")
-    if not isinstance(text, str | None) or not isinstance(reason, str | None):
-        raise ValueError("a choice's text or finish_reason is not a string")
-    usage = chunk.get("usage") or {}
-    if not isinstance(usage, dict):
-        raise ValueError("'usage' is not an object")
-    finish = _utf8(reason[:MAX_FINISH_CHARS]) if reason else None
-    tokens = _count(usage, "prompt_tokens"), _count(usage, "completion_tokens")
-    delta = Delta(_utf8(text) if text else "", finish, *tokens)
-    return delta if delta != Delta() else None
-
-
 async def _read_capped(response: httpx.Response, limit: int) -> bytes:
     # An error page or a model list can be any size.
     body = bytearray()
@@ -175,122 +112,6 @@ async def _read_capped(response: httpx.Response, limit: int) -> bytes:
         if len(body) >= limit:
             break
     return bytes(body[:limit])
-
-
-def _whole_json(lines: list[bytes]) -> bool:
-    """Whether the data lines so far already make one JSON document (or [DONE])."""
-    value = b"\n".join(lines)
-    if value.strip() == b"[DONE]":
-        return True
-    try:
-        json.loads(value)
-    except ValueError:
-        return False
-    return True
-
-
-class _EventReader:
-    """Bytes of a server-sent event stream to deltas. An event's ``data:`` lines are
-    joined with newlines and the event is read at its blank line, as the SSE spec says
-    (a JSON document may be split over several lines). A server that leaves out the
-    blank lines still streams: a data line after a buffer that is already a whole JSON
-    document starts the next event."""
-
-    def __init__(self, upstream: Upstream, kind: str, shown: str) -> None:
-        self._upstream, self._kind, self._shown = upstream, kind, shown
-        self._pending = bytearray()  # the start of a line not yet ended
-        self._data: list[bytes] = []  # the data lines of the event being read
-        self._data_bytes = 0
-        self.finished = False  # a finish reason came
-        self.done = False  # "data: [DONE]" came
-
-    def feed(self, data: bytes) -> Iterator[Delta]:
-        # A generator, so the deltas before a bad line still go out ahead of its error.
-        if _LINE_END.search(data) is None:
-            # Only new bytes are searched: a long line arriving in many pieces stays linear.
-            self._hold(data)
-            return
-        *lines, rest = _LINE_END.split(bytes(self._pending) + data)
-        self._pending = bytearray()
-        for line in lines:
-            if self.done:
-                return
-            if len(line) > MAX_LINE_BYTES:
-                raise self._error("sent a data line over 1 MiB")
-            yield from self._take_line(line)
-        self._hold(rest)
-
-    def end(self) -> Iterator[Delta]:
-        """At EOF: what a last line without a line end holds; raises if the answer is cut."""
-        if self._pending and not self.done:
-            yield from self._take_line(bytes(self._pending))
-        if self._data and not self.done:
-            yield from self._dispatch()
-        if not self.finished:
-            raise self._error("the stream ended before the answer finished")
-
-    def _hold(self, data: bytes) -> None:
-        self._pending += data
-        if len(self._pending) > MAX_LINE_BYTES:
-            raise self._error("sent a data line over 1 MiB")
-
-    def _error(self, what: str) -> UpstreamError:
-        return self._upstream._error("upstream_error", f"upstream {self._shown}: {what}")
-
-    def _take_line(self, line: bytes) -> Iterator[Delta]:
-        if not line:  # a blank line ends the event
-            yield from self._dispatch()
-            return
-        name, _, value = line.partition(b":")
-        # ":" starts a comment; event:, id:, retry: mean nothing here.
-        if name != b"data":
-            return
-        if self._data and _whole_json(self._data):
-            yield from self._dispatch()  # no blank line came between two events
-        value = value.removeprefix(b" ")
-        self._data_bytes += len(value) + 1
-        if self._data_bytes > MAX_LINE_BYTES:
-            raise self._error("sent an event over 1 MiB")
-        self._data.append(value)
-
-    def _dispatch(self) -> Iterator[Delta]:
-        if not self._data or self.done:
-            self._data, self._data_bytes = [], 0
-            return
-        value = b"\n".join(self._data)
-        self._data, self._data_bytes = [], 0
-        delta = self._event(value)
-        if delta is not None:
-            yield delta
-
-    def _event(self, value: bytes) -> Delta | None:
-        if value.strip() == b"[DONE]":
-            self.done = True
-            if self.finished:
-                return None
-            # An end marker without a finish reason: a lax server, not a cut answer.
-            log.warning("upstream sent [DONE] without a finish reason; taken as stop")
-            self.finished = True
-            return Delta(finish="stop")
-        try:
-            chunk = json.loads(value.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise self._error("sent a data line that is not UTF-8") from None
-        except ValueError:
-            # Keep-alive pings and the like; not logged whole, as it may hold answer text.
-            log.debug("upstream sent an event that is not JSON; skipped")
-            return None
-        if not isinstance(chunk, dict):
-            return None
-        if chunk.get("error") is not None:
-            raise self._error(f"sent an error mid-stream: {_detail(chunk, '')}")
-        try:
-            delta = _to_delta(chunk, self._kind)
-        except ValueError as exc:
-            raise self._error(f"sent malformed data ({exc})") from None
-        if delta is not None and delta.finish is not None:
-            self.finished = True
-        return delta
 
 
 class Upstream:
@@ -363,7 +184,7 @@ class Upstream:
             if response.headers.get("content-type", "").startswith("application/json"):
                 # It ignored "stream": a server this client cannot use as it is set up.
                 raise self._error("upstream_error", f"upstream {shown} sent JSON, not a stream")
-            reader = _EventReader(self, kind, shown)
+            reader = EventReader(kind)
             try:
                 async for data in response.aiter_bytes():
                     for delta in reader.feed(data):
@@ -378,6 +199,11 @@ class Upstream:
                 return
             for delta in reader.end():
                 yield delta
+        except StreamFault as fault:
+            # The reason, not the message: that may quote the upstream's answer.
+            facts = {"path": url.path, "code": "upstream_error", "reason": fault.reason}
+            log.warning("upstream stream failed", **facts)
+            raise self._error("upstream_error", f"upstream {shown}: {fault}") from None
         except UpstreamError as exc:
             log.warning("upstream stream failed", path=url.path, code=exc.code)
             raise
@@ -425,7 +251,7 @@ class Upstream:
             hint = "the upstream refused the worker's API key (check the worker's upstream key); "
             if not self.settings.api_key:
                 hint = "the upstream wants an API key and the worker has none set; "
-        message = f"upstream {shown} answered HTTP {status}: {hint}{_detail(body, text)}"
+        message = f"upstream {shown} answered HTTP {status}: {hint}{error_detail(body, text)}"
         return self._error(code, message, status)
 
     async def _open(

@@ -229,6 +229,12 @@ class RemoteWorker(WorkerShell):
 
     # -- one session, on the upstream thread -------------------------------------------
     async def _stream(self, key: SessionKey, ask: Ask, body: dict[str, Any]) -> None:
+        # The task runs in a context of its own, not on_ask's: bound here, every line it
+        # logs (the upstream client's too) names its request.
+        with bind_request(ask.request_id, ask.session):
+            await self._answer(key, ask, body)
+
+    async def _answer(self, key: SessionKey, ask: Ask, body: dict[str, Any]) -> None:
         def out(msg: Message) -> None:
             self.outbox.append((key, msg))
 
@@ -246,25 +252,25 @@ class RemoteWorker(WorkerShell):
         usage: tuple[int | None, int | None] = (None, None)
         try:
             pieces = self.upstream.stream(kind, body)
-            # An upstream that does not stop at max_tokens is stopped here: by its pieces
-            # (a token each, as OpenAI streams) and by its text's size.
-            most_pieces = ask.max_tokens + PIECES_MARGIN
+            # An upstream that does not stop at max_tokens is stopped here, by the fewest
+            # tokens its text can be: never by its pieces, which may be a character each.
+            tokens = TokenFloor()
+            most_tokens = ask.max_tokens + TOKENS_MARGIN
             most_chars = ask.max_tokens * MAX_CHARS_PER_TOKEN + CHARS_MARGIN
-            got_pieces = got_chars = 0
             async with contextlib.aclosing(pieces):
                 async for piece in pieces:
                     if piece.prompt_tokens is not None or piece.completion_tokens is not None:
                         usage = (_count(piece.prompt_tokens), _count(piece.completion_tokens))
-                    got_pieces += 1 if piece.text else 0
-                    got_chars += len(piece.text)
-                    if got_pieces > most_pieces or got_chars > most_chars:
-                        with bind_request(ask.request_id, ask.session):
-                            log.warning(
-                                "upstream went past max_tokens; its answer cut",
-                                max_tokens=ask.max_tokens,
-                                pieces=got_pieces,
-                                chars=got_chars,
-                            )
+                    tokens.add(piece.text, usage[1])
+                    # Only text can be held back: a count after the last text cuts nothing.
+                    over = tokens.least > most_tokens or tokens.chars > most_chars
+                    if piece.text and over:
+                        log.warning(
+                            "upstream went past max_tokens; its answer cut",
+                            max_tokens=ask.max_tokens,
+                            tokens_at_least=tokens.least,
+                            chars=tokens.chars,
+                        )
                         finish = "length"
                         break
                     for start in range(0, len(piece.text), MAX_DELTA):
@@ -280,12 +286,10 @@ class RemoteWorker(WorkerShell):
                     completion_tokens=usage[1],
                 )
             )
-            with bind_request(ask.request_id, ask.session):
-                log.info("session finished", finish=finish, pieces=step + 1)
+            log.info("session finished", finish=finish, pieces=step + 1)
         except UpstreamError as exc:
             code = UPSTREAM_CODES.get(exc.code, ErrorCode.UPSTREAM_ERROR)
-            with bind_request(ask.request_id, ask.session):
-                log.warning("upstream failed; session failed", code=code.value, status=exc.status)
+            log.warning("upstream failed; session failed", code=code.value, status=exc.status)
             out(Error.of(code, exc.message, ask.session, **_ids(ask)))
         except asyncio.CancelledError:
             raise
@@ -294,12 +298,37 @@ class RemoteWorker(WorkerShell):
             out(Error.of(ErrorCode.INTERNAL, "internal error in the remote worker", **_sid(ask)))
 
 
-# An upstream's answer past its max_tokens: a few pieces of slack (some servers send the
-# finish in a piece of its own, or split a token), and at most this much text a token
-# (the longest tokens of real vocabularies are under 128 characters).
-PIECES_MARGIN = 16
+# An upstream's answer past its max_tokens: a few tokens of slack (some servers count a
+# token or two more than they were asked for), and at most this much text a token (the
+# longest tokens of real vocabularies are under 128 characters).
+TOKENS_MARGIN = 16
 MAX_CHARS_PER_TOKEN = 128
 CHARS_MARGIN = 4096
+
+
+class TokenFloor:
+    """The fewest tokens an answer's text so far can be, without the upstream's tokenizer:
+    a token at least for each word (the tokenizers in use split text at whitespace before
+    merging, so no token holds parts of two words), and the upstream's own count when it
+    sends one along the way. However the text is cut into pieces, the count is the same."""
+
+    def __init__(self) -> None:
+        self.words = self.chars = self.reported = 0
+        self._in_word = False  # the text so far ends inside a word
+
+    @property
+    def least(self) -> int:
+        return max(self.words, self.reported)
+
+    def add(self, text: str, reported: int | None = None) -> None:
+        if text:
+            # A word begun in the last piece and carried on in this one counts once.
+            carried = 1 if self._in_word and not text[0].isspace() else 0
+            self.words += len(text.split()) - carried
+            self.chars += len(text)
+            self._in_word = not text[-1].isspace()
+        if reported is not None:
+            self.reported = max(self.reported, reported)
 
 
 def _count(value: int | None) -> int | None:

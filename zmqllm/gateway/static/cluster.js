@@ -67,8 +67,12 @@
     pair(list, "KV", `${w.kv_tokens_reserved} / ${w.max_kv_tokens} tokens (${kv.toFixed(0)} %)`);
     const stats = w.stats || {};
     pair(list, "batch", stats.last_batch === undefined ? "?" : stats.last_batch);
-    const busy = old && old.stats ? rate(stats.busy_s, old.stats.busy_s, seconds) : null;
-    pair(list, "busy", busy === null ? "…" : `${Math.min(100, 100 * busy).toFixed(0)} %`, "busy");
+    // Busy time is shown only where the gateway shows it (prefix_stats): it tells whether a
+    // prompt hit the prefix cache.
+    if (stats.busy_s !== undefined) {
+      const busy = old && old.stats ? rate(stats.busy_s, old.stats.busy_s, seconds) : null;
+      pair(list, "busy", busy === null ? "…" : `${Math.min(100, 100 * busy).toFixed(0)} %`, "busy");
+    }
     pair(list, "RSS", stats.rss_bytes ? mib(stats.rss_bytes) : "?");
     // The node's health, from the worker's heartbeats (CPU: of one core, between two).
     pair(list, "CPU", typeof w.cpu_percent === "number" ? `${w.cpu_percent.toFixed(0)} %` : "…");
