@@ -36,6 +36,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.torch, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 IN_CI = os.environ.get("CI") == "true"
 PROMPTS = ["Why is the sky blue?", "Count to five."]
+IMAGE_UID = 10001  # the user deploy/Containerfile runs every role as
 
 
 def missing() -> str | None:
@@ -156,9 +157,14 @@ def test_image_serves_a_cluster_exactly(
     manifest = (ROOT / "deploy/raycluster.yaml").read_text()
     assert f'rayVersion: "{ray.stdout.strip()}"' in manifest, ray.stderr
 
-    # The key folder made by the image's own `zmqllm keys init`, as an operator would.
+    # The image runs as its own user, not root (deploy/Containerfile).
+    user = podman("run", "--rm", "--runtime", "runc", "--entrypoint=id", image, "-u")
+    assert user.stdout.strip() == str(IMAGE_UID), user.stderr
+    # The key folder made by the image's own `zmqllm keys init`, as an operator would: in a
+    # folder of the image's user, so that the roles (that user too) read what it wrote.
     keys = tmp_path / "keys"
     keys.mkdir()
+    os.chown(keys, IMAGE_UID, IMAGE_UID)
     made = podman(
         "run", "--rm", "--runtime", "runc", *ulimits(), f"--volume={keys}:/keys",
         image, "keys", "init", "/keys/cluster",

@@ -125,3 +125,45 @@ def test_gateway_flags_reach_the_settings(monkeypatch: pytest.MonkeyPatch) -> No
     g = cfg.gateway
     assert (g.max_concurrent, g.max_queued, g.queue_timeout) == (8, 3, 7.0)
     assert (g.first_token_timeout, g.inter_token_timeout) == (9.0, 4.5)
+
+
+@pytest.mark.parametrize(
+    ("host", "keyed", "open_api", "refused"),
+    [
+        ("0.0.0.0", False, False, True),
+        ("::", False, False, True),
+        ("198.18.0.1", False, False, True),
+        ("gw.example.com", False, False, True),
+        ("0.0.0.0", True, False, False),
+        ("0.0.0.0", False, True, False),
+        ("127.0.0.1", False, False, False),
+        ("localhost", False, False, False),
+        ("::1", False, False, False),
+    ],
+)
+def test_an_open_api_beyond_loopback_is_refused_unless_asked_for(
+    host: str, keyed: bool, open_api: bool, refused: bool
+) -> None:
+    """Issue 40, item 7: as the broker refuses a plaintext bus beyond loopback, the
+    gateway refuses to serve its API without keys where other machines reach it."""
+    from zmqllm.config.settings import GatewaySettings
+
+    settings = GatewaySettings(host=host, open_api=open_api)
+    if not refused:
+        main.check_exposure(settings, keyed)
+        return
+    with pytest.raises(ConfigError) as err:
+        main.check_exposure(settings, keyed)
+    assert f"on {host} without API keys" in str(err.value)
+    assert "--api-key-file" in str(err.value) and "--open-api" in str(err.value)
+
+
+def test_the_cli_exits_2_before_loading_anything(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from zmqllm import cli
+
+    monkeypatch.delenv("ZMQLLM_API_KEY", raising=False)
+    monkeypatch.setattr(main, "model_files_dir", lambda _: pytest.fail("loaded the model"))
+    assert cli.main(["gateway", "--host", "0.0.0.0", "--model", "/nonexistent"]) == 2
+    assert "refusing to serve the API on 0.0.0.0 without API keys" in capsys.readouterr().err

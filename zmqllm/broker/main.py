@@ -9,11 +9,11 @@ itself, its sockets and loop, is ``loop.py``. It never imports torch.
 
 from __future__ import annotations
 
-import ipaddress
 import signal
 
 from zmqllm.broker.loop import Broker
 from zmqllm.bus.keys import keys_dir, load_broker_keys
+from zmqllm.config.machine import is_loopback_host
 from zmqllm.config.settings import BrokerSettings, ConfigError, SecuritySettings
 from zmqllm.log import get_logger
 
@@ -29,15 +29,8 @@ def exposed_endpoints(settings: BrokerSettings) -> list[str]:
     for endpoint in (settings.frontend, settings.backend):
         if not endpoint.startswith("tcp://"):
             continue
-        host = endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
-        if host == "localhost":
-            continue
-        try:
-            if ipaddress.ip_address(host).is_loopback:
-                continue
-        except ValueError:
-            pass
-        out.append(endpoint)
+        if not is_loopback_host(endpoint[len("tcp://") :].rsplit(":", 1)[0]):
+            out.append(endpoint)
     return out
 
 

@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 
-__all__ = ["memory_available", "rss_bytes"]
+__all__ = ["is_loopback_host", "memory_available", "rss_bytes"]
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (a name or an address, IPv6 in brackets or not) names this
+    machine's loopback interface only: what no other machine can reach. A host name other
+    than localhost counts as reachable, as do the wildcards (0.0.0.0, ::, *)."""
+    host = host.strip().strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def rss_bytes() -> int:

@@ -400,6 +400,12 @@ class GatewaySettings:
         flag="--api-key-file",
         metavar="FILE",
     )
+    # As the broker refuses a plaintext bus beyond loopback (zmqllm/gateway/main.py).
+    open_api: bool = setting(
+        False,
+        "serve the API without API keys on an address other than loopback, so that anyone "
+        "who reaches it may use it; without this the gateway refuses to start that way",
+    )
     ssl_certfile: str = setting(
         "", "serve https with this PEM certificate (chain); empty = http", metavar="FILE"
     )

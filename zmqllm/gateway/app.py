@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import os
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from zmqllm.config.machine import is_loopback_host
 from zmqllm.config.settings import GatewaySettings
 from zmqllm.config.up_state import STATE_ENV, failing_children, read_state
 from zmqllm.gateway import openai_routes, pages, plain_routes
@@ -44,13 +44,6 @@ def _warmup_prompt(tokenizer: Tokenizer) -> list[int]:
     if not ids and tokenizer.bos_token_id is not None:
         ids = [tokenizer.bos_token_id]
     return ids or [0]
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def create_app(
@@ -177,6 +170,6 @@ def create_app(
         if api_keys is not None:
             return api_keys.check(request.headers.get("authorization")).allowed
         host = request.client.host if request.client is not None else ""
-        return is_loopback(host)
+        return is_loopback_host(host)
 
     return app

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import uvicorn
 
+from zmqllm.config.machine import is_loopback_host
 from zmqllm.config.paths import checked_model_name, resolve_model_path, served_model_name
-from zmqllm.config.settings import Config, ConfigError, ModelSettings
+from zmqllm.config.settings import Config, ConfigError, GatewaySettings, ModelSettings
 from zmqllm.gateway.api_keys import load_api_keys
 from zmqllm.gateway.app import create_app
 from zmqllm.gateway.http_server import base_url, tls_files, uvicorn_config
@@ -25,7 +26,7 @@ from zmqllm.log import configure_logging, get_logger
 from zmqllm.models.model_args import ModelArgs
 from zmqllm.models.tokenizer import MODEL_FILES, Tokenizer
 
-__all__ = ["META_FILES", "model_files_dir", "serve"]
+__all__ = ["META_FILES", "check_exposure", "model_files_dir", "serve"]
 
 # The files the gateway reads: no weights.
 META_FILES = MODEL_FILES
@@ -53,12 +54,27 @@ def model_files_dir(model: ModelSettings) -> Path:
     return Path(snapshot_download(spec, revision=model.revision, allow_patterns=META_FILES))
 
 
+def check_exposure(settings: GatewaySettings, keyed: bool) -> None:
+    """ConfigError for a gateway without API keys bound where other machines reach it,
+    unless ``open_api``: anyone there could use its workers (as the broker refuses a
+    plaintext bus beyond loopback)."""
+    if keyed or settings.open_api or is_loopback_host(settings.host):
+        return
+    raise ConfigError(
+        f"refusing to serve the API on {settings.host} without API keys: anyone who "
+        "reaches it could use it. Give keys with --api-key-file FILE ([gateway] "
+        "api_keys_file) or $ZMQLLM_API_KEY, bind 127.0.0.1 (--host), or give --open-api "
+        "([gateway] open_api) to serve it open anyway"
+    )
+
+
 def serve(cfg: Config) -> int:
     """Run the gateway until SIGINT/SIGTERM: 0; or 2 when its own model cannot be
     served (its name taken by a remote model), having said what to change."""
     configure_logging("gateway", cfg.log.level, cfg.log.format)
     # Checked before anything slow: a bad key or TLS file fails at once, naming the file.
     api_keys = load_api_keys(cfg.gateway.api_keys_file)
+    check_exposure(cfg.gateway, api_keys is not None)
     tls_files(cfg.gateway)
     # Imported here: the client pulls in ZeroMQ, which nothing else in this package needs.
     from zmqllm.bus.keys import keys_dir, load_peer_keys

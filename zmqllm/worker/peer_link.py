@@ -32,7 +32,6 @@ held for sessions not yet open here by count and age, outgoing links by count.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import socket
 import threading
 import time
@@ -50,6 +49,7 @@ from zmqllm.bus.messages import Message
 from zmqllm.bus.protocol import MAX_FRAMES
 from zmqllm.bus.sockets import recv_bounded
 from zmqllm.bus.wire_types import SessionKey
+from zmqllm.config.machine import is_loopback_host
 from zmqllm.config.settings import ConfigError
 from zmqllm.log import get_logger
 from zmqllm.worker.faults import Faults
@@ -92,7 +92,6 @@ ZAP_POLL_MS = 20
 # What a link we only send on accepts from the other end: nothing of use, so little.
 LINK_RCVHWM = 1
 LINK_MAXMSGSIZE = 1024
-LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1"}
 
 
 class PeerMessage(NamedTuple):
@@ -186,15 +185,6 @@ class PeerZap(ZapHandler):
             return raw in self._keys
 
 
-def _is_loopback(host: str) -> bool:
-    if host in LOOPBACK_HOSTS:
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def _address_towards(host: str, port: int) -> str:
     """This machine's address on the way to ``host`` (a UDP connect sends nothing)."""
     for family, _, _, _, addr in socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM):
@@ -217,7 +207,7 @@ def peer_bind(setting: str, broker: str, secure: bool) -> str:
     if setting == "auto":
         url = urlsplit(broker)
         host = url.hostname or ""
-        if url.scheme != "tcp" or not host or _is_loopback(host) or host == "*":
+        if url.scheme != "tcp" or not host or is_loopback_host(host) or host == "*":
             return "tcp://127.0.0.1:*"
         if not secure:
             log.info("peer links off: the bus has no CURVE keys and the broker is remote")
@@ -226,7 +216,7 @@ def peer_bind(setting: str, broker: str, secure: bool) -> str:
     url = urlsplit(setting)
     if url.scheme != "tcp" or not url.hostname:
         raise ConfigError(f"[worker] peer {setting!r}: use off, auto or tcp://HOST:PORT")
-    if not secure and not _is_loopback(url.hostname):
+    if not secure and not is_loopback_host(url.hostname):
         raise ConfigError(
             f"[worker] peer {setting!r}: without CURVE keys a peer link listens on loopback only"
         )
