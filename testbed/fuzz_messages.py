@@ -241,7 +241,17 @@ def valid_open(rng: Rng, sessions: list[str]) -> Open:
         prefix=tuple(int(k) for k in rng.integers(0, 1 << 62, min(prefix_blocks(prompt_len), 64)))
         if chance(rng, 0.5)
         else (),
+        # A replay's route build: none, one no worker has, or hops that chain nowhere.
+        build=pick(rng, [(), (), _BUILDS[0], _BUILDS[1], _BUILDS[2], _BUILDS[3]]),
     )
+
+
+_BUILDS = [
+    ("0:4:0123456789ab",),
+    ("0:2:0123456789ab", "2:4:ba9876543210"),
+    ("0:2:0123456789ab", "3:4:0123456789ab"),
+    ("0:4:0123456789AB", "x" * 22),
+]
 
 
 # The remote model the fuzzing benchmark serves beside the tiny one.
@@ -326,6 +336,7 @@ def _token(rng: Rng, sessions: list[str]) -> Token:
         group=_group(rng),
         route=pick(rng, [None, (_name(rng), _name(rng))]),
         boot=pick(rng, [None, _ident(rng)]),
+        build=pick(rng, [None, _BUILDS[1]]),
         **pick(rng, [{}, {"logprob_ids": (1, 1, 2), "logprobs": (-0.5, -0.5, -1.25)}]),
     )
 

@@ -79,6 +79,7 @@ class FakeTokenStream:
         self.script = script
         self.session = f"s{len(client.calls)}"
         self.route: list[str] = []
+        self.build: tuple[str, ...] | None = None  # the broker's route build: not said
         self.finished = False
         self.cancelled = False
         # perf_counter time at which each token was handed out.

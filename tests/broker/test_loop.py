@@ -8,6 +8,7 @@ in lines of Python, not seconds).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -549,7 +550,10 @@ def test_a_session_flows_through_both_stages(cluster: Callable[..., Harness]) ->
     # on step 0) under the client's session id, and the next step straight to stage 0
     # with the group it was computed in.
     w1.send(wire.token(0, 42, group=("w-x/7/w0", 3)))
-    assert h.expect(client, Token) == Token(
+    first = h.expect(client, Token)
+    # ... and the route's build, hop for hop (route_build.py).
+    assert [hop.rpartition(":")[0] for hop in first.build or ()] == ["0:2", "2:4"]
+    assert dataclasses.replace(first, build=None) == Token(
         session="s1",
         request_id="req-s1",
         step=0,

@@ -371,6 +371,7 @@ EXAMPLES: dict[type[Message], Message] = {
         next_key=_KEY,
         prev="w-0",
         prev_key=_KEY,
+        build=("0:2:0123456789ab", "2:4:ba9876543210"),
     ),
     Ask: Ask(
         session="s",
@@ -391,6 +392,7 @@ EXAMPLES: dict[type[Message], Message] = {
         finish=Finish.STOP,
         route=("w-1",),
         boot="b",
+        build=("0:4:0123456789ab",),
         logprob_ids=(5, 5, 7),
         logprobs=(-0.25, -0.25, -1.5),
         stepped=True,
@@ -449,6 +451,9 @@ _SESSION: dict[str, list[Any]] = {
     "attempt": _ints(0, MAX_ATTEMPTS),
     "step": _ints(0, MAX_STEP),
 }
+# A route's build: hops of at most 22 characters (the broker reads their form), at most
+# MAX_LAYERS of them.
+_BUILDS = [5, "0:2:0123456789ab", [5], [None], ["0" * 23], ["0:1:0123456789ab"] * (MAX_LAYERS + 1)]
 BAD: dict[type[Message], dict[str, list[Any]]] = {
     Register: {
         **_COMMON,
@@ -521,6 +526,7 @@ BAD: dict[type[Message], dict[str, list[Any]]] = {
         "next_key": _KEYS,
         "prev": _without(_NAMES, ""),
         "prev_key": _KEYS,
+        "build": [None, *_BUILDS],
     },
     Ask: {
         **_SESSION,
@@ -548,6 +554,7 @@ BAD: dict[type[Message], dict[str, list[Any]]] = {
         "stepped": _FLAGS,
         "route": [5, "w-1", [5], ["a b"], [""], [None], ["w"] * (MAX_LAYERS + 1)],
         "boot": _without(_texts(64), None),
+        "build": _BUILDS,
         # Alone, or one id too many: the two lists come together and alike long.
         "logprob_ids": [5, "x", [-1], [1.5], [True], [0] * 22, [5, 5], [5, 5, 7, 8], None],
         "logprobs": [
@@ -647,6 +654,7 @@ def test_optional_fields_accept_nil() -> None:
         group=None,
         route=None,
         boot=None,
+        build=None,
         logprob_ids=None,
         logprobs=None,
     )

@@ -11,7 +11,7 @@ from zmqllm.bus.messages import MESSAGE_TYPES
 from zmqllm.bus.protocol import PROTOCOL_VERSION
 
 # PROTOCOL_VERSION -> the digest of its messages (version 1 predates this test).
-WIRE_DIGESTS = {2: "4484fcb516eaabe2"}
+WIRE_DIGESTS = {2: "4484fcb516eaabe2", 3: "f72e1210ab02134a"}
 
 
 def wire_digest() -> str:

@@ -25,6 +25,9 @@ pytestmark = pytest.mark.anyio
 PROMPT = [7, 8, 9]
 WHOLE = [100 + t for t in range(12)]  # the token of generation step t
 FAST = FailoverPolicy(timeout=2.0, retries=5, backoff=0.01, max_backoff=0.02)
+# Route builds a broker reports with a session's first token (broker/route_build.py).
+BUILD = ("0:2:0123456789ab", "2:4:0123456789ab")
+OTHER_BUILD = ("0:2:0123456789ab", "2:4:ba9876543210")
 
 
 @dataclass
@@ -35,6 +38,7 @@ class Fault:
     after: int | None = None
     code: ErrorCode = ErrorCode.WORKER_LOST
     hang: bool = False
+    build: tuple[str, ...] | None = BUILD  # the route's build its first token says
 
 
 @dataclass
@@ -48,6 +52,8 @@ class Session:
     route: list[str] = field(default_factory=lambda: ["w0", "w1"])
     cancelled: bool = False
     finished: bool = False
+    asked_build: tuple[str, ...] = ()  # the route build its OPEN asked for
+    build: tuple[str, ...] | None = None  # set with the first token, as the client does
 
     async def __aenter__(self) -> Session:
         if self.fault.refuse is not None:
@@ -79,6 +85,7 @@ class Session:
             await asyncio.sleep(0)
             finish = "length" if step + 1 == self.max_tokens else None
             self.finished = finish is not None
+            self.build = self.fault.build
             yield TokenEvent(WHOLE[first + step], step, finish)
 
     async def cancel(self) -> None:
@@ -104,6 +111,7 @@ class Source:
             request.max_tokens,
             request.sampling,
             fault,
+            asked_build=request.route_build,
         )
         self.sessions.append(s)
         return s
@@ -262,3 +270,41 @@ async def test_a_client_gone_during_a_replay_cancels_the_replayed_session() -> N
     with pytest.raises(asyncio.CancelledError):
         await task
     assert source.cancelled == [source.sessions[1].session] and source.open == set()
+
+
+# -- issue 40, item 15: a replay keeps to the build its stream started on ---------------
+
+
+async def test_a_replay_asks_for_the_build_of_the_route_the_stream_started_on() -> None:
+    source = Source([Fault(after=4), Fault(after=2)])
+    stream = replay(source)
+    assert_whole(await run(stream))
+    first, second, third = source.sessions
+    assert first.asked_build == ()  # the first open may go anywhere
+    assert second.asked_build == third.asked_build == BUILD
+
+
+async def test_a_stream_continued_on_another_build_ends_instead() -> None:
+    """The broker routes a replay only onto its build; were one to continue it on another
+    (a broker that ignored the OPEN's build), the client stops rather than mix them."""
+    source = Source([Fault(after=4), Fault(build=OTHER_BUILD)])
+    events: list[FailoverEvent] = []
+    got: list[TokenEvent] = []
+    with pytest.raises(SessionError) as caught:
+        async with replay(source, events=events) as stream:
+            async for e in stream:
+                got.append(e)
+    assert caught.value.code is ErrorCode.INTERNAL
+    assert "another build" in caught.value.message and OTHER_BUILD[1] in caught.value.message
+    assert [e.token for e in got] == WHOLE[:4]  # nothing of the other build was handed on
+    assert source.sessions[1].cancelled and source.open == set()
+    assert [e.recovered for e in events] == [False]
+
+
+async def test_giving_up_names_the_build_the_replays_were_held_to() -> None:
+    source = Source([Fault(after=3)] + [Fault(refuse=ErrorCode.NO_CAPACITY)] * 10)
+    with pytest.raises(SessionError) as caught:
+        await run(replay(source))
+    message = caught.value.message
+    assert "no other route continued the stream" in message
+    assert "only onto a route of the build the stream started on: " + " ".join(BUILD) in message

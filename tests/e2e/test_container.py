@@ -158,7 +158,7 @@ def test_image_serves_a_cluster_exactly(
     assert f'rayVersion: "{ray.stdout.strip()}"' in manifest, ray.stderr
 
     # The image runs as its own user, not root (deploy/Containerfile).
-    user = podman("run", "--rm", "--runtime", "runc", "--entrypoint=id", image, "-u")
+    user = podman("run", "--rm", "--runtime", "runc", *ulimits(), "--entrypoint=id", image, "-u")
     assert user.stdout.strip() == str(IMAGE_UID), user.stderr
     # The key folder made by the image's own `zmqllm keys init`, as an operator would: in a
     # folder of the image's user, so that the roles (that user too) read what it wrote.
@@ -172,7 +172,13 @@ def test_image_serves_a_cluster_exactly(
     assert made.returncode == 0, made.stderr
     keys = keys / "cluster"
     frontend, backend, http = free_port(), free_port(), free_port()
-    roles = Containers(image, {keys: "/var/lib/zmqllm/keys", e2e_model: "/models/tiny"})
+    # The model as an operator mounts it: files the image's user may read (the fixture's
+    # safetensors file is its owner's only).
+    model = tmp_path / "tiny"
+    shutil.copytree(e2e_model, model)
+    for path in [model, *model.rglob("*")]:
+        os.chown(path, IMAGE_UID, IMAGE_UID)
+    roles = Containers(image, {keys: "/var/lib/zmqllm/keys", model: "/models/tiny"})
     try:
         broker = roles.run(
             "broker", f"--frontend=tcp://127.0.0.1:{frontend}",

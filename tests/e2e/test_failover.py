@@ -292,3 +292,57 @@ def test_no_replica_left_is_a_clear_error_within_the_failover_timeout(
     text = c.get("/metrics")[1].decode()
     assert 'zmqllm_failovers_total{cause="worker_lost",outcome="failed"} 1.0' in text
     assert "zmqllm_failover_history_tokens 0.0" in text
+
+
+def test_a_stream_is_not_continued_on_a_replica_of_another_build(fresh_cluster: Cluster) -> None:
+    """Issue 40, item 15: two replicas of stage 0, one sending its activations as
+    bfloat16 (another build: a stream continued there would be text of two builds). The
+    one serving a stream killed, the other may not continue it: the stream ends with an
+    error naming the build it started on once failover_timeout has passed, and nothing
+    of the other build reaches the client. (Replicas of one build continue a stream: the
+    tests above.)"""
+    c = fresh_cluster
+    c.start_broker()
+    c.start_worker("0:2")
+    c.start_worker("0:2", flags=("--wire-dtype", "bfloat16"))
+    c.start_worker("2:4")
+    c.start_gateway("--failover-timeout", "3")
+    c.wait_ready()
+    workers = c.wait_for(
+        lambda: len(found := c.status()["workers"]) == 3 and found, timeout=60, what="3 workers"
+    )
+    stage_0 = [w for w in workers if w["layers"] == [0, 2]]
+    assert sorted(w["build"]["wire_dtype"] for w in stage_0) == ["auto", "bfloat16"]
+    killed: list[tuple[float, dict[str, Any]]] = []
+
+    def kill_stage_0() -> None:
+        killed.append((time.monotonic(), kill_serving(c, "0:2")))
+
+    body = {"prompt": PROMPT, "max_tokens": TOKENS, "ignore_eos": True, "stream": True}
+    conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    events: list[dict[str, Any]] = []
+    while line := resp.readline():
+        if line.startswith(b"data: {"):
+            events.append(json.loads(line[len(b"data: ") :]))
+            if len(events) == KILL_AFTER:
+                kill_stage_0()
+    ended = time.monotonic()
+    conn.close()
+    assert killed, "the stream ended before the kill"
+    at, victim = killed[0]
+    assert "error" in events[-1], "the stream went on after its stage 0 was killed"
+    error = events[-1]["error"]
+    assert "no other route continued the stream" in error["message"], error
+    assert "only onto a route of the build the stream started on" in error["message"]
+    assert f"0:2:{victim['build_key']}" in error["message"]
+    assert ended - at < 3 + c.heartbeat * c.liveness + 5
+    broker = c.log_lines(c.by_name("broker")[0])
+    waits = [x for x in broker if x.get("event", "").startswith("replay waits for a route")]
+    assert waits and waits[0]["build"].startswith(f"0:2:{victim['build_key']} "), waits
+    # No replay was opened at all: only a worker of the stream's build could have taken it.
+    opened = [x for x in broker if x.get("event") == "session opened"]
+    assert opened and not any(x["replay_of_build"] for x in opened), opened
+    text = c.get("/metrics")[1].decode()
+    assert 'zmqllm_failovers_total{cause="worker_lost",outcome="failed"} 1.0' in text

@@ -47,7 +47,7 @@ from zmqllm.engine.generator import Generator  # noqa: E402
 from zmqllm.engine.runner import Output  # noqa: E402
 from zmqllm.version import __version__  # noqa: E402
 from zmqllm.worker.pipeline import Worker  # noqa: E402
-from zmqllm.worker.shard_loader import load_stage, max_frame_bytes  # noqa: E402
+from zmqllm.worker.shard_loader import load_stage, max_frame_bytes, register_message  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -506,9 +506,10 @@ def test_the_matrix_unit_settings_reach_the_kernel(setup: Setup, units: bool, in
     cfg.model.quant = "int4"
     cfg.worker.matrix_units, cfg.worker.int8_activations = units, int8
     try:
-        got = load_stage(cfg).matrix_units
+        loaded = load_stage(cfg)
     finally:
         native.use_matrix_units(True)
+    got = loaded.matrix_units
     want = []
     if units and int8 and kernel.vnni_built():
         want.append("avx512_vnni")
@@ -516,6 +517,9 @@ def test_the_matrix_unit_settings_reach_the_kernel(setup: Setup, units: bool, in
         want.append(got.split(",")[-1])
         assert want[-1] in ("amx", "avx512_bf16")
     assert got == ",".join(want)
+    # The worker's build says so (drift, and failover's same-build rule, compare it).
+    shown = register_message(cfg, loaded).build["matrix_units"]
+    assert shown == ("off" if not want else got + ("+int8" if int8 else ""))
 
 
 def test_results_are_tagged_with_their_group_per_next_worker(setup: Setup) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from zmqllm.broker.drift import pool_drift, pool_refusal
+from zmqllm.broker.route_build import build_key
 from zmqllm.broker.route_search import Edge, best_chain, gaps, route_shapes
 from zmqllm.bus.messages import FIGURE_KEYS, MAX_CONTEXT, MAX_LAYERS, MAX_TEXT, Register
 from zmqllm.bus.wire_types import ProtocolError
@@ -92,6 +93,9 @@ class WorkerEntry:
     text_model: bool = False
     peer: str = ""  # its peer link's endpoint ("": it takes work only through the broker)
     build: dict[str, Any] = field(default_factory=dict)  # what it runs on (drift.py)
+    # A digest of the build fields that decide its numbers: a replay goes only onto
+    # workers of its stream's keys (route_build.py).
+    build_key: str = ""
     # Its CPU use between its last two heartbeats (percent of one core; None: not yet).
     cpu_percent: float | None = None
     _cpu_at: tuple[float, float] | None = None  # (cpu_s, when) of the last heartbeat
@@ -137,6 +141,7 @@ class WorkerEntry:
             "stats": stats,
             "cpu_percent": self.cpu_percent,
             "build": dict(self.build),
+            "build_key": self.build_key,  # what a replay's "no route of the build" names
         }
 
     def heard(self, figures: dict[str, Any], now: float) -> None:
@@ -383,6 +388,7 @@ class Registry:
             text_model=reg.text_model,
             peer=reg.peer,
             build=dict(reg.build),
+            build_key=build_key(reg.build, last_stage=reg.end == reg.num_layers),
             key=key,
         )
         self.workers[w.worker_id] = w
@@ -439,9 +445,11 @@ class Registry:
         ignore_room: bool = False,
         held: Callable[[WorkerEntry], int] | None = None,
         model: str | None = None,
+        admit: Callable[[WorkerEntry], bool] | None = None,
     ) -> list[WorkerEntry] | None:
         """The chain of ``model``'s workers covering [0, L) with room for ``max_len``
         tokens whose busiest member is least loaded; then fewest hops; then lowest ids.
+        ``admit``: only workers it admits (a replay's, those of its stream's build).
 
         ``held`` (prefix affinity): how much of the session's prompt a worker is thought
         to hold cached. Of the replicas of a range with room and at most
@@ -453,7 +461,11 @@ class Registry:
         now = time.monotonic()
         edges: dict[int, list[Edge[WorkerEntry]]] = {}
         for (start, end), pool in m.pools.items():
-            room = [w for w in pool.values() if ignore_room or w.has_room(max_len, now)]
+            room = [
+                w
+                for w in pool.values()
+                if (ignore_room or w.has_room(max_len, now)) and (admit is None or admit(w))
+            ]
             if not room:
                 continue
             # Per range only one replica can be on the best route.

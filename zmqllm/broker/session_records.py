@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from zmqllm.broker.route_build import RouteBuild
 from zmqllm.bus.messages import MAX_GENERATED, Ask, Message, Open
 from zmqllm.bus.prefix import prefix_chain
 
@@ -47,6 +48,10 @@ class Pending:
     open: Open | Ask
     enqueued: float
     attempts: int = 0
+    # A replay's: only workers of its stream's build may route it (route_build.py).
+    build: RouteBuild | None = None
+    # It was logged once as waiting for its build while routes of another had room.
+    waiting_noted: bool = False
     _chain: tuple[int, ...] | None = None
 
     @property
@@ -87,6 +92,7 @@ class Session:
     route: list[str]  # worker ids, stage order
     last_active: float  # any message about it from its route (inactivity deadline)
     next_step: int = 0  # the step of the TOKEN expected next
+    build: tuple[str, ...] = ()  # the route's build (route_build.py), for the first TOKEN
 
     @property
     def key(self) -> Key:

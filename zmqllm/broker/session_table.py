@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zmqllm.broker.registry import ModelPools, Registry, WorkerEntry
+from zmqllm.broker.route_build import RouteBuild, route_build
 from zmqllm.broker.session_records import Key, Out, Pending, Session, SessionStats
 from zmqllm.bus.messages import (
     Activation,
@@ -86,7 +87,13 @@ class SessionTable:
             return refuse(ErrorCode.BAD_REQUEST, f"several models are served ({names}): name one")
         if isinstance(msg, Open) and msg.tokens is None:
             return refuse(ErrorCode.BAD_REQUEST, "OPEN needs the prompt's int32 token ids")
-        why = self._unfit(msg, model) if model is not None else ""
+        build = None
+        if isinstance(msg, Open) and msg.build:
+            try:
+                build = RouteBuild.parse(msg.build)
+            except ValueError as exc:
+                return refuse(ErrorCode.BAD_REQUEST, f"field 'build': {exc}")
+        why = self._unfit(msg, model, build) if model is not None else ""
         if why:
             return refuse(ErrorCode.BAD_REQUEST, why)
         if len(self.queue) >= self.queue_size:
@@ -100,7 +107,7 @@ class SessionTable:
                 f"no worker serves model {msg.model!r} and the queue holds enough requests "
                 "for models without workers; retry shortly",
             )
-        self.queue.append(Pending(client, msg, now))
+        self.queue.append(Pending(client, msg, now, build=build))
         return self.dispatch(now)
 
     def _unserved(self) -> int:
@@ -153,15 +160,23 @@ class SessionTable:
                 continue
             # Checked again here: the model may have come (or changed) since the request
             # was queued.
-            why = self._unfit(p.open, model)
+            why = self._unfit(p.open, model, p.build)
             if why:
                 out.append(self._refusal(p, why))
                 continue
             route = self.registry.find_route(
-                p.max_len, held=self._held_by(p.chain), model=model.name
+                p.max_len,
+                held=self._held_by(p.chain),
+                model=model.name,
+                admit=p.build.admits if p.build is not None else None,
             )
             if route is None:
-                blocked.add(model.name)
+                if p.build is None:
+                    blocked.add(model.name)
+                else:
+                    # A replay waiting for workers of its build holds back no one: the
+                    # requests behind it may take routes it may not.
+                    self._note_waiting_for_build(p, model.name)
                 waiting.append(p)
                 continue
             out += self._start(p, route, now)
@@ -169,9 +184,27 @@ class SessionTable:
         self.queue = waiting
         return out
 
+    def _note_waiting_for_build(self, p: Pending, model: str) -> None:
+        """Say once why a replay waits while another build's route has room."""
+        if p.waiting_noted or p.build is None:
+            return
+        if self.registry.find_route(p.max_len, model=model) is None:
+            return  # no route of any build: it waits as every request does
+        p.waiting_noted = True
+        with bind_request(p.open.request_id, p.open.session):
+            log.warning(
+                "replay waits for a route of its stream's build; routes of another build have room",
+                build=p.build.describe(),
+            )
+
     @staticmethod
-    def _unfit(msg: Open | Ask, model: ModelPools) -> str:
+    def _unfit(msg: Open | Ask, model: ModelPools, build: RouteBuild | None = None) -> str:
         """Why ``model`` cannot take this request ("" when it can)."""
+        if build is not None and build.end != model.num_layers:
+            return (
+                f"the stream's route build ends at layer {build.end}: model {model.name!r} "
+                f"has {model.num_layers} layers"
+            )
         if model.text_model != isinstance(msg, Ask):
             what = "a remote (text) model: send ASK" if model.text_model else "a model of tokens"
             return f"model {model.name!r} is {what}"
@@ -203,6 +236,8 @@ class SessionTable:
         p.attempts += 1
         wire = f"{self.boot}-{next(self._ids):x}"
         s = Session(p, wire, [w.worker_id for w in route], now)
+        if isinstance(p.open, Open):
+            s.build = route_build(route)
         self.sessions[p.key] = s
         self.by_wire[wire] = s
         self.registry.reserve(route, wire, p.max_len)
@@ -213,6 +248,8 @@ class SessionTable:
                 route=s.route,
                 attempt=p.attempts,
                 queue_wait_ms=round((now - p.enqueued) * 1e3, 1),
+                build=" ".join(s.build),
+                replay_of_build=p.build is not None,
             )
         if isinstance(p.open, Ask):
             # The client's ASK under the wire id workers know the session by.
@@ -291,8 +328,10 @@ class SessionTable:
             return []
         if isinstance(s.request.open, Ask):
             return []  # a text model's session moves by DELTAs only
+        first = s.next_step == 0
         token = Token(
             **self._advance(s, now),
+            build=s.build if first else None,
             token=msg.token,
             finish=msg.finish,
             logprob_ids=msg.logprob_ids,
@@ -388,11 +427,12 @@ class SessionTable:
             with bind_request(p.open.request_id, p.open.session):
                 log.warning("request failed in queue", code=ErrorCode.NO_CAPACITY.value)
             code = ErrorCode.NO_CAPACITY
-            why = (
-                no_route_reason
-                if isinstance(no_route_reason, str)
-                else no_route_reason(p.open.model)
-            )
+            if p.build is not None and self.registry.resolve(p.open.model) is not None:
+                why = p.build.no_route(self.queue_timeout)
+            elif isinstance(no_route_reason, str):
+                why = no_route_reason
+            else:
+                why = no_route_reason(p.open.model)
             out.append(self._to_client(p.client, p.open.session, p.open.request_id, code, why))
         for s in [s for s in self.sessions.values() if now - s.last_active > self.session_timeout]:
             with bind_request(s.request_id, s.key[1]):

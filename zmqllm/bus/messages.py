@@ -392,6 +392,7 @@ class Open(SessionMessage):
     next_key: str = wire(curve_key(empty=True), "")
     prev: str = wire(name(empty=True), "")
     prev_key: str = wire(curve_key(empty=True), "")
+    build: tuple[str, ...] = wire(str_list(text(22), MAX_LAYERS), ())  # a replay's: route_build.py
 
     def _validate(self) -> None:
         if self.tokens is not None and self.tokens.array.shape != (self.prompt_len,):
@@ -513,9 +514,10 @@ class Token(SessionMessage):
     group: tuple[str, int] | None = wire(_GROUP, None)
     # The last stage sent the next STEP to stage 0 itself, over their peer link.
     stepped: bool = wire(flag(), False)
-    # On the first token the broker sends a client: the route and its boot id.
+    # On the first token the broker sends a client: the route, its boot id and its build.
     route: tuple[str, ...] | None = wire(optional(str_list(name(), MAX_LAYERS)), None)
     boot: str | None = wire(optional(text(64)), None)
+    build: tuple[str, ...] | None = wire(optional(str_list(text(22), MAX_LAYERS)), None)
 
 
 # Checks made here: inside Delta its field ``text`` hides the function.

@@ -334,6 +334,8 @@ class BrokerClient:
         if stream.boot is None and msg.boot is not None:
             stream.boot = msg.boot
             stream.orphan_deadline = None
+        if stream.build is None and msg.build is not None:
+            stream.build = msg.build
         finish = msg.finish.value if msg.finish is not None else None
         logprobs = None
         if msg.logprob_ids is not None and msg.logprobs is not None:

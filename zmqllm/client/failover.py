@@ -8,6 +8,13 @@ whose prompt is prompt + tokens so far and whose sampling starts at the step rea
 very tokens the lost one would have made, greedy or seeded. The caller sees one stream
 with steps 0, 1, 2 ... and no seam.
 
+A replay keeps to the build the stream started on: the first token says its route's
+build (each hop's layers and its worker's build key, zmqllm/broker/route_build.py), and
+every replay's OPEN names it, so the broker routes it only onto workers of that build. A
+replica of another build (a torch release, a wire dtype, another kernel) would continue
+the text with other numbers: the stream rather waits for one of its own build, and fails
+saying so when none comes.
+
 Recovery is bounded: each failure has ``FailoverPolicy.timeout`` seconds to produce the
 next token, and a stream reopens at most ``retries`` times in its life; then the last
 error is raised, saying so. Nothing here knows sockets: the client it is given only has
@@ -81,6 +88,9 @@ class TokenSource(Protocol):
     @property
     def route(self) -> list[str]: ...
 
+    @property
+    def build(self) -> tuple[str, ...] | None: ...
+
     async def __aenter__(self) -> Any: ...
 
     async def __aexit__(self, *exc: object) -> Any: ...
@@ -127,6 +137,8 @@ class ReplayStream:
         self.on_failover = on_failover
         self.tokens: list[int] = []
         self.reopens = 0
+        # The build of the route the stream's first token came from; () until that token.
+        self.route_build: tuple[str, ...] = ()
         self._base = uuid.uuid4().hex  # attempt n runs as session "<base>-n"
         self._inner: TokenSource = self._new_session()  # raises bad_request at once
         self._done = False
@@ -179,8 +191,12 @@ class ReplayStream:
                         event = await anext(events)
                     else:
                         event = await self._first_after(failure, events)
+                        await self._check_build(failure)
                         self._report(failure, recovered=True)
                         failure = None
+                    if not self.route_build:
+                        # What the stream's text is of: every replay asks for it.
+                        self.route_build = tuple(self._inner.build or ())
                     self._last_seen = time.monotonic()
                     token_event = TokenEvent(
                         int(event.token),
@@ -254,15 +270,37 @@ class ReplayStream:
             self._give_up(failure)
             raise  # unreachable: _give_up raises
 
+    async def _check_build(self, failure: _Failure) -> None:
+        """A replay's first token came: its route must be of the stream's build (the
+        broker routes it so). One that is not (a broker that ignored the OPEN's build)
+        ends the stream rather than mix two builds' text."""
+        got = self._inner.build
+        if not self.route_build or got is None or tuple(got) == self.route_build:
+            return
+        await self._inner.cancel()
+        self._report(failure, recovered=False)
+        self._end()
+        raise SessionError(
+            ErrorCode.INTERNAL,
+            f"the stream was continued on a route of another build ({_shown(tuple(got))}, "
+            f"not {_shown(self.route_build)}); stopped so that its text is one build's",
+        )
+
     def _give_up(self, failure: _Failure) -> None:
         self._report(failure, recovered=False)
         self._end()
         spent = time.monotonic() - failure.started
+        only = ""
+        if self.route_build:
+            only = (
+                "; a replay goes only onto a route of the build the stream started on: "
+                + _shown(self.route_build)
+            )
         raise SessionError(
             failure.error.code,
             f"{failure.error.message} (no other route continued the stream: "
             f"{failure.attempts} replay(s) in {spent:.1f} s; failover gives up after "
-            f"{self.policy.timeout:g} s or {self.policy.retries} replays)",
+            f"{self.policy.timeout:g} s or {self.policy.retries} replays{only})",
         )
 
     def _report(self, failure: _Failure, *, recovered: bool) -> None:
@@ -301,6 +339,7 @@ class ReplayStream:
             max_tokens=first.max_tokens - done,
             sampling=dataclasses.replace(first.sampling, first_step=step),
             session=self._base if self.reopens == 0 else f"{self._base}-{self.reopens}",
+            route_build=self.route_build,
         )
         stream: TokenSource = self.client.generate(attempt)
         return stream
@@ -310,3 +349,9 @@ class ReplayStream:
         self._done = True
         self.tokens = []
         self.request = dataclasses.replace(self.request, prompt=())
+
+
+def _shown(build: tuple[str, ...]) -> str:
+    """A route's build as an error message shows it ("0:2:KEY 2:4:KEY", cut short)."""
+    text = " ".join(build)
+    return text if len(text) <= 200 else text[:197] + "..."

@@ -32,6 +32,9 @@ class GenerateRequest:
     session: str = ""
     # Stop strings: the gateway cuts the text at them (it detokenizes); never on the wire.
     stops: tuple[str, ...] = ()
+    # A replay's: the build of the route its stream started on (as the first token said
+    # it); the broker routes it only onto workers of that build. (): any route.
+    route_build: tuple[str, ...] = ()
 
     @property
     def kv_tokens(self) -> int:

@@ -108,6 +108,8 @@ class TokenStream:
         self.next_step = 0  # the step of the token expected next
         # The boot id of the broker that sent this stream's first token; None before it.
         self.boot: str | None = None
+        # The build of its route, hop for hop, as the first token said it (None: not said).
+        self.build: tuple[str, ...] | None = None
         # Set when a broker restart was seen before this stream's first token: if none
         # arrives by then, the stream was opened on the dead broker and is failed.
         self.orphan_deadline: float | None = None
@@ -200,6 +202,7 @@ def open_frames(request: GenerateRequest) -> list[Any]:
             stop_ids=tuple(int(t) for t in request.stop_ids),
             tokens=Payload(tokens, "int32"),
             model=request.model,
+            build=request.route_build,
         )
 
     return _sendable(request.session, request.request_id, build)

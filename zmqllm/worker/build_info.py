@@ -47,7 +47,7 @@ def cpu_features() -> str:
     return " ".join(f for f in CPU_FEATURES if f in flags)
 
 
-def build_info(cfg: Config, kernel_loaded: bool) -> dict[str, Any]:
+def build_info(cfg: Config, kernel_loaded: bool, matrix_units: str = "off") -> dict[str, Any]:
     m = cfg.model
     device = m.device
     capability = torch.backends.cpu.get_cpu_capability()
@@ -67,4 +67,7 @@ def build_info(cfg: Config, kernel_loaded: bool) -> dict[str, Any]:
         "dtype": m.dtype,
         "wire_dtype": cfg.worker.wire_dtype,
         "device": device,
+        # The units the products of several rows run on, and with 8-bit activations or
+        # not (native.use_matrix_units): each rounds differently.
+        "matrix_units": matrix_units,
     }

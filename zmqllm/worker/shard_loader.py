@@ -147,6 +147,14 @@ def max_frame_bytes(stage: Stage, context: int) -> int:
     return max(activation, context * 4) + MAX_HEADER_BYTES
 
 
+def units_shown(units: str, int8_activations: bool) -> str:
+    """The matrix units as a worker's build names them: "off", or the units and whether
+    activations go to them in 8 bits."""
+    if not units:
+        return "off"
+    return f"{units}+int8" if int8_activations else units
+
+
 def register_message(cfg: Config, ld: Loaded) -> Register:
     """What this worker tells the broker it is."""
     # The summary's scalars (a model without a sliding window has None there).
@@ -167,5 +175,9 @@ def register_message(cfg: Config, ld: Loaded) -> Register:
         device=cfg.model.device,
         prefill_chunk=cfg.worker.prefill_chunk,
         served=worker_served_name(cfg),
-        build=build_info(cfg, kernel_loaded=native.load() is not None),
+        build=build_info(
+            cfg,
+            kernel_loaded=native.load() is not None,
+            matrix_units=units_shown(ld.matrix_units, cfg.worker.int8_activations),
+        ),
     )
