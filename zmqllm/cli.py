@@ -343,7 +343,7 @@ def _add_ray(sub: argparse._SubParsersAction) -> None:
     ray_sub = p.add_subparsers(dest="ray_command", required=True, metavar="RAY_COMMAND")
     for name, help in (
         ("up", "start broker, workers and gateway as detached actors; return once ready"),
-        ("status", "every actor of this cluster: state, node, pid, restarts"),
+        ("status", "every actor: its state, node, restarts, and its role running or failing"),
         ("down", "stop every actor and remove the stages' placement group"),
     ):
         q = ray_sub.add_parser(name, help=help)

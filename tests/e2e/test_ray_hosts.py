@@ -9,7 +9,10 @@ different nodes (STRICT_SPREAD): greedy text equals HF's; every process of one s
 node killed (the host dies) -> the stage comes back on the spare node and a stream in
 flight completes token-identically through failover by replay; a stage asking for more
 memory than any node has -> a clear error naming the resource; `zmqllm ray down` leaves
-no actor and no zmqllm process. Ray nodes are stopped by process id only.
+no actor and no zmqllm process. A stage that cannot start (its memory cannot hold it) is
+started again with `zmqllm up`'s backoff and shown failing by `zmqllm ray status`, its
+actor never restarted by Ray; a config with [[remotes]] is refused. Ray nodes are
+stopped by process id only.
 """
 
 from __future__ import annotations
@@ -201,29 +204,38 @@ def test_ray_up_serves_restarts_a_dead_host_and_comes_down(
     assert len(set(placed.values())) == 2, placed  # two different nodes
     assert c["bed"].host(1).address not in placed.values()
 
-    # The worker's own process killed: its actor ends too, and Ray starts both again on
-    # the same node; it registers again and serves exactly.
+    # The worker's own process killed: its actor starts it again after `zmqllm up`'s
+    # first backoff (0.5 s), in place (Ray does not restart the actor); it registers
+    # again and serves exactly.
     before = actor(c, "worker-2-4-0")
     assert before is not None
     (role_pid,) = children(before["pid"])
     killed = time.monotonic()
     subprocess.run(["kill", "-9", str(role_pid)], check=True)
 
-    def restarted(old: dict[str, Any]) -> bool:
+    def role_restarted(old: dict[str, Any]) -> bool:
         now = actor(c, old["name"])
-        return now is not None and now["restarts"] > old["restarts"] and now["state"] == "ALIVE"
+        return now is not None and now["starts"] > old["starts"] and now["role_state"] == "running"
 
-    wait_until(lambda: restarted(before), 120, "restarted")
+    wait_until(lambda: role_restarted(before), 120, "its role restarted")
     # A request waits in the gateway's queue for a complete route: served once the
     # restarted worker has registered.
     assert gw.chat(PROMPTS[1], 24) == reference.body(PROMPTS[1], 24)
     print(f"worker SIGKILL -> served again in {time.monotonic() - killed:.1f} s")
-    assert actor(c, "worker-2-4-0")["node_ip"] == before["node_ip"]
-    # The actor's process killed instead: its role process goes with it (no orphan).
+    after = actor(c, "worker-2-4-0")
+    assert after["node_ip"] == before["node_ip"] and after["pid"] == before["pid"]
+    assert after["restarts"] == before["restarts"] and after["last_exit"] == "killed by SIGKILL"
+    # The actor's process killed instead: its role process goes with it (no orphan), and
+    # Ray starts the actor again (and with it the role).
     before = actor(c, "worker-2-4-0")
     (role_pid,) = children(before["pid"])
     subprocess.run(["kill", "-9", str(before["pid"])], check=True)
     wait_until(lambda: not alive(role_pid), 30, "the orphaned worker gone")
+
+    def restarted(old: dict[str, Any]) -> bool:
+        now = actor(c, old["name"])
+        return now is not None and now["restarts"] > old["restarts"] and now["state"] == "ALIVE"
+
     wait_until(lambda: restarted(before), 120, "restarted")
     assert gw.chat(PROMPTS[0], 24) == reference.body(PROMPTS[0], 24)
 
@@ -253,5 +265,69 @@ def test_ray_up_serves_restarts_a_dead_host_and_comes_down(
     assert down.returncode == 0, down.stderr
     assert ray_status(c) == []
     # Of the test's own hosts: other runs may serve from this machine meanwhile.
+    left = [pid for h in c["bed"].hosts for pid in h.pids() if is_role(pid)]
+    assert left == [], left
+
+
+def test_a_stage_that_cannot_start_backs_off_and_ray_status_shows_it_failing(
+    cluster: dict[str, Any], e2e_model: Path
+) -> None:
+    """A stage whose memory cannot hold it exits at once, every time. Its actor starts it
+    again with `zmqllm up`'s backoff (0.5 s doubling; failing at the 5th exit within a
+    minute) instead of ending itself for Ray to restart at once, for ever; `zmqllm ray
+    status` says so. And a config with [[remotes]] is refused, naming them."""
+    c = cluster
+    address = c["nodes"].address
+    c["zmqllm"]("ray", "down", "--address", address)  # whatever an earlier test left
+    remotes = c["config"].parent / "remotes.toml"
+    remotes.write_text(
+        f'[model]\npath = "{e2e_model}"\n[[stages]]\nlayers = "0:4"\n'
+        '[[remotes]]\nurl = "http://198.18.0.9:8000/v1"\nserved_name = "elsewhere"\n'
+    )
+    done = c["zmqllm"]("ray", "up", "--config", str(remotes), "--address", address)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "[[remotes]] #1 (served_name elsewhere" in done.stderr and ray_status(c) == []
+
+    # 256 MiB: Ray places it (a node has 3 GiB), the worker's own plan refuses it (its
+    # runtime alone takes 0.75 GiB): "stage 0:4 does not fit", exit, every time.
+    tight = c["config"].parent / "tight.toml"
+    tight.write_text(
+        f'[model]\npath = "{e2e_model}"\n[ray]\nready_timeout = 20\n'
+        '[gateway]\nopen_api = true\n[[stages]]\nlayers = "0:4"\ncpus = 1\nmemory = "256MiB"\n'
+    )
+    up = c["zmqllm"]("ray", "up", "--config", str(tight), "--address", address)
+    assert up.returncode == 1 and "not ready after 20s" in up.stderr, up.stdout + up.stderr
+    name = "worker-0-4-0"
+
+    def role() -> dict[str, Any]:
+        row = actor(c, name)
+        assert row is not None, ray_status(c)
+        return row
+
+    waited = wait_until(lambda: role()["role_state"] == "failing", 150, "failing")
+    first = role()
+    print(f"a stage that does not fit: failing {waited:.0f} s after `ray up` returned: {first}")
+    assert first["exits"] >= 5 and first["last_exit"].startswith("exited with code")
+    time.sleep(30)
+    later = role()
+    table = c["zmqllm"]("ray", "status", "--address", address)
+    print(table.stdout)
+    # Ray never restarted the actor (it used to, once per exit); the role was started
+    # again at most twice in those 30 s (backoffs of 8, 16, then 32 s).
+    assert later["restarts"] == first["restarts"] == 0, later
+    assert later["starts"] - first["starts"] <= 2, (first, later)
+    assert later["role_state"] == "failing"
+    line = next(x for x in table.stdout.splitlines() if x.startswith(name))
+    assert "FAILING" in line and "exited with code" in line, table.stdout
+    assert table.stdout.splitlines()[1].startswith(name)  # failing roles first
+    logs = c["home"]
+    log_text = "".join(
+        p.read_text(errors="replace") for i in logs for p in logs[i].glob(f"logs/ray/{name}.log")
+    )
+    assert "does not fit" in log_text and "it is failing; restarting it in" in log_text
+
+    down = c["zmqllm"]("ray", "down", "--address", address)
+    assert down.returncode == 0, down.stderr
+    assert ray_status(c) == []
     left = [pid for h in c["bed"].hosts for pid in h.pids() if is_role(pid)]
     assert left == [], left

@@ -12,6 +12,7 @@ from zmqllm.launch.supervision import (
     BACKOFF_MAX_S,
     CRASH_LIMIT,
     CRASH_WINDOW_S,
+    ChildState,
     GiveUp,
     Restart,
     RestartPolicy,
@@ -189,3 +190,21 @@ def test_settings_are_checked() -> None:
     policy = RestartPolicy(first=0.1, most=0.3, limit=2, window=5.0, essential=frozenset({"x"}))
     assert isinstance(policy.exited("x", 1, 0.0), Restart)
     assert isinstance(policy.exited("x", 1, 1.0), GiveUp)
+
+
+def test_state_of_is_the_one_rule_for_running_restarting_and_failing() -> None:
+    """What both `zmqllm up`'s state file and `zmqllm ray status` show of a child."""
+    policy = RestartPolicy()
+    assert policy.state_of("worker-a", 0.0) == ChildState("running", 0, None, None)
+    policy.started("worker-a", 0.0)
+    policy.exited("worker-a", 3, 1.0)
+    assert policy.state_of("worker-a", 1.2) == ChildState("restarting", 1, 3, 1.5)
+    policy.started("worker-a", 1.5)
+    assert policy.state_of("worker-a", 2.0) == ChildState("running", 1, 3, None)
+    _, t = crash_loop(policy, "worker-a", run_s=0.1, exits=4, t=2.0)
+    failing = policy.state_of("worker-a", t)
+    assert (failing.state, failing.exits, failing.due) == ("failing", 5, None)
+    assert policy.failing(t)["worker-a"].exits == 5  # the same rule
+    # A whole window of running ends it; the exits have left the window by then.
+    assert policy.state_of("worker-a", t + CRASH_WINDOW_S) == ChildState("running", 0, 1, None)
+    assert policy.failing(t + CRASH_WINDOW_S) == {}

@@ -46,24 +46,20 @@ class StateFile:
 
     def update(self, cluster: ClusterLike, policy: RestartPolicy) -> None:
         now, wall = time.monotonic(), time.time()
-        failing = policy.failing(now)
-        waiting = set(policy.waiting())
         children: list[dict[str, object]] = []
         for child in cluster.children:
             proc = cluster.procs.get(child.name)
             running = proc is not None and proc.poll() is None
-            trouble = failing.get(child.name)
-            due = trouble.due if trouble is not None else None
-            state = "failing" if trouble else ("restarting" if child.name in waiting else "running")
-            code = proc.poll() if proc is not None and not running else None
-            last = trouble.last_exit if trouble is not None else code
+            # One rule for the state, shared with `zmqllm ray status` (supervision.py).
+            shown = policy.state_of(child.name, now)
+            due, last = shown.due, shown.last_exit
             children.append(
                 {
                     "name": child.name,
                     "role": child.role,
                     "pid": proc.pid if running and proc is not None else None,
-                    "state": state,
-                    "exits": trouble.exits if trouble is not None else 0,
+                    "state": shown.state,
+                    "exits": shown.exits,
                     "last_exit": None if last is None else describe_exit(last),
                     "next_start_at": None if due is None else round(wall + due - now, 1),
                     "log": str(cluster.log_of(child)),

@@ -28,6 +28,7 @@ __all__ = [
     "CRASH_LIMIT",
     "CRASH_WINDOW_S",
     "FAILING_BACKOFF_MAX_S",
+    "ChildState",
     "ChildTrouble",
     "GiveUp",
     "Restart",
@@ -91,6 +92,16 @@ class ChildTrouble:
 
     exits: int  # within the window
     last_exit: int | None
+    due: float | None  # when it starts again (the policy's clock); None while it runs
+
+
+@dataclass(frozen=True)
+class ChildState:
+    """One child as `zmqllm up`'s state file and `zmqllm ray status` show it."""
+
+    state: str  # "running", "restarting" (in its backoff) or "failing"
+    exits: int  # within the window
+    last_exit: int | None  # the code of its last exit, None if it never exited
     due: float | None  # when it starts again (the policy's clock); None while it runs
 
 
@@ -188,19 +199,28 @@ class RestartPolicy:
         times = [r.due for r in self._records.values() if r.due is not None]
         return min(times) if times else None
 
+    def state_of(self, name: str, now: float) -> ChildState:
+        """``name`` now: failing (``limit`` exits within a window and no whole run since:
+        a run of a whole window ends it), restarting (in its backoff) or running."""
+        record = self._records.get(name)
+        if record is None:
+            return ChildState("running", 0, None, None)
+        if record.failing and record.due is None and now - record.started >= self.window:
+            record.failing = False
+        recent = sum(1 for t in self._exits.get(name, ()) if t > now - self.window)
+        state = (
+            "failing" if record.failing else "restarting" if record.due is not None else "running"
+        )
+        return ChildState(state, recent, record.last_exit, record.due)
+
     def failing(self, now: float) -> dict[str, ChildTrouble]:
         """The children failing now: each with its exits within the window, its last exit
-        code and when it starts again (None while it runs). A run of a whole window ends
-        it."""
+        code and when it starts again (None while it runs)."""
         out = {}
-        for name, record in self._records.items():
-            if not record.failing:
-                continue
-            if record.due is None and now - record.started >= self.window:
-                record.failing = False
-                continue
-            recent = [t for t in self._exits.get(name, ()) if t > now - self.window]
-            out[name] = ChildTrouble(len(recent), record.last_exit, record.due)
+        for name in list(self._records):
+            child = self.state_of(name, now)
+            if child.state == "failing":
+                out[name] = ChildTrouble(child.exits, child.last_exit, child.due)
         return out
 
     def waiting(self) -> list[str]:

@@ -4,9 +4,11 @@
 (an error naming the resource otherwise), makes one placement group of the workers'
 bundles (``[ray] strategy``), starts the broker on the head (or on the node with
 ``[ray] front_resource``), the workers in their bundles, then the gateway, and returns
-once ``/ready`` answers 200: a warm-up token went through a complete route. Every actor
-restarts without limit; Ray keeps the actor, the actor keeps its role process (actor.py).
-``down`` stops each role, kills its actor and removes the placement group.
+once ``/ready`` answers 200: a warm-up token went through a complete route. A config
+with ``[[remotes]]`` is refused (plan.py says why). Every actor restarts without limit;
+Ray keeps the actor, the actor keeps its role process with `zmqllm up`'s backoff
+(role_keeper.py). ``status`` shows both, failing roles first. ``down`` stops each role,
+kills its actor and removes the placement group.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +27,23 @@ from zmqllm.config.flags import apply_flags
 from zmqllm.config.loading import load_config
 from zmqllm.config.settings import Config
 from zmqllm.launch.launcher import http_status
-from zmqllm.onray.plan import ActorSpec, Unplaceable, check_fits, plan_actors, with_broker
+from zmqllm.launch.supervision import CRASH_WINDOW_S
+from zmqllm.log import printable
+from zmqllm.onray.plan import (
+    ActorSpec,
+    Unplaceable,
+    check_fits,
+    plan_actors,
+    remotes_refused,
+    with_broker,
+)
 
-__all__ = ["run_ray"]
+__all__ = ["format_status", "role_shown", "run_ray", "status_rows"]
 
 PLACEMENT_GROUP = "zmqllm-stages"
 POLL_S = 1.0
+# How long `ray status` waits for the actors to say how their roles are.
+INFO_TIMEOUT_S = 5.0
 
 
 def _say(text: str) -> None:
@@ -92,6 +106,10 @@ def _wait_placed(pg: Any, timeout: float) -> bool:
 
 def ray_up(ns: argparse.Namespace) -> int:
     cfg, path = _config(ns)
+    refused = remotes_refused(cfg)
+    if refused:
+        print(f"zmqllm ray up: {refused}", file=sys.stderr)
+        return 2
     specs = plan_actors(cfg, path)
     ray = _connect(cfg)
     from ray.util.placement_group import placement_group
@@ -152,6 +170,7 @@ def ray_up(ns: argparse.Namespace) -> int:
                 "`zmqllm ray status` shows each actor and its log",
                 file=sys.stderr,
             )
+            _say_troubled(ray, cfg.ray.namespace)
             return 1
         time.sleep(POLL_S)
     _say(f"ready in {time.monotonic() - begun:.1f}s: {len(workers)} workers, gateway {url}")
@@ -188,19 +207,115 @@ def _actors(ray: Any, namespace: str) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: str(r["name"]))
 
 
+# --- `ray status` -----------------------------------------------------------------------
+
+# What an actor's info() adds about its role; None each when it did not answer.
+ROLE_FIELDS = ("role_state", "exits", "last_exit", "next_start_in", "starts")
+_ORDER = {"failing": 0, "restarting": 1, "running": 2}
+
+
+def status_rows(
+    actors: Sequence[Mapping[str, Any]], infos: Mapping[str, Mapping[str, Any] | None]
+) -> list[dict[str, Any]]:
+    """The actor table's rows (no handles) with each actor's role fields merged in, from
+    ``infos`` by actor name (None, or absent: it did not answer, as while Ray restarts
+    it). Failing roles first, then restarting, running, unknown; by name within each."""
+    out = []
+    for actor in actors:
+        row = {k: v for k, v in actor.items() if k != "handle"}
+        info = infos.get(str(actor["name"])) or {}
+        row.update({k: info.get(k) for k in ROLE_FIELDS})
+        out.append(row)
+    return sorted(out, key=lambda r: (_ORDER.get(str(r["role_state"]), 3), str(r["name"])))
+
+
+def role_shown(row: Mapping[str, Any]) -> str:
+    """One of "running", "restarting in 4 s", "FAILING, restarting in 32 s", "FAILING, running"
+    (started again, not yet up a whole window), or "?" (no answer)."""
+    state, due = row.get("role_state"), row.get("next_start_in")
+    if state not in _ORDER:
+        return "?"
+    then = "running" if due is None else f"restarting in {float(due):g} s"
+    return f"FAILING, {then}" if state == "failing" else then
+
+
+def format_status(rows: Sequence[Mapping[str, Any]]) -> str:
+    headers = [
+        "actor",
+        "state",
+        "node",
+        "pid",
+        "restarts",
+        "role",
+        f"exits/{CRASH_WINDOW_S:.0f}s",
+        "last exit",
+    ]
+    table = [headers]
+    for r in rows:
+        exits = r.get("exits")
+        table.append(
+            [
+                printable(str(r["name"])),
+                str(r["state"]),
+                str(r["node_ip"]),
+                str(r["pid"]),
+                str(r["restarts"]),
+                role_shown(r),
+                "?" if exits is None else str(exits),
+                str(r.get("last_exit") or "-"),
+            ]
+        )
+    widths = [max(len(line[i]) for line in table) for i in range(len(headers))]
+    numeric = {3, 4, 6}  # right-aligned
+    lines = []
+    for line in table:
+        cells = [
+            cell.rjust(widths[i]) if i in numeric else cell.ljust(widths[i])
+            for i, cell in enumerate(line)
+        ]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def _say_troubled(ray: Any, namespace: str) -> None:
+    """The roles that keep exiting, and where their logs are: most often why."""
+    actors = _actors(ray, namespace)
+    infos = _role_infos(ray, actors)
+    for row in status_rows(actors, infos):
+        if row["role_state"] in ("failing", "restarting"):
+            log = (infos.get(row["name"]) or {}).get("log", "?")
+            print(
+                f"  {row['name']}: {role_shown(row)}, {row['exits']} exits within "
+                f"{CRASH_WINDOW_S:g} s, the last {row['last_exit']}; its log on "
+                f"{row['node_ip']}: {printable(str(log))}",
+                file=sys.stderr,
+            )
+
+
+def _role_infos(ray: Any, rows: list[dict[str, Any]]) -> dict[str, dict[str, Any] | None]:
+    """Each live actor's info() (its role's state), asked of all at once; an actor that
+    does not answer within INFO_TIMEOUT_S (busy, or its node going away) is None."""
+    asked = {str(r["name"]): r["handle"].info.remote() for r in rows if r["state"] == "ALIVE"}
+    refs = list(asked.values())
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=INFO_TIMEOUT_S) if refs else ([], [])
+    out: dict[str, dict[str, Any] | None] = {}
+    for name, ref in asked.items():
+        out[name] = None
+        if ref in ready:
+            with contextlib.suppress(Exception):  # it died meanwhile: shown as unknown
+                out[name] = ray.get(ref)
+    return out
+
+
 def ray_status(ns: argparse.Namespace) -> int:
     cfg, _ = _config(ns)
     ray = _connect(cfg)
-    rows = [{k: v for k, v in r.items() if k != "handle"} for r in _actors(ray, cfg.ray.namespace)]
+    actors = _actors(ray, cfg.ray.namespace)
+    rows = status_rows(actors, _role_infos(ray, actors))
     if ns.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"{'actor':24s} {'state':12s} {'node':16s} {'pid':>8} {'restarts':>8}")
-    for r in rows:
-        print(
-            f"{r['name']:24s} {r['state']:12s} {r['node_ip']:16s} {r['pid']!s:>8} "
-            f"{r['restarts']!s:>8}"
-        )
+    print(format_status(rows))
     return 0
 
 

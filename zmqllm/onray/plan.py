@@ -28,6 +28,7 @@ __all__ = [
     "actor_name",
     "check_fits",
     "plan_actors",
+    "remotes_refused",
     "with_broker",
 ]
 
@@ -138,6 +139,33 @@ def plan_actors(cfg: Config, config_path: Path | None) -> list[ActorSpec]:
     )
     out.append(ActorSpec("gateway", "gateway", gateway, {"CPU": FRONT_CPUS}))
     return out
+
+
+def remotes_refused(cfg: Config) -> str | None:
+    """Why `ray up` does not start this config's ``[[remotes]]``, naming each entry, or
+    None when it has none.
+
+    `zmqllm up` hands a remote worker its upstream's URL in a file of its own, because a
+    URL may hold a password; on Ray it would travel in the actor's arguments through the
+    cluster's control store, and its ``api_key_file`` would be read on whichever node the
+    actor lands on, against "secrets never travel through Ray" (docs/ray.md). Serving
+    the rest without them would leave models the config names unserved with no word
+    said, so it is refused: a remote worker joins the cluster's broker from any host as
+    it is."""
+    if not cfg.remotes:
+        return None
+    # By served name and model, never the URL: it may hold a password or a key.
+    named = [
+        f"#{i} (served_name {r.served_name or '-'}, model {r.model or '-'}, count {r.count})"
+        for i, r in enumerate(cfg.remotes, 1)
+    ]
+    backend = _port(cfg.broker.backend)
+    return (
+        f"[[remotes]] {', '.join(named)}: remote models are not served on Ray "
+        "(their URLs and keys would travel through it). Take them out of this config and "
+        "start each on a host with a worker key: `zmqllm worker --remote @URL_FILE "
+        f"--broker tcp://BROKER_NODE:{backend}`"
+    )
 
 
 def _port(endpoint: str) -> int:
