@@ -11,7 +11,6 @@ import contextlib
 import http.client
 import json
 import platform
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ import pytest
 import zmq
 
 from tests.e2e.conftest import ConfiguredCluster
+from tests.e2e.stalled_readers import ended_by_server, non_reader
 from tests.e2e.test_cluster import post_chat
 from tests.e2e.test_hardening import leftovers
 from zmqllm.bus.messages import Refused, Register
@@ -71,34 +71,6 @@ def gateway_state(c: ConfiguredCluster) -> dict[str, int]:
         return state
 
 
-def non_reader(port: int, body: dict[str, Any]) -> socket.socket:
-    """A client that sends its request and then reads nothing, with a small receive buffer
-    (set before connecting, so the window it offers stays small)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect(("127.0.0.1", port))
-    data = json.dumps(body).encode()
-    head = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
-    )
-    sock.sendall(head.encode() + data)
-    return sock
-
-
-def closed_by_server(sock: socket.socket, timeout: float) -> bool:
-    """Read (at last) whatever the server sent; True once it ends in EOF or a reset."""
-    sock.settimeout(timeout)
-    try:
-        while sock.recv(1 << 20):
-            pass
-    except (ConnectionResetError, BrokenPipeError):
-        return True
-    except TimeoutError:
-        return False
-    return True
-
-
 def test_clients_that_stop_reading_free_their_slots(cluster: ConfiguredCluster, reference) -> None:
     """Eight streams of n=8 hold all 64 generation slots; their clients read nothing. Each
     is cut off at write_timeout, its sessions cancelled, and a normal /chat is served."""
@@ -125,7 +97,7 @@ def test_clients_that_stop_reading_free_their_slots(cluster: ConfiguredCluster, 
         assert status == 200
         assert b"".join(c for _, c in chunks).decode() == reference.body("Why is the sky blue?", 24)
         for sock in stalled:
-            assert closed_by_server(sock, SLACK), "a stalled stream's connection stayed open"
+            assert ended_by_server(sock, SLACK), "a stalled stream's connection stayed open"
         st = wait_clean(cluster, SLACK)
         assert leftovers(st) == {}
     finally:

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.conftest import ConfiguredCluster
+from tests.e2e.stalled_readers import ended_by_server, non_reader
 from tests.e2e.test_cluster import post_chat
 from tests.e2e.test_hardening import leftovers
 
@@ -86,30 +87,7 @@ def stream_request(port: int, request_id: str, logprobs: bool) -> socket.socket:
     }
     if logprobs:
         body |= {"logprobs": True, "top_logprobs": 20}
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
-    sock.connect(("127.0.0.1", port))
-    data = json.dumps(body).encode()
-    head = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-        f"X-Request-ID: {request_id}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
-    )
-    sock.sendall(head.encode() + data)
-    return sock
-
-
-def ended_by_server(sock: socket.socket, timeout: float) -> bool:
-    """Read (at last) whatever the server sent; True once it ends in EOF or a reset."""
-    sock.settimeout(timeout)
-    try:
-        while sock.recv(1 << 20):
-            pass
-    except (ConnectionResetError, BrokenPipeError):
-        return True
-    except TimeoutError:
-        return False
-    return True
+    return non_reader(port, body, rcvbuf=2048, request_id=request_id)
 
 
 def gateway_log(c: ConfiguredCluster, request_ids: set[str]) -> dict[str, list[dict[str, Any]]]:

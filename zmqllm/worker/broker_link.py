@@ -268,8 +268,13 @@ class BrokerLink:
         if quiet > s.interval * s.liveness:
             why = f"no word from the broker for {quiet:.1f}s"
             if not self._registered:
-                # Also what a key mismatch looks like from here: CURVE fails silently.
-                why += " (is it up, and do --keys match its CURVE keys?)"
+                # Also what a key mismatch looks like from here (CURVE fails silently), and
+                # a key scoped without pins while no other worker has defined the model
+                # (the broker holds such a REGISTER unanswered: docs/security.md).
+                why += (
+                    " (is it up, and do --keys match its CURVE keys? A worker key issued "
+                    "for a model without --digest waits until another worker defines it)"
+                )
             self._lost(why)
             return
         if not self._registered or self._refused:
