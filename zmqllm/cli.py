@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from zmqllm.bus.keys_cli import add_keys_command
+from zmqllm.client.ticket_cli import add_ticket_command
 from zmqllm.config.flags import add_setting_flags, apply_flags
 from zmqllm.config.loading import load_config
 from zmqllm.config.paths import default_model_dir, resolve_model_path, worker_served_name
@@ -177,12 +178,21 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
 
 
 def _load(ns: argparse.Namespace) -> Config:
-    """The config file (if any) with the role's command-line flags applied on top."""
+    """The config file (if any), then what a ticket gives (--join), then the role's
+    command-line flags on top."""
     if getattr(ns, "stage", None):  # a worker's --stage K/N is --layers K/N
         if ns.layers:
             raise ConfigError("give --layers or --stage, not both")
         ns.layers = ns.stage
-    return apply_flags(load_config(ns.config), ns.command, ns)
+    cfg = load_config(ns.config)
+    if ns.command in ("worker", "gateway"):  # --join, or the file's join: client/join.py
+        value = ns.join if ns.join is not None else getattr(cfg, ns.command).join
+        ns.join = None  # what the ticket gives stands, not the ticket
+        if value:
+            from zmqllm.client.join import joined_config
+
+            cfg = joined_config(cfg, value, "worker" if ns.command == "worker" else "client")
+    return apply_flags(cfg, ns.command, ns)
 
 
 def cmd_broker(ns: argparse.Namespace) -> int:
@@ -363,6 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prepare(sub)
     _add_generate(sub)
     add_keys_command(sub)
+    add_ticket_command(sub)
     _add_roles(sub)
     return parser
 

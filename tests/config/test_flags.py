@@ -55,6 +55,12 @@ EXPECTED: dict[str, dict[str, set[str] | None]] = {
         "security": ALL,
         "log": {"level"},
     },
+    "ticket": {
+        "broker": {"frontend", "backend"},
+        "model": {"path"},
+        "security": {"keys"},
+        "log": {"level", "format"},
+    },
 }
 
 # Flags users and scripts already type; they must keep working.
@@ -70,16 +76,18 @@ KEPT = {
     "status": "--broker --json --timeout",
     "up": "--port --model --log-dir --ready-timeout",
     "ray": "",
+    "ticket": "",
 }
 NEW = {
     "broker": "--keys --insecure --no-insecure --max-message-bytes --session-timeout",
     "worker": "--keys --insecure --native-attention --no-native-attention --packed-rows "
-    "--wire-dtype --quant",
-    "gateway": "--keys --insecure --api-key-file --ssl-certfile --ssl-keyfile "
+    "--wire-dtype --quant --join",
+    "gateway": "--keys --insecure --api-key-file --ssl-certfile --ssl-keyfile --join "
     "--request-timeout --max-body-bytes --default-max-tokens",
     "status": "--keys --insecure",
     "up": "--keys --insecure --api-key-file --ssl-certfile --ssl-keyfile --quant",
     "ray": "--address --namespace --strategy --front-resource --ready-timeout --model --port",
+    "ticket": "--frontend --backend --model --keys --layers --expires --name --client --address",
 }
 
 # `zmqllm ray` has commands of its own; each takes the role's flags (here: `ray up`).

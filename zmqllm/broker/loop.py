@@ -87,7 +87,8 @@ class Broker:
         # handshake starts, and without one it lets in anyone who knows our public key.
         self.auth: Authenticator | None = None
         if keys is not None:
-            self.auth = Authenticator(self.ctx, {d: keys.folder / d for d in (CLIENTS, WORKERS)})
+            domains = {d: keys.folder / d for d in (CLIENTS, WORKERS)}
+            self.auth = Authenticator(self.ctx, domains, keys.folder)
             self.auth.start()
         # The key each client opened sessions with, to end them on revocation.
         self.client_keys = ClientKeys()
@@ -249,12 +250,17 @@ class Broker:
                 self.drops.drop(f"{side}:frames")
                 continue
             identity = frames[0].bytes
-            if self.auth is not None and not self.auth.admits(
-                WORKERS if side == "backend" else CLIENTS, peer_key(frames)
-            ):
-                # Connected before its key was removed: nothing it sends counts now.
+            domain = WORKERS if side == "backend" else CLIENTS
+            if self.auth is not None and not self.auth.admits(domain, peer_key(frames)):
+                # Connected before its key was removed, or a revoked or expired ticket's:
+                # nothing it sends counts now. The last two are told why (a REFUSED makes
+                # a worker exit; `--join` shows it).
                 self._status_body = None
                 self.drops.drop(f"{side}:revoked", peer=identity.hex()[:32])
+                why = self.auth.refusal(domain, peer_key(frames))
+                if why is not None:
+                    to = Out.to_worker if side == "backend" else Out.to_client
+                    self.send([to(identity, Refused(reason=why))])
                 continue
             try:
                 msg = decode(frames[1:])
@@ -349,9 +355,8 @@ class Broker:
             self.send(self.table.client_lost(client, ErrorCode.CANCELLED, "key revoked", now))
         for w in list(self.registry.workers.values()):
             if not self.auth.admits(WORKERS, w.key):
-                self.send(
-                    [Out.to_worker(w.identity, Refused(reason="this worker's key was revoked"))]
-                )
+                why = self.auth.refusal(WORKERS, w.key) or "this worker's key was revoked"
+                self.send([Out.to_worker(w.identity, Refused(reason=why))])
                 self.remove_worker(
                     w, f"worker {w.worker_id} (layers {w.start}:{w.end}): key revoked"
                 )

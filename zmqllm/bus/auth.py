@@ -12,6 +12,12 @@ most every ``RESCAN_S`` and whenever a file is added or removed: a key file remo
 refused from then on, and
 ``allowed()`` lets the broker turn away the messages of peers connected before.
 
+Tickets (ticket_keys.py) add two kinds of key the handler still lets complete a
+handshake but whose messages count for nothing: a key in ``revoked/`` (`zmqllm keys
+revoke`), and a ticket's key never used before its expiry. ``refusal`` says which, so
+that the broker answers such a peer with a REFUSED naming it instead of silence; a
+ticket key's first message in time is recorded in ``used/`` (``admits``).
+
 The handler answers with the peer's public key (z85) as the ZAP user id; libzmq then
 stamps it on every message of that connection as the ``User-Id`` property, which is how
 the broker ties a worker's routing id to the key that registered it.
@@ -40,8 +46,17 @@ import zmq
 import zmq.utils.monitor
 import zmq.utils.z85
 
-from zmqllm.bus.keys import ALLOWED_FOLDERS, allowed_keys, folder_claims
+from zmqllm.bus.keys import ALLOWED_FOLDERS, CLAIMS, REVOKED, allowed_keys, folder_claims
 from zmqllm.bus.sockets import Drops
+from zmqllm.bus.ticket_keys import (
+    USED,
+    TicketKey,
+    record_use,
+    revoked_keys,
+    ticket_keys,
+    used_keys,
+)
+from zmqllm.bus.tickets import utc
 from zmqllm.log import get_logger
 
 __all__ = [
@@ -169,15 +184,24 @@ class ZapHandler:
 
 class Authenticator(ZapHandler):
     """The broker's ZAP handler: ``domains`` maps a ZAP domain to its folder of allowed
-    public keys."""
+    public keys; ``folder`` (the key folder) holds ``revoked/`` and ``used/``."""
 
-    def __init__(self, ctx: zmq.Context[Any], domains: dict[str, Path]) -> None:
+    def __init__(
+        self, ctx: zmq.Context[Any], domains: dict[str, Path], folder: Path | None = None
+    ) -> None:
         super().__init__(ctx)
         self.domains = domains
         self._lock = threading.Lock()
         self._allowed: dict[str, frozenset[bytes]] = {d: frozenset() for d in domains}
         # Per domain, what each key was issued for (its file's metadata; keys.py claims).
         self._claims: dict[str, dict[bytes, dict[str, str]]] = {d: {} for d in domains}
+        # Tickets: per domain the revoked keys (-> name) and the tickets' keys; the keys
+        # used in time (also kept here when used/ cannot be written).
+        self._revoked_dirs = {d: folder / REVOKED / d for d in domains} if folder else {}
+        self._used_dir = folder / USED if folder else None
+        self._revoked: dict[str, dict[bytes, str]] = {d: {} for d in domains}
+        self._tickets: dict[str, dict[bytes, TicketKey]] = {d: {} for d in domains}
+        self._used: set[bytes] = set()
         self._scanned_at = -RESCAN_S
         self._seen: tuple[tuple[tuple[str, int, int, int], ...], ...] = ()
         self._removed_at: dict[tuple[str, bytes], float] = {}  # (domain, key) -> when
@@ -188,7 +212,7 @@ class Authenticator(ZapHandler):
         mtime is not enough: a key file is created (the folder changes) and then written
         (only the file does), and a scan between the two must not stand for a second."""
         out = []
-        for folder in self.domains.values():
+        for folder in [*self.domains.values(), *self._revoked_dirs.values()]:
             try:
                 with os.scandir(folder) as entries:
                     files = []
@@ -217,11 +241,19 @@ class Authenticator(ZapHandler):
                     keys = self._allowed[d]
                 else:
                     self._claims[d] = folder_claims(folder)
+                    self._tickets[d] = ticket_keys(folder)
                 fresh[d] = keys
+            # Read after the allowed folders: a key moved between the two reads is seen
+            # in both (and counts as revoked), never in neither.
+            for d, revoked in self._revoked_dirs.items():
+                self._revoked[d] = revoked_keys(revoked)
+            if self._used_dir is not None:
+                self._used |= used_keys(self._used_dir)
             self._scanned_at, self._seen = now, stamps
             for d, keys in fresh.items():
                 for key in self._allowed[d] - keys:
-                    self._removed_at[(d, key)] = now
+                    if key not in self._revoked[d]:  # revoked on purpose: no grace
+                        self._removed_at[(d, key)] = now
                 for key in keys:
                     self._removed_at.pop((d, key), None)
                 gone = len(self._allowed[d] - keys)
@@ -232,30 +264,64 @@ class Authenticator(ZapHandler):
             return changed
 
     def claims(self, domain: str, key: str | bytes | None) -> dict[str, str]:
-        """What ``key`` was issued for in ``domain`` ({}: anything)."""
+        """What ``key`` was issued for in ``domain`` ({}: anything); a ticket's expiry
+        is no scope, so it is left out."""
         if key is None:
             return {}
         raw = key.encode() if isinstance(key, str) else key
-        return dict(self._claims.get(domain, {}).get(raw, {}))
+        found = self._claims.get(domain, {}).get(raw, {})
+        return {k: v for k, v in found.items() if k in CLAIMS}
 
     def allowed(self, domain: str, key: str | bytes | None) -> bool:
-        """Whether a public key (z85) is allowed in ``domain`` now: for new handshakes."""
+        """Whether a public key (z85) may complete a handshake in ``domain`` now: allowed,
+        or revoked (its holder is told so, see ``refusal``)."""
         if key is None:
             return False
         raw = key.encode() if isinstance(key, str) else key
-        return raw in self._allowed.get(domain, frozenset())
+        return raw in self._allowed.get(domain, frozenset()) or raw in self._revoked.get(domain, {})
+
+    def refusal(self, domain: str, key: str | bytes | None) -> str | None:
+        """Why a peer with this key is refused although it may connect: its key was
+        revoked, or it is a ticket's, not used before it expired. None otherwise."""
+        if key is None:
+            return None
+        raw = key.encode() if isinstance(key, str) else key
+        name = self._revoked.get(domain, {}).get(raw)
+        if name is not None:
+            return f"the key {name!r} was revoked on the broker's host: ask for a new ticket"
+        ticket = self._tickets.get(domain, {}).get(raw)
+        if ticket is not None and raw not in self._used and time.time() > ticket.expires:
+            return (
+                f"ticket {ticket.name!r} expired at {utc(ticket.expires)} before it was used "
+                "(by the broker's clock): ask for a new one (`zmqllm ticket`)"
+            )
+        return None
 
     def admits(self, domain: str, key: str | bytes | None) -> bool:
-        """Whether a connected peer with this key may still speak: allowed now, or removed
-        less than GRACE_S ago (a key file rewritten in place, or its folder copied anew,
-        is missing for a moment; cutting a worker off for that could not be undone)."""
-        if self.allowed(domain, key):
-            return True
+        """Whether a connected peer with this key may still speak: allowed now and not
+        refused, or removed less than GRACE_S ago (a key file rewritten in place, or its
+        folder copied anew, is missing for a moment; cutting a worker off for that could
+        not be undone). A ticket key's first message in time records its use."""
         if key is None:
             return False
         raw = key.encode() if isinstance(key, str) else key
+        if self.refusal(domain, key) is not None:
+            return False
+        if raw in self._allowed.get(domain, frozenset()):
+            ticket = self._tickets.get(domain, {}).get(raw)
+            if ticket is not None and raw not in self._used:
+                self._use(ticket, raw)
+            return True
         removed = self._removed_at.get((domain, raw))
         return removed is not None and time.monotonic() - removed < GRACE_S
+
+    def _use(self, ticket: TicketKey, raw: bytes) -> None:
+        """A ticket's key was used in time: from now on it is a key like any other."""
+        self._used.add(raw)
+        if self._used_dir is not None and record_use(self._used_dir, raw, time.time()):
+            log.info("ticket used", name=ticket.name)
+        else:  # a read-only key folder
+            log.warning("ticket used; cannot record it: a restart forgets", name=ticket.name)
 
 
 class HandshakeMonitor:

@@ -9,6 +9,8 @@ public key; ``NAME.key_secret``: both keys):
     clients/    public keys allowed on the frontend (client.key to begin with)
     workers/    public keys allowed on the backend (worker.key to begin with)
     issued/NAME/  what `zmqllm keys add` made for another host: copy the folder there
+    revoked/      clients/ and workers/: the keys `zmqllm keys revoke` ended (ticket_keys.py)
+    used/         the broker's record of which tickets' keys were used (ticket_keys.py)
 
 The broker reads its pair and the two allowed folders (again while running: removing a
 file from ``clients/`` or ``workers/`` revokes that key); a worker reads ``worker.*`` and
@@ -38,6 +40,8 @@ __all__ = [
     "CLAIMS",
     "DEFINING_CLAIMS",
     "KINDS",
+    "REVOKED",
+    "TICKET_CLAIMS",
     "BrokerKeys",
     "KeysError",
     "PeerKeys",
@@ -53,11 +57,13 @@ __all__ = [
     "keys_dir",
     "load_broker_keys",
     "load_peer_keys",
+    "private_dir",
 ]
 
 Role = Literal["client", "worker"]
 # Where the broker looks up the keys allowed on each socket; also their ZAP domains.
 ALLOWED_FOLDERS: dict[Role, str] = {"client": "clients", "worker": "workers"}
+REVOKED = "revoked"  # revoked/clients/, revoked/workers/: keys ended by `keys revoke`
 _NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 DIR_MODE = 0o700
 SECRET_MODE = 0o600
@@ -112,7 +118,8 @@ def _new_pair(
     return Path(public), Path(secret)
 
 
-def _private_dir(path: Path) -> None:
+def private_dir(path: Path) -> None:
+    """``path`` and its missing parents made; ``path`` itself readable by its owner only."""
     path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
     os.chmod(path, DIR_MODE)
 
@@ -122,11 +129,11 @@ def init_keys(folder: Path) -> Path:
     allowed on its socket). Refuses a folder that already has a broker key."""
     if (folder / "broker.key_secret").exists():
         raise KeysError(f"{folder} already has keys (broker.key_secret); not replacing them")
-    _private_dir(folder)
+    private_dir(folder)
     _new_pair(folder, "broker")
     for role, allowed in ALLOWED_FOLDERS.items():
         public, _ = _new_pair(folder, role)
-        _private_dir(folder / allowed)
+        private_dir(folder / allowed)
         shutil.copyfile(public, folder / allowed / public.name)
     return folder
 
@@ -145,13 +152,15 @@ def add_key(folder: Path, role: Role, name: str, claims: Mapping[str, str] | Non
         raise KeysError(f"{folder} has no broker.key: make the folder with `zmqllm keys init`")
     allowed = folder / ALLOWED_FOLDERS[role] / f"{name}.key"
     issued = folder / "issued" / name
-    if allowed.exists() or issued.exists():
+    # A revoked key keeps its name: `zmqllm keys revoke NAME` must never mean two keys.
+    revoked = folder / REVOKED / ALLOWED_FOLDERS[role] / f"{name}.key"
+    if allowed.exists() or issued.exists() or revoked.exists():
         raise KeysError(f"a key named {name!r} already exists in {folder}")
     check_claims(claims or {})
-    _private_dir(issued)
+    private_dir(issued)
     public, _ = _new_pair(issued, role, claims)
     shutil.copyfile(broker_public, issued / "broker.key")
-    _private_dir(allowed.parent)
+    private_dir(allowed.parent)
     shutil.copyfile(public, allowed)
     return issued
 
@@ -189,8 +198,13 @@ def load_broker_keys(folder: Path) -> BrokerKeys:
 # DEFINING_CLAIMS (broker/admission.py).
 CLAIMS = ("model", "layers", "digest", "num_layers", "kind")
 DEFINING_CLAIMS = ("model", "digest", "num_layers", "kind")
+# A ticket's key (ticket_keys.py) also holds when it must first be used by (Unix
+# seconds): the broker's record, not the ticket's, decides.
+TICKET_CLAIMS = ("expires",)
 KINDS = ("layers", "text")
-_CLAIM_LINE = re.compile(r"^\s+(" + "|".join(CLAIMS) + r')\s*=\s*"([^"]{0,256})"\s*$')
+_CLAIM_LINE = re.compile(
+    r"^\s+(" + "|".join(CLAIMS + TICKET_CLAIMS) + r')\s*=\s*"([^"]{0,256})"\s*$'
+)
 _CLAIM_VALUE = re.compile(r"[A-Za-z0-9_.:/@+-]{0,256}")
 _LAYERS_CLAIM = re.compile(r"(\d{0,4}):(\d{0,4})")
 MAX_DIGEST = 128  # Register.fingerprint's bound on the wire
@@ -199,9 +213,12 @@ MAX_DIGEST = 128  # Register.fingerprint's bound on the wire
 def check_claims(claims: Mapping[str, str]) -> None:
     """KeysError unless ``claims`` are ones a broker can hold a REGISTER to: known names,
     values a ZPL string holds, and pins that agree with each other."""
-    bad = sorted(set(claims) - set(CLAIMS))
+    bad = sorted(set(claims) - set(CLAIMS) - set(TICKET_CLAIMS))
     if bad:
         raise KeysError(f"a key claims only {', '.join(CLAIMS)}, not {', '.join(bad)}")
+    for claim in TICKET_CLAIMS:
+        if claim in claims and not claims[claim].isdigit():
+            raise KeysError(f"a key's {claim} claim is a time in Unix seconds")
     for value in claims.values():
         if not _CLAIM_VALUE.fullmatch(value):
             raise KeysError(f"a key's claim {value!r:.80} has characters a claim cannot hold")

@@ -1,4 +1,5 @@
-"""``zmqllm keys init|add|list``: make and allow CURVE keys for the bus (see keys.py)."""
+"""``zmqllm keys init|add|list|revoke``: make, allow and end CURVE keys for the bus (see
+keys.py; tickets' keys: ticket_keys.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ from zmqllm.bus.keys import (
     ALLOWED_FOLDERS,
     CLAIMS,
     KINDS,
+    REVOKED,
     KeysError,
     add_key,
     allowed_keys,
     init_keys,
 )
+from zmqllm.bus.ticket_keys import USED, revoke_key, ticket_keys, used_keys
+from zmqllm.bus.tickets import utc
 from zmqllm.config.paths import zmqllm_home
 
 __all__ = ["add_keys_command"]
@@ -50,19 +54,42 @@ def cmd_add(ns: argparse.Namespace) -> int:
     print(
         f"made a {ns.role} key {ns.name!r}, allowed as {allowed}\n"
         f"copy the folder {issued} to that host and give it as --keys there;\n"
-        f"delete {allowed} to revoke it (the broker refuses it within seconds)"
+        f"`zmqllm keys revoke {ns.name}` ends it (the broker drops its workers at once)"
     )
     return 0
 
 
-def cmd_list(ns: argparse.Namespace) -> int:
+def _folder(ns: argparse.Namespace) -> Path:
     folder = Path(ns.keys).expanduser() if ns.keys else _default_dir()
     if not (folder / "broker.key").is_file():
         raise KeysError(f"{folder} is not a key folder (make one with `zmqllm keys init`)")
+    return folder
+
+
+def cmd_list(ns: argparse.Namespace) -> int:
+    folder = _folder(ns)
+    used = used_keys(folder / USED)
     for role, sub in ALLOWED_FOLDERS.items():
-        names = sorted(p.stem for p in (folder / sub).glob("*.key"))
+        tickets = ticket_keys(folder / sub)
+        names = {p.stem: p.stem for p in (folder / sub).glob("*.key")}
+        for public, ticket in tickets.items():
+            state = "used" if public in used else f"to be used by {utc(ticket.expires)}"
+            names[ticket.name] = f"{ticket.name} (ticket, {state})"
         count = len(allowed_keys(folder / sub) or ())
-        print(f"{role}s allowed ({count}): {', '.join(names) or '-'}")
+        print(f"{role}s allowed ({count}): {', '.join(sorted(names.values())) or '-'}")
+        revoked = sorted(p.stem for p in (folder / REVOKED / sub).glob("*.key"))
+        if revoked:
+            print(f"{role}s revoked ({len(revoked)}): {', '.join(revoked)}")
+    return 0
+
+
+def cmd_revoke(ns: argparse.Namespace) -> int:
+    folder = _folder(ns)
+    roles = revoke_key(folder, ns.name)
+    print(
+        f"revoked the {' and '.join(roles)} key {ns.name!r} (moved to {folder / REVOKED}): "
+        "the broker refuses it from now on and drops what holds it within a heartbeat"
+    )
     return 0
 
 
@@ -95,6 +122,13 @@ def add_keys_command(sub: Any) -> None:
     )
     q.set_defaults(func=cmd_add)
 
-    q = keys_sub.add_parser("list", help="the keys allowed on each socket")
+    q = keys_sub.add_parser("list", help="the keys allowed on each socket, and those revoked")
     q.add_argument("--keys", metavar="DIR", help="the key folder (default: $ZMQLLM_HOME/keys)")
     q.set_defaults(func=cmd_list)
+
+    q = keys_sub.add_parser(
+        "revoke", help="end a key (a ticket's, or one `keys add` made): its workers are dropped"
+    )
+    q.add_argument("name", help="the key's name, as `zmqllm keys list` shows it")
+    q.add_argument("--keys", metavar="DIR", help="the key folder (default: $ZMQLLM_HOME/keys)")
+    q.set_defaults(func=cmd_revoke)

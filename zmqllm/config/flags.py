@@ -102,6 +102,14 @@ ROLES: dict[str, tuple[Take, ...]] = {
         Take("security"),
         Take("log", only=("level", "format", "dir")),
     ),
+    # `zmqllm ticket` on the broker's host: its endpoints and keys, the model a worker
+    # ticket is for.
+    "ticket": (
+        Take("broker", only=("frontend", "backend")),
+        Take("model", only=("path",)),
+        Take("security", only=("keys",)),
+        LOG,
+    ),
     # `zmqllm ray up|status|down` (zmqllm/onray/): the Ray cluster, and what `up` takes.
     "ray": (
         Take("ray"),

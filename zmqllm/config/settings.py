@@ -154,9 +154,19 @@ class BrokerSettings:
     )
 
 
+# A ticket (`zmqllm ticket` on the broker's host) is a secret: @FILE or stdin keep it out
+# of `ps` and shell history.
+_JOIN_HELP = (
+    "join the broker with a ticket from `zmqllm ticket` on its host: the ticket, @FILE "
+    "holding it, or - to read it from stdin; its keys are stored under "
+    "$ZMQLLM_HOME/tickets/NAME and its broker{what} used unless flags say otherwise"
+)
+
+
 @dataclass
 class WorkerSettings:
     broker: str = setting("tcp://127.0.0.1:5556", "the broker's backend address", metavar="ADDR")
+    join: str = setting("", _JOIN_HELP.format(what=", model and layers are"), metavar="TICKET")
     # Activations and next steps then go from worker to worker: the broker forwards only
     # the tokens.
     peer: str = setting(
@@ -289,6 +299,7 @@ class GatewaySettings:
     host: str = setting("127.0.0.1", "address the HTTP server listens on")
     port: int = setting(8080, "HTTP port; 0 = pick a free port")
     broker: str = setting("tcp://127.0.0.1:5555", "the broker's frontend address", metavar="ADDR")
+    join: str = setting("", _JOIN_HELP.format(what=" is"), metavar="TICKET")
     max_body_bytes: int = setting(1_000_000, "largest request body; past it 413")
     default_max_tokens: int = setting(256, "max_tokens of a request that gives none")
     local_model: bool = setting(
