@@ -68,7 +68,7 @@ def path_reference(
     bfloat16 and VNNI paths their own rounding up to the order of their float32 sums
     (VNNI needs the quantized weight ``t`` whose dequantized form is ``w``); the others
     the float32 product up to their 16-bit activations (product_tolerance)."""
-    if path == "bf16":
+    if path in ("bf16", "brgemm"):
         want = bf16_product(x, w)
         return want, reorder_tolerance(want, w.shape[1])
     if path == "vnni":
@@ -80,8 +80,10 @@ def path_reference(
 
 
 def built_paths(kernel: ModuleType) -> list[str]:
-    """The paths this CPU's build has beside the portable ones."""
-    return (["bf16"] if kernel.bf16_built() else []) + (["vnni"] if kernel.vnni_built() else [])
+    """The paths this CPU's build has beside the portable ones: on AVX512_BF16, bf16
+    (our AMX tiles where granted) and brgemm (oneDNN's, the same numbers); VNNI."""
+    bf16 = ["bf16", "brgemm"] if kernel.bf16_built() else []
+    return bf16 + (["vnni"] if kernel.vnni_built() else [])
 
 
 @pytest.fixture(scope="module")
@@ -197,11 +199,11 @@ def test_bf16_path_widens_float16_scales_as_dequantize_does(kernel: ModuleType, 
 
 def test_matrix_units_can_be_turned_off(kernel: ModuleType) -> None:
     """Off: the 16-bit widening loop, in chunks of 16 rows, then dequantize + GEMM. On:
-    the widening loop up to 7 rows (11 with AMX tiles), then bfloat16 where built. With
-    int8 activations too: VNNI from 5 rows, bfloat16 only from 48 rows on AMX tiles."""
+    the widening loop up to 7 rows (5 with AMX tiles), then bfloat16 where built. With
+    int8 activations too: VNNI from 5 rows, bfloat16 from 12 rows on AMX tiles."""
     t = quant.quantize(torch.randn(40, 64), "int4")
     matrix = kernel.Matrix(2, t.q, t.d, t.m)
-    rows = (4, 5, 8, 12, 40, 48, 300)
+    rows = (4, 5, 6, 8, 11, 12, 300)
     try:
         kernel.set_matrix_units(False)
         assert kernel.matrix_units() == ""
@@ -217,7 +219,7 @@ def test_matrix_units_can_be_turned_off(kernel: ModuleType) -> None:
         assert units == (["amx" if amx else "avx512_bf16"] if kernel.bf16_built() else [])
         choices = [kernel.matmul_choice(matrix, n) for n in rows]
         if kernel.bf16_built():
-            first = 12 if amx else 8
+            first = 6 if amx else 8
             assert choices == ["bf16" if n >= first else "direct" for n in rows]
         kernel.set_matrix_units(True, vnni=True)
         if kernel.vnni_built():

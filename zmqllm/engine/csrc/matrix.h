@@ -25,7 +25,8 @@ struct Matrix {
 // x [rows, in] @ W^T -> [rows, out] float32; any row count, the path chosen by it.
 torch::Tensor matmul(const torch::Tensor& x, const Matrix& w);
 // The same through a named path of a quantized Matrix: "direct" (up to 16 rows),
-// "chunks", "dequant" or "bf16" (where built).
+// "chunks", "dequant", "bf16" (on our AMX kernel where the tiles are granted, else as
+// "brgemm": oneDNN's micro-kernel) or "vnni" (where built).
 torch::Tensor matmul_path(const torch::Tensor& x, const Matrix& w, const std::string& path);
 // The path matmul takes for ``rows`` rows.
 std::string matmul_choice(const Matrix& w, int64_t rows);

@@ -96,17 +96,19 @@ namespace {
 constexpr int64_t kDirectRows = quant::kDirectRows;
 constexpr int64_t kGemmRows = 128;
 // From this many rows the bfloat16 matrix-unit path where built (docs/scale.md): on
-// AVX512_BF16 alone, 8; on AMX, whose widening costs more than the tiles' products
-// save at fewer rows, 12.
+// AVX512_BF16 alone, 8; on AMX tiles (quant_amx.cpp: one widening pass over the weights
+// costs about two one-row passes of the direct loop, the tiles' products next to nothing
+// up to ~64 rows), 6.
 constexpr int64_t kBf16Rows = 8;
-constexpr int64_t kBf16AmxRows = 12;
+constexpr int64_t kBf16AmxRows = 6;
 // From this many rows 8-bit activations on VNNI, where built and asked for: a repacked
 // panel costs about 1.5 one-row passes over the weights, each row then a fifth of one.
 // The 16-bit widening loop stays below it (one-row decode keeps its 16-bit activations).
 constexpr int64_t kVnniRows = 5;
-// From this many rows AMX tiles in bfloat16 beat VNNI (their widening costs twice the
-// repacking, their products next to nothing); without AMX, VNNI for every row count.
-constexpr int64_t kAmxRows = 48;
+// From this many rows AMX tiles in bfloat16 beat VNNI (their widening costs about the
+// repacking plus a few VNNI rows, their products next to nothing); without AMX, VNNI for
+// every row count.
+constexpr int64_t kAmxRows = 12;
 // Weight rows per dequantized slice.
 constexpr int64_t kSliceRows = 256;
 
@@ -169,7 +171,9 @@ Matrix::Matrix(int64_t kind_, torch::Tensor q_, torch::Tensor d_, torch::Tensor 
 
 // The product's paths for a quantized Matrix, by row count (matmul chooses; matmul_path
 // runs a named one, for the benchmarks and the tests that hold each to its reference).
-enum class Path { kDirect, kChunks, kDequant, kBf16, kVnni };
+// kBf16 runs on AMX tiles with quant_amx.cpp's micro-kernel where it can, else oneDNN's
+// (kBrgemm, which the tests and benchmarks also name to hold it on AMX machines).
+enum class Path { kDirect, kChunks, kDequant, kBf16, kVnni, kBrgemm };
 
 bool bf16_built() {
 #if defined(ZMQLLM_QUANT_BF16)
@@ -221,6 +225,14 @@ torch::Tensor run_path(const torch::Tensor& x, const Matrix& w, Path path) {
       }
       return y;
     case Path::kBf16:
+#if defined(ZMQLLM_QUANT_AMX)
+      if (amx_tiles()) {
+        quant::matmul_rows_amx(quant::View(w), x.data_ptr<float>(), rows, y.data_ptr<float>());
+        return y;
+      }
+#endif
+      [[fallthrough]];
+    case Path::kBrgemm:
 #if defined(ZMQLLM_QUANT_BF16)
       quant::matmul_rows_bf16(quant::View(w), x.data_ptr<float>(), rows, y.data_ptr<float>());
       return y;
@@ -269,7 +281,7 @@ std::string matrix_units() {
 
 std::string matmul_choice(const Matrix& w, int64_t rows) {
   if (w.kind == MatrixKind::kFloat32) return rows == 1 ? "gemv" : "linear";
-  static const char* names[] = {"direct", "chunks", "dequant", "bf16", "vnni"};
+  static const char* names[] = {"direct", "chunks", "dequant", "bf16", "vnni", "brgemm"};
   return names[static_cast<int>(choose_path(rows))];
 }
 
@@ -289,6 +301,7 @@ torch::Tensor matmul_path(const torch::Tensor& x_, const Matrix& w, const std::s
                     : name == "dequant" ? Path::kDequant
                     : name == "bf16"    ? Path::kBf16
                     : name == "vnni"    ? Path::kVnni
+                    : name == "brgemm"  ? Path::kBrgemm
                                         : throw std::invalid_argument("matmul_path: unknown path");
   TORCH_CHECK(path != Path::kDirect || x.size(0) <= kDirectRows, "matmul_path: direct takes up to ",
               kDirectRows, " rows");

@@ -32,6 +32,10 @@
 #if defined(ZMQLLM_QUANT_AVX512) && defined(__AVX512BF16__)
 #define ZMQLLM_QUANT_BF16 1
 #endif
+// The same on AMX tiles with a micro-kernel of our own: quant_amx.cpp.
+#if defined(ZMQLLM_QUANT_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define ZMQLLM_QUANT_AMX 1
+#endif
 // Several rows with 8-bit activations on AVX-512 VNNI: quant_vnni.cpp.
 #if defined(ZMQLLM_QUANT_AVX512) && defined(__AVX512VNNI__)
 #define ZMQLLM_QUANT_VNNI 1
@@ -136,6 +140,9 @@ void matmul_rows_avx512(const View& w, const float* x, int64_t rows, float* y); 
 // The same product for any row count through bfloat16 (weights and activations rounded
 // to it, float32 sums) on the matrix units: defined where ZMQLLM_QUANT_BF16 is.
 void matmul_rows_bf16(const View& w, const float* x, int64_t rows, float* y);  // quant_bf16.cpp
+// The same numbers on AMX tiles (the process must hold their state: at::cpu::init_amx):
+// defined where ZMQLLM_QUANT_AMX is.
+void matmul_rows_amx(const View& w, const float* x, int64_t rows, float* y);  // quant_amx.cpp
 // The same with activations quantized to int8 per block of 32 and integer products on
 // AVX-512 VNNI: defined where ZMQLLM_QUANT_VNNI is.
 void matmul_rows_vnni(const View& w, const float* x, int64_t rows, float* y);  // quant_vnni.cpp

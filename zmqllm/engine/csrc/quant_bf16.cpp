@@ -13,6 +13,7 @@
 // Its numbers: each weight w = d * q + m rounded to bfloat16 (as dequantize(w).bfloat16()
 // rounds it) and each activation rounded to bfloat16, the products summed in float32: the
 // product of HF's bfloat16 weights with float32 accumulation (tests/engine/test_quant_bf16.py).
+#include "bf16_blocks.h"
 #include "lanes_avx512.h"
 #include "quant.h"
 
@@ -38,31 +39,6 @@ constexpr int64_t kChunk = 1024;
 // kRowBlock per (kc, panel) whatever the row counts of prefill chunks and batches.
 constexpr int64_t kRowBlock = 64;
 
-// Block b of a weight row as 32 bfloat16 in order (weights 0..31), rounded to nearest
-// even from d * q + m in float32, multiplied then added (no fused multiply-add) as
-// dequantize() computes it, so the two round to the same bfloat16.
-inline __m512i widen_block_bf16(MatrixKind kind, const uint8_t* qrow, int64_t b, float d, float m) {
-  __m512 lo, hi;  // weights 0..15 and 16..31 as float32 codes
-  if (kind == MatrixKind::kInt8) {
-    const auto* q = reinterpret_cast<const int8_t*>(qrow) + b * kGroup;
-    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
-    hi = _mm512_cvtepi32_ps(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
-  } else {
-    // Byte j holds weight j (low nibble) and j + 16 (high nibble).
-    const __m512i raw = _mm512_cvtepu8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(qrow + b * kGroup / 2)));
-    lo = _mm512_cvtepi32_ps(_mm512_and_si512(raw, _mm512_set1_epi32(15)));
-    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(raw, 4));
-  }
-  const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
-  __m512 dlo = _mm512_mul_ps(lo, vd), dhi = _mm512_mul_ps(hi, vd);
-  // The compiler would fuse the multiply into the add below (one rounding, not two).
-  __asm__("" : "+v"(dlo), "+v"(dhi));
-  return reinterpret_cast<__m512i>(
-      _mm512_cvtne2ps_pbh(_mm512_add_ps(dhi, vm), _mm512_add_ps(dlo, vm)));
-}
-
 // Weight rows n0..n0+kPanel (rows past w.out as zeros) and inputs k0..k0+kc widened into
 // panel [kc / 2][kPanel][2]; ``d`` and ``m`` hold room for the chunk's scales of 16 rows.
 void widen_panel(const View& w, int64_t n0, int64_t k0, int64_t kc, uint16_t* panel, float* d,
@@ -87,19 +63,6 @@ void widen_panel(const View& w, int64_t n0, int64_t k0, int64_t kc, uint16_t* pa
       uint16_t* dst = panel + ((b * kGroup - k0) / 2) * kPanel * 2 + half * 2;
       for (int p = 0; p < 16; ++p) _mm512_storeu_si512(dst + p * kPanel * 2, r[p]);
     }
-  }
-}
-
-// x [rows, in] float32 as bfloat16, rounded to nearest even.
-void round_rows(const float* x, int64_t n, uint16_t* out) {
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
-    _mm512_storeu_si512(out + i, reinterpret_cast<__m512i>(v));
-  }
-  for (; i < n; ++i) {
-    const __m128bh v = _mm_cvtneps_pbh(_mm_set_ss(x[i]));
-    out[i] = static_cast<uint16_t>(_mm_extract_epi16(reinterpret_cast<__m128i>(v), 0));
   }
 }
 
