@@ -9,9 +9,11 @@
 // them as B, in pairs along the input dimension ([in / 2][rows][2]), which needs a 16 x 16
 // transpose per block; here the activations take that layout instead, once per call, and
 // the weights, widened once per call whatever the rows, skip it. Per task, two A tiles
-// (32 weight rows, widened over the whole input into a buffer that stays in L2) meet the
-// activations 16 rows (one B tile) or 32 rows (two) at a time; the four C tiles hold the
-// sums over the whole input, then go to y transposed (C is [weight row][activation row]).
+// (32 weight rows) meet the activations 16 rows (one B tile) or 32 rows (two) at a time;
+// the four C tiles hold the sums over the whole input, then go to y transposed (C is
+// [weight row][activation row]). Up to 32 activation rows the C tiles hold every sum, so
+// the panel is widened a chunk of inputs at a time and multiplied while in L1; more rows
+// widen it over the whole input once, into a buffer that stays in L2, for every group.
 // oneDNN's per-call dispatch is gone too: at 1-16 rows it cost as much as the products.
 #include "bf16_blocks.h"
 #include "quant.h"
@@ -38,6 +40,12 @@ constexpr int64_t kStep = 32;
 constexpr int64_t kRowPad = 64;
 // How many weight rows ahead the widening asks for the codes.
 constexpr int64_t kPrefetchRows = 2;
+// Up to 32 activation rows (two B tiles) the four C tiles hold every sum at once, so a
+// panel is widened and multiplied this many inputs at a time: 32 rows x 256 bfloat16 is
+// 16 KiB, read by the tiles from L1 right after the widening wrote it (from L2, the
+// tiles' loads of a whole-input panel cost more than the products). With two B tiles,
+// twice as many (32 KiB): fewer, longer runs of products measured faster there.
+constexpr int64_t kChunk = 256;
 
 // ldtilecfg's 64-byte operand (palette 1): every tile 16 rows of 64 bytes. Tiles 0-3 are
 // C (weight tile i, activation tile j at 2 j + i), 4-5 A, 6-7 B.
@@ -131,6 +139,52 @@ void tile_products(const uint16_t* a, int64_t stride, const uint16_t* xg, int64_
   }
 }
 
+// Blocks b0..b1 of the panel's weight rows (zeros past w.out) as bfloat16 rows of
+// ``stride`` elements, asking for the next chunk's codes on the way.
+void widen_chunk(const View& w, int64_t n0, const RowScales* s, int64_t b0, int64_t b1,
+                 int64_t stride, uint16_t* a) {
+  const int64_t bytes = w.kind == MatrixKind::kInt4 ? kGroup / 2 : kGroup;
+  for (int64_t i = 0; i < kPanelRows; ++i) {
+    const int64_t row = n0 + i;
+    uint16_t* dst = a + i * stride;
+    if (row >= w.out) {
+      std::memset(dst, 0, (b1 - b0) * kGroup * sizeof(uint16_t));
+      continue;
+    }
+    const uint8_t* qrow = w.q + row * w.qstride;
+    const int64_t ahead = std::min(b1 + (b1 - b0), w.groups);
+    for (int64_t o = b1 * bytes; o < ahead * bytes; o += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(qrow + o), _MM_HINT_T0);
+    }
+    for (int64_t b = b0; b < b1; ++b) {
+      const float mb = s[i].m != nullptr ? s[i].m[b] : 0.0f;
+      _mm512_storeu_si512(dst + (b - b0) * kGroup, widen_block_bf16(w.kind, qrow, b, s[i].d[b], mb));
+    }
+  }
+}
+
+// The products of a chunk (inputs k0..k0 + len) added to C tiles 0-1 (and 2-3).
+template <bool Two>
+void chunk_products(const uint16_t* a, int64_t stride, const uint16_t* xg, int64_t in, int64_t k0,
+                    int64_t len) {
+  const int64_t astride = stride * sizeof(uint16_t);
+  const uint16_t* a1 = a + kTile * stride;
+  const uint16_t* x0 = xg + k0 * kTile;
+  const uint16_t* x1 = x0 + in * kTile;
+  for (int64_t k = 0; k < len; k += kStep) {
+    _tile_loadd(4, a + k, astride);
+    _tile_loadd(5, a1 + k, astride);
+    _tile_loadd(6, x0 + k * kTile, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 5, 6);
+    if (Two) {
+      _tile_loadd(7, x1 + k * kTile, 64);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+}
+
 // C tile [16 weight rows][16 activation rows] into y's rows r0.. (up to ``rows``) and
 // columns n0.. (up to w.out).
 void store_sums(const float* c, int64_t r0, int64_t rows, int64_t n0, int64_t out, float* y) {
@@ -138,6 +192,22 @@ void store_sums(const float* c, int64_t r0, int64_t rows, int64_t n0, int64_t ou
   for (int64_t r = 0; r < live_r; ++r) {
     float* yr = y + (r0 + r) * out + n0;
     for (int64_t n = 0; n < live_n; ++n) yr[n] = c[n * kTile + r];
+  }
+}
+
+
+// C tiles 0-1 (and 2-3) of activation groups g (and g + 1) into y.
+void store_tiles(bool two, float* c, int64_t g, int64_t rows, int64_t n0, int64_t out, float* y) {
+  // Tile indices are immediates: one store per tile.
+  _tile_stored(0, c, 64);
+  store_sums(c, g * kTile, rows, n0, out, y);
+  _tile_stored(1, c, 64);
+  store_sums(c, g * kTile, rows, n0 + kTile, out, y);
+  if (two) {
+    _tile_stored(2, c, 64);
+    store_sums(c, (g + 1) * kTile, rows, n0, out, y);
+    _tile_stored(3, c, 64);
+    store_sums(c, (g + 1) * kTile, rows, n0 + kTile, out, y);
   }
 }
 
@@ -149,35 +219,52 @@ void matmul_rows_amx(const View& w, const float* xp, int64_t rows, float* yp) {
   xb.resize(groups * kTile * w.in);
   pack_activations(xp, rows, w.in, xb.data());
   const uint16_t* xbp = xb.data();
-  const int64_t stride = w.in + kRowPad / static_cast<int64_t>(sizeof(uint16_t));
   const int64_t panels = (w.out + kPanelRows - 1) / kPanelRows;
+  const bool chunked = groups <= 2;
+  const bool two = groups >= 2;
+  const int64_t chunk = two ? 2 * kChunk : kChunk;
+  const int64_t stride = (chunked ? chunk : w.in) + kRowPad / static_cast<int64_t>(sizeof(uint16_t));
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     std::vector<uint16_t> a(kPanelRows * stride);
-    std::vector<float> d(w.half ? w.groups : 0), m(w.half ? w.groups : 0);
+    const int64_t scales = w.half ? (chunked ? kPanelRows : 1) * w.groups : 0;
+    std::vector<float> d(scales), m(scales);
+    std::vector<RowScales> s;
+    s.reserve(kPanelRows);
     alignas(64) float c[kTile * kTile];
     configure_tiles();
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * kPanelRows;
+      if (chunked) {
+        s.clear();
+        for (int64_t i = 0; i < kPanelRows; ++i) {
+          const int64_t at = w.half ? i * w.groups : 0;
+          s.emplace_back(w, std::min(n0 + i, w.out - 1), d.data() + at, m.data() + at);
+        }
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t k0 = 0; k0 < w.in; k0 += chunk) {
+          const int64_t len = std::min(chunk, w.in - k0);
+          widen_chunk(w, n0, s.data(), k0 / kGroup, (k0 + len) / kGroup, stride, a.data());
+          if (two) {
+            chunk_products<true>(a.data(), stride, xbp, w.in, k0, len);
+          } else {
+            chunk_products<false>(a.data(), stride, xbp, w.in, k0, len);
+          }
+        }
+        store_tiles(two, c, 0, rows, n0, w.out, yp);
+        continue;
+      }
       widen_panel(w, n0, stride, a.data(), d.data(), m.data());
       for (int64_t g = 0; g < groups; g += 2) {
         const uint16_t* xg = xbp + g * kTile * w.in;
-        const bool two = g + 1 < groups;
-        if (two) {
+        if (g + 1 < groups) {
           tile_products<true>(a.data(), stride, xg, w.in);
         } else {
           tile_products<false>(a.data(), stride, xg, w.in);
         }
-        // Tile indices are immediates: one store per tile.
-        _tile_stored(0, c, 64);
-        store_sums(c, g * kTile, rows, n0, w.out, yp);
-        _tile_stored(1, c, 64);
-        store_sums(c, g * kTile, rows, n0 + kTile, w.out, yp);
-        if (two) {
-          _tile_stored(2, c, 64);
-          store_sums(c, (g + 1) * kTile, rows, n0, w.out, yp);
-          _tile_stored(3, c, 64);
-          store_sums(c, (g + 1) * kTile, rows, n0 + kTile, w.out, yp);
-        }
+        store_tiles(g + 1 < groups, c, g, rows, n0, w.out, yp);
       }
     }
     _tile_release();
