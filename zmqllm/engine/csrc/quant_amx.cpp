@@ -46,6 +46,11 @@ constexpr int64_t kPrefetchRows = 2;
 // tiles' loads of a whole-input panel cost more than the products). With two B tiles,
 // twice as many (32 KiB): fewer, longer runs of products measured faster there.
 constexpr int64_t kChunk = 256;
+// More rows: a task widens up to this many bytes of panels (several of 32 weight rows)
+// over the whole input, then takes each pair of activation groups (32 rows, 256 KiB at
+// 4,096 inputs) through all of them while it stays in L2: the activations are read from
+// L3 once per task instead of once per 32 weight rows.
+constexpr int64_t kTaskBytes = 1 << 20;
 
 // ldtilecfg's 64-byte operand (palette 1): every tile 16 rows of 64 bytes. Tiles 0-3 are
 // C (weight tile i, activation tile j at 2 j + i), 4-5 A, 6-7 B.
@@ -219,13 +224,16 @@ void matmul_rows_amx(const View& w, const float* xp, int64_t rows, float* yp) {
   xb.resize(groups * kTile * w.in);
   pack_activations(xp, rows, w.in, xb.data());
   const uint16_t* xbp = xb.data();
-  const int64_t panels = (w.out + kPanelRows - 1) / kPanelRows;
   const bool chunked = groups <= 2;
   const bool two = groups >= 2;
   const int64_t chunk = two ? 2 * kChunk : kChunk;
   const int64_t stride = (chunked ? chunk : w.in) + kRowPad / static_cast<int64_t>(sizeof(uint16_t));
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<uint16_t> a(kPanelRows * stride);
+  const int64_t panel_bytes = kPanelRows * stride * static_cast<int64_t>(sizeof(uint16_t));
+  const int64_t per_task = chunked ? 1 : std::max<int64_t>(1, kTaskBytes / panel_bytes);
+  const int64_t span = per_task * kPanelRows;  // weight rows per task
+  const int64_t tasks = (w.out + span - 1) / span;
+  at::parallel_for(0, tasks, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<uint16_t> a(span * stride);
     const int64_t scales = w.half ? (chunked ? kPanelRows : 1) * w.groups : 0;
     std::vector<float> d(scales), m(scales);
     std::vector<RowScales> s;
@@ -233,7 +241,7 @@ void matmul_rows_amx(const View& w, const float* xp, int64_t rows, float* yp) {
     alignas(64) float c[kTile * kTile];
     configure_tiles();
     for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * kPanelRows;
+      const int64_t n0 = p * span;
       if (chunked) {
         s.clear();
         for (int64_t i = 0; i < kPanelRows; ++i) {
@@ -256,15 +264,22 @@ void matmul_rows_amx(const View& w, const float* xp, int64_t rows, float* yp) {
         store_tiles(two, c, 0, rows, n0, w.out, yp);
         continue;
       }
-      widen_panel(w, n0, stride, a.data(), d.data(), m.data());
+      const int64_t live = std::min(per_task, (w.out - n0 + kPanelRows - 1) / kPanelRows);
+      for (int64_t j = 0; j < live; ++j) {
+        widen_panel(w, n0 + j * kPanelRows, stride, a.data() + j * kPanelRows * stride, d.data(),
+                    m.data());
+      }
       for (int64_t g = 0; g < groups; g += 2) {
         const uint16_t* xg = xbp + g * kTile * w.in;
-        if (g + 1 < groups) {
-          tile_products<true>(a.data(), stride, xg, w.in);
-        } else {
-          tile_products<false>(a.data(), stride, xg, w.in);
+        for (int64_t j = 0; j < live; ++j) {
+          const uint16_t* aj = a.data() + j * kPanelRows * stride;
+          if (g + 1 < groups) {
+            tile_products<true>(aj, stride, xg, w.in);
+          } else {
+            tile_products<false>(aj, stride, xg, w.in);
+          }
+          store_tiles(g + 1 < groups, c, g, rows, n0 + j * kPanelRows, w.out, yp);
         }
-        store_tiles(g + 1 < groups, c, g, rows, n0, w.out, yp);
       }
     }
     _tile_release();
