@@ -26,6 +26,7 @@ from zmqllm.bus.messages import (
     FIGURE_KEYS,
     MAX_ATTEMPTS,
     MAX_CONTEXT,
+    MAX_DRAFT_TOKENS,
     MAX_LAYERS,
     MAX_SESSIONS,
     MAX_TOKEN_ID,
@@ -44,6 +45,8 @@ from zmqllm.bus.messages import (
     Heartbeat,
     Message,
     Open,
+    Place,
+    Placed,
     Refused,
     Register,
     Registered,
@@ -195,6 +198,7 @@ def _register(rng: Rng, sessions: list[str]) -> Register:
         device=pick(rng, ["cpu", "cuda:0", "mps"]),
         # Models of any name, most of them new: the registry's cap on models.
         served=pick(rng, ["", "tiny", _name(rng)]),
+        proposes=chance(rng, 0.5),
     )
 
 
@@ -243,6 +247,7 @@ def valid_open(rng: Rng, sessions: list[str]) -> Open:
         else (),
         # A replay's route build: none, one no worker has, or hops that chain nowhere.
         build=pick(rng, [(), (), _BUILDS[0], _BUILDS[1], _BUILDS[2], _BUILDS[3]]),
+        speculative=chance(rng, 0.8),
     )
 
 
@@ -314,7 +319,13 @@ def _session_fields(rng: Rng, sessions: list[str]) -> dict[str, Any]:
 
 def _step(rng: Rng, sessions: list[str]) -> Step:
     token = int(pick(rng, [0, 1, int(rng.integers(0, 1 << 16)), MAX_TOKEN_ID]))
-    return Step(**_session_fields(rng, sessions), token=token, group=_group(rng))
+    return Step(**_session_fields(rng, sessions), token=token, group=_group(rng), draft=_draft(rng))
+
+
+def _draft(rng: Rng) -> tuple[int, ...]:
+    """Proposals (speculative decoding): none, a few, the most, ids past any vocabulary."""
+    most = tuple(int(t) for t in rng.integers(0, 1 << 16, MAX_DRAFT_TOKENS))
+    return pick(rng, [(), (), (3, 4), most, (MAX_TOKEN_ID,)])
 
 
 def _activation(rng: Rng, sessions: list[str]) -> Activation:
@@ -329,10 +340,14 @@ def _activation(rng: Rng, sessions: list[str]) -> Activation:
 
 
 def _token(rng: Rng, sessions: list[str]) -> Token:
+    finish = pick(rng, [None, None, Finish.STOP, Finish.LENGTH])
+    more = finish is None and chance(rng, 0.3)  # more tokens of its pass follow
     return Token(
         **_session_fields(rng, sessions),
         token=int(pick(rng, [0, 2, int(rng.integers(0, 1 << 16)), MAX_TOKEN_ID])),
-        finish=pick(rng, [None, None, Finish.STOP, Finish.LENGTH]),
+        finish=finish,
+        more=more,
+        draft=() if more or finish else _draft(rng),
         group=_group(rng),
         route=pick(rng, [None, (_name(rng), _name(rng))]),
         boot=pick(rng, [None, _ident(rng)]),
@@ -356,7 +371,33 @@ def _status_reply(rng: Rng, sessions: list[str]) -> StatusReply:
     return StatusReply(body=_array(rng, "uint8", (int(rng.integers(0, 512)),)))
 
 
+def _place(rng: Rng, sessions: list[str]) -> Place:
+    # Figures of no real machine: zero and huge speeds, memory for nothing or for all.
+    return Place(
+        served=pick(rng, ["tiny", _name(rng)]),
+        num_layers=int(pick(rng, [4, 32, MAX_LAYERS])),
+        fingerprint=rng.bytes(8).hex(),
+        figures={
+            "ms_1": float(pick(rng, [0.0, 0.5, 1e9])),
+            "ms_16": float(pick(rng, [0.0, 2.0, 1e9])),
+            "memory_bytes": int(pick(rng, [0, 1 << 30, 1 << 50])),
+            "layer_bytes": int(pick(rng, [0, 1 << 20])),
+            "first_bytes": 0,
+            "last_bytes": 0,
+            "runtime_bytes": 0,
+        },
+        hold=chance(rng, 0.5),
+    )
+
+
+def _placed(rng: Rng, sessions: list[str]) -> Placed:
+    start = int(rng.integers(0, 31))
+    return Placed(start=start, end=int(rng.integers(start + 1, 33)))
+
+
 _BUILDERS: dict[type[Message], Callable[[Rng, list[str]], Message]] = {
+    Place: _place,
+    Placed: _placed,
     Register: _register,
     Registered: lambda rng, s: Registered(worker_id=_name(rng), boot=_ident(rng)),
     Refused: lambda rng, s: Refused(reason=chars(rng, _NAME_CHARS, 0, 100)),
@@ -380,6 +421,8 @@ _BUILDERS: dict[type[Message], Callable[[Rng, list[str]], Message]] = {
 # How often each type is sent as a valid message: what peers send most, and what reaches
 # the sessions under attack, comes most often (STATUS spam, foreign CANCELs).
 _VALID_WEIGHTS: dict[type[Message], float] = {
+    Place: 1,
+    Placed: 1,
     Register: 3,
     Registered: 1,
     Refused: 1,

@@ -80,6 +80,7 @@ class HostCluster:
     threads: int = 1
     worker_flags: tuple[str, ...] = ()  # more `zmqllm worker` flags (--wire-dtype ...)
     gateway_flags: tuple[str, ...] = ()
+    broker_flags: tuple[str, ...] = ()  # more `zmqllm broker` flags (--announce ...)
     procs: list[ChildProcess] = field(default_factory=list)
     netem: bool = field(init=False, default=False)  # the delay is on the links
     relays: bool = field(init=False, default=False)  # workers reach the broker by relays
@@ -191,7 +192,8 @@ class HostCluster:
 
     def start_broker(self) -> ChildProcess:
         args = ["broker", "--frontend", self.frontend, "--backend", self.backend]
-        args += [*self.beats(), "--keys", str(self.keys), "--log-format", "json"]
+        args += [*self.beats(), "--keys", str(self.keys), *self.broker_flags]
+        args += ["--log-format", "json"]
         return self._start(self.head, "broker", [*zmqllm_command(), *args])
 
     def start_worker(self, layers: str, index: int, broker: str) -> ChildProcess:

@@ -19,8 +19,10 @@ from zmqllm.config.flags import add_setting_flags, apply_flags
 from zmqllm.config.loading import load_config
 from zmqllm.config.paths import default_model_dir, resolve_model_path, worker_served_name
 from zmqllm.config.settings import QUANTS, Config, ConfigError
+from zmqllm.launch.split import add_plan_command
 from zmqllm.log import configure_logging
 from zmqllm.version import __version__
+from zmqllm.worker.measure_cli import add_measure_command
 
 
 def _model_dir(spec: str, prepare: bool = True) -> Path:
@@ -216,6 +218,10 @@ def cmd_worker(ns: argparse.Namespace) -> int:
 
     cfg = _load(ns)
     configure_logging("worker", cfg.log.level, cfg.log.format)
+    if cfg.worker.discover:  # the broker's address by mDNS, checked against its key
+        from zmqllm.bus.discovery import discovered_config
+
+        cfg = discovered_config(cfg, worker_served_name(cfg))
     if cfg.worker.remote:
         # A whole model behind an HTTP API: no torch, no model files.
         from zmqllm.remote.main import serve as serve_remote
@@ -375,6 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_keys_command(sub)
     add_ticket_command(sub)
     _add_roles(sub)
+    add_measure_command(sub, add_setting_flags, WORKER_THREAD_ENV)
+    add_plan_command(sub, add_setting_flags)
     return parser
 
 

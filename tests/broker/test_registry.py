@@ -412,6 +412,7 @@ def test_describe_carries_only_whitelisted_fields_and_stats() -> None:
         "cpu_percent",
         "build",
         "build_key",
+        "measured",
     }
     assert d["stats"] == {"forwards": 3, "mean_forward_ms": 1.5}
     assert set(d["stats"]) <= FIGURE_KEYS

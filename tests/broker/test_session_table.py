@@ -544,3 +544,35 @@ def test_a_token_on_a_text_session_is_ignored() -> None:
     (ask,) = to(t.open(B, ask_msg(), 0.0), b"r1")
     assert token(t, "r1", ask.session, 0) == []
     assert t.sessions[(B, "q1")].next_step == 0
+
+
+def test_a_speculative_pass_steps_once_with_the_next_proposals() -> None:
+    # Speculative decoding: a pass's tokens reach the client in order; only the last,
+    # with the last stage's proposals, steps stage 0.
+    reg = Registry()
+    register(reg, "w0", 0, 2)
+    register(reg, "w1", 2, 4, proposes=True)
+    t = SessionTable(reg, "boot1")
+    sent = opens(t.open(A, open_msg(max_tokens=8), 0.0))
+    last, first = sent[0][1], sent[1][1]
+    # The last stage proposes from the prompt: it is given the prompt's ids too.
+    assert last.tokens is not None and first.tokens is not None and last.speculative
+    wire = first.session
+    token(t, "w1", wire, 0, draft=(3, 4))
+    outs = token(t, "w1", wire, 1, more=True)
+    assert to(outs, b"w0") == [] and [m.step for m in to(outs, A)] == [1]
+    outs = token(t, "w1", wire, 2, draft=(5,))
+    (step,) = to(outs, b"w0")
+    assert isinstance(step, Step) and (step.step, step.token, step.draft) == (3, 7, (5,))
+    assert [m.step for m in to(outs, A)] == [2]
+    assert t.sessions[(A, "s1")].next_step == 3
+
+
+def test_a_request_without_speculation_keeps_the_prompt_from_the_last_stage() -> None:
+    reg = Registry()
+    register(reg, "w0", 0, 2)
+    register(reg, "w1", 2, 4, proposes=True)
+    t = SessionTable(reg, "boot1")
+    msg = dataclasses.replace(open_msg(), speculative=False)
+    last, first = (m for _, m in opens(t.open(A, msg, 0.0)))
+    assert last.tokens is None and not last.speculative and first.tokens is not None

@@ -22,12 +22,14 @@ from zmqllm.bus.messages import (
     MAX_ATTEMPTS,
     MAX_CONTEXT,
     MAX_DELTA,
+    MAX_DRAFT_TOKENS,
     MAX_LAYERS,
     MAX_SESSIONS,
     MAX_STATUS_BYTES,
     MAX_STEP,
     MAX_TEXT,
     MAX_TOKEN_ID,
+    MEASURED_KEYS,
     MESSAGE_TYPES,
     Activation,
     Ask,
@@ -44,6 +46,8 @@ from zmqllm.bus.messages import (
     Message,
     MsgType,
     Open,
+    Place,
+    Placed,
     Refused,
     Register,
     Registered,
@@ -139,6 +143,7 @@ def registers(draw: st.DrawFn) -> Register:
         device=draw(texts(32)),
         prefill_chunk=draw(st.integers(0, MAX_CONTEXT)),
         served=draw(st.just("") | names),
+        proposes=draw(st.booleans()),
     )
 
 
@@ -169,6 +174,7 @@ def opens(draw: st.DrawFn) -> Open:
                 st.lists(st.integers(0, MAX_PREFIX_KEY), max_size=min(8, prefix_blocks(prompt_len)))
             )
         ),
+        speculative=draw(st.booleans()),
     )
 
 
@@ -197,9 +203,30 @@ def asks(draw: st.DrawFn) -> Ask:
     )
 
 
+# Proposed tokens (speculative decoding), as STEP and TOKEN carry them.
+drafts = st.lists(st.integers(0, MAX_TOKEN_ID), max_size=MAX_DRAFT_TOKENS).map(tuple)
+
 MESSAGES: dict[type[Message], st.SearchStrategy[Any]] = {
     Register: registers(),
     Registered: st.builds(Registered, request_id=request_ids, worker_id=names, boot=texts(64)),
+    Place: st.builds(
+        Place,
+        request_id=request_ids,
+        served=names,
+        num_layers=st.integers(1, MAX_LAYERS),
+        fingerprint=texts(128),
+        figures=st.dictionaries(st.sampled_from(sorted(MEASURED_KEYS)), scalars, max_size=9),
+        hold=st.booleans(),
+    ),
+    Placed: st.integers(0, MAX_LAYERS - 1).flatmap(
+        lambda a: st.builds(
+            Placed,
+            request_id=request_ids,
+            start=st.just(a),
+            end=st.integers(a + 1, MAX_LAYERS),
+            why=texts(MAX_TEXT),
+        )
+    ),
     Refused: st.builds(Refused, request_id=request_ids, reason=texts(MAX_TEXT)),
     Disconnect: st.builds(Disconnect, request_id=request_ids, reason=texts(MAX_TEXT)),
     Heartbeat: st.builds(
@@ -222,7 +249,13 @@ MESSAGES: dict[type[Message], st.SearchStrategy[Any]] = {
         boot=st.none() | texts(64),
     ),
     Cached: st.builds(Cached, **session_fields(), tokens=st.integers(0, MAX_CONTEXT)),
-    Step: st.builds(Step, **session_fields(), token=st.integers(0, MAX_TOKEN_ID), group=groups),
+    Step: st.builds(
+        Step,
+        **session_fields(),
+        token=st.integers(0, MAX_TOKEN_ID),
+        group=groups,
+        draft=drafts,
+    ),
     Activation: activations(),
     Token: st.builds(
         Token,
@@ -232,6 +265,7 @@ MESSAGES: dict[type[Message], st.SearchStrategy[Any]] = {
         group=groups,
         route=st.none() | st.lists(names, max_size=8).map(tuple),
         boot=st.none() | texts(64),
+        draft=drafts,
     ),
     Close: st.builds(Close, **session_fields()),
     Cancel: st.builds(Cancel, **session_fields()),
@@ -357,6 +391,14 @@ EXAMPLES: dict[type[Message], Message] = {
         peer="tcp://127.0.0.1:40001",
     ),
     Registered: Registered(worker_id="w-1", boot="b"),
+    Place: Place(
+        served="tiny",
+        num_layers=4,
+        fingerprint="abc",
+        figures={"ms_1": 0.5, "ms_16": 2.0, "memory_bytes": 1 << 30},
+        hold=True,
+    ),
+    Placed: Placed(start=0, end=2, why="uncovered"),
     Refused: Refused(reason="no"),
     Disconnect: Disconnect(reason="bye"),
     Heartbeat: Heartbeat(boot="b", load={"sessions": 1}, draining=False),
@@ -420,6 +462,7 @@ _NAMES = [None, 5, b"w", "", "a b", "x" * 256, "é", "w\x00"]
 _FLAGS = [None, 1, 0, "true", [True]]
 _GROUPS = [5, "g", [], ["g"], ["g", 0], ["g", MAX_SESSIONS + 1], ["g", 1, 2], [5, 1]]
 _GROUPS += [["x" * 321, 1], ["g", True], ["g", 1.0], {"g": 1}]
+_DRAFTS = [None, 5, "x", [-1], [MAX_TOKEN_ID + 1], [1.5], [True], [0] * (MAX_DRAFT_TOKENS + 1)]
 
 
 def _maps(key: str) -> list[Any]:
@@ -475,8 +518,24 @@ BAD: dict[type[Message], dict[str, list[Any]]] = {
         "text_model": _FLAGS,
         "peer": _ENDPOINTS,
         "build": _maps("torch"),
+        "measured": _maps("ms_1"),
+        "proposes": _FLAGS,
     },
     Registered: {**_COMMON, "worker_id": _NAMES, "boot": _texts(64)},
+    Place: {
+        **_COMMON,
+        "served": _NAMES,
+        "num_layers": _ints(1, MAX_LAYERS),
+        "fingerprint": _texts(128),
+        "figures": _maps("ms_1"),
+        "hold": _FLAGS,
+    },
+    Placed: {
+        **_COMMON,
+        "start": _ints(0, MAX_LAYERS - 1),
+        "end": _ints(1, MAX_LAYERS),
+        "why": _texts(MAX_TEXT),
+    },
     Refused: {**_COMMON, "reason": _texts(MAX_TEXT)},
     Disconnect: {**_COMMON, "reason": _texts(MAX_TEXT)},
     Heartbeat: {
@@ -527,6 +586,7 @@ BAD: dict[type[Message], dict[str, list[Any]]] = {
         "prev": _without(_NAMES, ""),
         "prev_key": _KEYS,
         "build": [None, *_BUILDS],
+        "speculative": _FLAGS,
     },
     Ask: {
         **_SESSION,
@@ -544,7 +604,7 @@ BAD: dict[type[Message], dict[str, list[Any]]] = {
         "boot": _without(_texts(64), None),
     },
     Cached: {**_SESSION, "tokens": _ints(0, MAX_CONTEXT)},
-    Step: {**_SESSION, "token": _ints(0, MAX_TOKEN_ID), "group": _GROUPS},
+    Step: {**_SESSION, "token": _ints(0, MAX_TOKEN_ID), "group": _GROUPS, "draft": _DRAFTS},
     Activation: {**_SESSION, "final": _FLAGS, "group": _GROUPS, "prefix": _ints(0, MAX_CONTEXT)},
     Token: {
         **_SESSION,
@@ -555,6 +615,9 @@ BAD: dict[type[Message], dict[str, list[Any]]] = {
         "route": [5, "w-1", [5], ["a b"], [""], [None], ["w"] * (MAX_LAYERS + 1)],
         "boot": _without(_texts(64), None),
         "build": _BUILDS,
+        # A token with more of its pass to follow has no finish (the example has one).
+        "more": [*_FLAGS, True],
+        "draft": _DRAFTS,
         # Alone, or one id too many: the two lists come together and alike long.
         "logprob_ids": [5, "x", [-1], [1.5], [True], [0] * 22, [5, 5], [5, 5, 7, 8], None],
         "logprobs": [
@@ -856,3 +919,24 @@ def test_status_reply_body_within_limits(case: str) -> None:
     assert isinstance(got, StatusReply)
     with pytest.raises(ProtocolError, match="status"):
         got.status()
+
+
+def test_a_step_carries_its_proposals_and_a_token_its_next_ones() -> None:
+    token = Token(session="s", step=4, token=7, draft=(8, 9), group=("g", 1))
+    assert decode(encode(token)) == token
+    step = Step.following(token, "r")
+    assert (step.step, step.token, step.draft, step.group) == (5, 7, (8, 9), ("g", 1))
+    assert decode(encode(step)) == step
+    # A token with more of its pass to follow: no finish, no proposals, no step.
+    more = Token(session="s", step=3, token=6, more=True)
+    assert decode(encode(more)) == more
+    for bad in ({"draft": [1]}, {"stepped": True}, {"finish": "stop"}):
+        with pytest.raises(ProtocolError, match="more"):
+            _decode_with(more, **bad)
+
+
+def test_speculation_defaults_keep_older_peers_working() -> None:
+    head = {"v": PROTOCOL_VERSION, "type": "step", "session": "s", "token": 3}
+    assert decode([msgpack.packb(head)]).draft == ()
+    assert EXAMPLES[Open].speculative is True
+    assert EXAMPLES[Register].proposes is False

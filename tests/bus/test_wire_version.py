@@ -11,7 +11,10 @@ from zmqllm.bus.messages import MESSAGE_TYPES
 from zmqllm.bus.protocol import PROTOCOL_VERSION
 
 # PROTOCOL_VERSION -> the digest of its messages (version 1 predates this test).
-WIRE_DIGESTS = {2: "4484fcb516eaabe2", 3: "f72e1210ab02134a"}
+# 5: speculative decoding (STEP and TOKEN draft, TOKEN more, OPEN speculative, REGISTER
+# proposes).
+WIRE_DIGESTS = {2: "4484fcb516eaabe2", 3: "f72e1210ab02134a", 4: "a02f5a502d4c6901"}
+WIRE_DIGESTS[5] = "39e1b7036214c034"
 
 
 def wire_digest() -> str:

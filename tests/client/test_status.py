@@ -48,6 +48,8 @@ SAMPLE: dict[str, Any] = {
             "last_heartbeat_s": 0.42,
             "draining": False,
             "peer": "tcp://127.0.0.1:40001",
+            # --layers auto: what it measured of itself before loading
+            "measured": {"ms_1": 0.95, "ms_16": 19.9, "memory_bytes": 4 << 30, "rtt_ms": 0.31},
             "stats": {"mean_batch": 2.5, "prefix_query_tokens": 300, "prefix_hit_tokens": 256},
         },
         {
@@ -98,10 +100,12 @@ def test_format_status_prints_the_worker_table() -> None:
         "batch",
         "prefix",
         "hit",
+        "speculation",
         "heartbeat",
         "state",
         "peer",
         "link",
+        "measured",
     ]
     assert line_with(out, "w-host-0-15 ").split() == [
         "w-host-0-15",
@@ -111,9 +115,18 @@ def test_format_status_prints_the_worker_table() -> None:
         "0.05",
         "2.5",
         "256/300",  # prompt tokens found in the prefix cache / looked up
+        "-",  # no speculation
         "0.4s",
         "serving",
         "tcp://127.0.0.1:40001",
+        # ms per layer at 1/16 rows, the memory it may use, its round trip to the broker
+        "0.95/19.9",
+        "ms,",
+        "4.0",
+        "GiB,",
+        "rtt",
+        "0.31",
+        "ms",
     ]
     busy = line_with(out, "w-host-15-30 ")
     assert busy.split() == [
@@ -124,9 +137,11 @@ def test_format_status_prints_the_worker_table() -> None:
         "0.00",
         "-",
         "-",  # no prefix cache (or an older worker)
+        "-",  # no speculation
         "1.0s",
         "draining",
         "-",  # no peer link (or an older worker)
+        "-",  # measured nothing: started with a range
     ]
     # Columns line up: each cell starts where its header does.
     assert busy.index("15:30") == header.index("layers")
@@ -308,3 +323,10 @@ def test_status_prints_what_workers_sent_escaped(
     ) in out.splitlines()
     if not only_drift:
         assert "w\\x1b[2J" in out and "\\x1bc" in out  # the worker table's cells too
+
+
+def test_a_last_stage_that_speculates_shows_its_acceptance() -> None:
+    stats = {"spec_proposed": 40, "spec_accepted": 30, "spec_tokens_per_pass": 2.5}
+    worker = dict(SAMPLE["workers"][0], stats={**SAMPLE["workers"][0]["stats"], **stats})
+    out = format_status({**SAMPLE, "workers": [worker]})
+    assert "30/40, 2.50 tok/pass" in line_with(out, "w-host-0-15 ")

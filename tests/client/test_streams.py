@@ -48,6 +48,9 @@ def test_open_frames_is_the_open_the_broker_reads() -> None:
     assert (msg.session, msg.request_id, msg.max_tokens, msg.prompt_len) == ("s1", "r1", 4, 3)
     assert (msg.sampling, msg.stop_ids) == (REQUEST.sampling, (2,))
     assert msg.tokens is not None and msg.tokens.array.tolist() == [5, 6, 7]
+    assert msg.speculative  # unless the request turns it off:
+    off = decode(open_frames(dataclasses.replace(REQUEST, speculative=False)))
+    assert isinstance(off, Open) and not off.speculative
 
 
 @pytest.mark.parametrize(

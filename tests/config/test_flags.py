@@ -61,6 +61,16 @@ EXPECTED: dict[str, dict[str, set[str] | None]] = {
         "security": {"keys"},
         "log": {"level", "format"},
     },
+    "measure": {
+        "model": {"path", "revision", "dtype", "device", "quant"},
+        "worker": {"threads", "max_memory_mb", "packed_rows", "native_attention"},
+        "log": {"level", "format"},
+    },
+    "plan": {
+        "model": {"path", "quant", "dtype"},
+        "worker": {"max_memory_mb"},
+        "log": {"level", "format"},
+    },
 }
 
 # Flags users and scripts already type; they must keep working.
@@ -77,17 +87,21 @@ KEPT = {
     "up": "--port --model --log-dir --ready-timeout",
     "ray": "",
     "ticket": "",
+    "measure": "",
+    "plan": "",
 }
 NEW = {
-    "broker": "--keys --insecure --no-insecure --max-message-bytes --session-timeout",
+    "broker": "--keys --insecure --no-insecure --max-message-bytes --session-timeout --announce",
     "worker": "--keys --insecure --native-attention --no-native-attention --packed-rows "
-    "--wire-dtype --quant --join",
+    "--wire-dtype --quant --join --discover",
     "gateway": "--keys --insecure --api-key-file --ssl-certfile --ssl-keyfile --join "
     "--request-timeout --max-body-bytes --default-max-tokens",
     "status": "--keys --insecure",
     "up": "--keys --insecure --api-key-file --ssl-certfile --ssl-keyfile --quant",
     "ray": "--address --namespace --strategy --front-resource --ready-timeout --model --port",
     "ticket": "--frontend --backend --model --keys --layers --expires --name --client --address",
+    "measure": "--model --quant --threads --max-memory-mb --json",
+    "plan": "--model --quant --max-memory-mb --figures --ray --json",
 }
 
 # `zmqllm ray` has commands of its own; each takes the role's flags (here: `ray up`).

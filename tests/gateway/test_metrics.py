@@ -163,11 +163,13 @@ async def test_node_health_and_builds_are_exported_per_worker_and_host(tok: Toke
     app, _clock = await scrape_app(fake, tok)
     build = {"zmqllm": "0.2.0", "torch": "2.13.0", "quant": "none", "device": "cpu"}
     stats = {"rss_bytes": 100, "cpu_s": 3.5, "net_rx_bytes": 7, "net_tx_bytes": 9}
+    # A last stage that speculates (engine/prompt_lookup.py).
+    spec = {"spec_proposed": 40, "spec_accepted": 30, "spec_tokens_per_pass": 2.5}
     workers = [
         {"id": "w0", "layers": [0, 2], "info": {"host": "a"}, "build": build,
          "cpu_percent": 50.0, "stats": {**stats, "kv_bytes_used": 10}},
         {"id": "w1", "layers": [2, 4], "info": {"host": "a"}, "build": build,
-         "cpu_percent": 25.0, "stats": stats},
+         "cpu_percent": 25.0, "stats": {**stats, **spec}},
     ]  # fmt: skip
     fake.status_extra = {"workers": workers}
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
@@ -177,6 +179,9 @@ async def test_node_health_and_builds_are_exported_per_worker_and_host(tok: Toke
     assert f"zmqllm_worker_network_receive_bytes_total{{{labels}}} 7.0" in text
     assert f"zmqllm_worker_network_transmit_bytes_total{{{labels}}} 9.0" in text
     assert f"zmqllm_worker_kv_bytes_used{{{labels}}} 10.0" in text
+    last = 'layers="2:4",model="",worker="w1"'
+    assert f"zmqllm_worker_speculative_accepted_tokens_total{{{last}}} 30.0" in text
+    assert f"zmqllm_worker_speculative_tokens_per_pass{{{last}}} 2.5" in text
     assert 'zmqllm_host_rss_bytes{host="a"} 200.0' in text
     assert 'zmqllm_host_cpu_percent{host="a"} 75.0' in text
     assert 'zmqllm_host_workers{host="a"} 2.0' in text

@@ -541,6 +541,10 @@ def test_results_are_tagged_with_their_group_per_next_worker(setup: Setup) -> No
     assert gone is not None and gone[1] == 1 and gone[0] not in (a[0], b[0])
     worker.stage.stats.forwards += 1
     assert worker._tag_groups(outs)[0] != a  # the next forward is another group
+    # A speculative pass's tokens but its last: no STEP follows them, no group.
+    more = [Output("a/0", "", 1, True, token=5, more=True), Output("a/0", "", 2, True, token=6)]
+    first, last = worker._tag_groups(more)
+    assert first is None and last is not None and last[1] == 1
 
 
 # -- bad input: one message costs at most its own session --------------------------------

@@ -103,3 +103,14 @@ def test_outputs_for_one_next_worker_share_a_group() -> None:
     assert gone is not None and gone[1] == 1 and gone[0] not in (a[0], b[0])
     again = group_tags(["w1"], "f-2")[0]
     assert again is not None and again[0] != a[0]  # another forward, another group
+
+
+@pytest.mark.parametrize("next_hop", [ME, "w-stage0"])
+def test_a_token_with_more_of_its_pass_to_follow_goes_to_the_broker_only(next_hop: str) -> None:
+    # Speculative decoding: the pass's last token steps the session, with its proposals.
+    more = Token(session="s1", attempt=1, request_id="r1", step=7, token=42, more=True)
+    assert route_result(more, ME, next_hop=next_hop, link=peers()) == Routed(more)
+    last = Token(session="s1", attempt=1, request_id="r1", step=8, token=43, draft=(44, 45))
+    routed = route_result(last, ME, next_hop=next_hop, link=peers())
+    assert isinstance(routed.ahead, Step) and routed.ahead.draft == (44, 45)
+    assert routed.ahead.step == 9

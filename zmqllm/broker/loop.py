@@ -20,6 +20,7 @@ from typing import Any
 import zmq
 
 from zmqllm.broker.admission import Admission
+from zmqllm.broker.placement import Placements
 from zmqllm.broker.registry import Registry, RegistryError, WorkerEntry
 from zmqllm.broker.session_records import Out
 from zmqllm.broker.session_table import SessionTable
@@ -39,6 +40,7 @@ from zmqllm.bus.messages import (
     Message,
     MsgType,
     Open,
+    Place,
     Refused,
     Register,
     Registered,
@@ -95,6 +97,7 @@ class Broker:
         self.boot = uuid.uuid4().hex[:12]
         self.registry = Registry.from_settings(settings)
         self.admission = Admission(self.registry, __version__)
+        self.placements = Placements(settings.place_hold, max_holds=settings.max_workers)
         self.table = SessionTable(
             self.registry,
             self.boot,
@@ -439,6 +442,9 @@ class Broker:
         if isinstance(msg, Register):
             self.on_register(identity, msg, key or "")
             return
+        if isinstance(msg, Place):
+            self.on_place(identity, msg, key or "")
+            return
         if w is None:
             # A worker from before a broker restart: tell it to register again.
             self.drops.drop("backend:unknown_peer", type=msg.TYPE.value)
@@ -506,6 +512,7 @@ class Broker:
         except RegistryError as exc:  # refusal() said yes, but the state moved meanwhile
             self.send([Out.to_worker(identity, Refused(reason=str(exc)))])
             return
+        self.placements.registered(identity, w.served, w.start, w.end)
         log.info(
             "worker registered",
             worker=w.worker_id,
@@ -518,6 +525,23 @@ class Broker:
         )
         out = [Out.to_worker(identity, Registered(worker_id=w.worker_id, boot=self.boot))]
         self.send(out + self.table.dispatch(now))
+
+    def on_place(self, identity: bytes, msg: Place, key: str = "") -> None:
+        """A worker started with --layers auto asks which layers to load (placement.py)."""
+        claims = self.auth.claims(WORKERS, key) if self.auth is not None and key else {}
+        reply = self.placements.place(self.registry, identity, msg, claims)
+        if isinstance(reply, Refused):
+            self.drops.drop("backend:place_refused", why=reply.reason)
+        elif msg.hold:
+            log.info(
+                "worker placed",
+                peer=identity.hex()[:32],
+                model=msg.served,
+                layers=f"{reply.start}:{reply.end}",
+                why=reply.why,
+                figures=msg.figures,
+            )
+        self.send([Out.to_worker(identity, reply)])
 
     def remove_worker(self, w: WorkerEntry, reason: str) -> None:
         self.send(self._remove(w, reason, time.monotonic()))

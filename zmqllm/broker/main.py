@@ -1,7 +1,8 @@
 """Running a broker process: its keys, the refusal to serve a plaintext bus beyond
 loopback, and the signals that stop it.
 
-``serve`` is what ``zmqllm broker`` runs. Without CURVE keys the broker binds only
+``serve`` is what ``zmqllm broker`` runs (with ``--announce``, advertised on the local
+network by announce.py). Without CURVE keys the broker binds only
 loopback, ipc and inproc endpoints (``exposed_endpoints`` names the others) unless told
 ``--insecure``: a plaintext bus lets anyone who reaches it read every prompt. The broker
 itself, its sockets and loop, is ``loop.py``. It never imports torch.
@@ -56,7 +57,30 @@ def serve(settings: BrokerSettings, security: SecuritySettings | None = None) ->
         )
     else:
         log.info("CURVE on", keys=str(folder))
+    if settings.announce and keys is None:
+        raise ConfigError(
+            "--announce needs CURVE keys: a worker checks the broker it discovers against "
+            "the broker key it holds (give --keys DIR)"
+        )
+    if settings.announce:
+        from zmqllm.broker.announce import announced_addresses
+
+        announced_addresses(settings.backend)  # refused before anything binds
     broker = Broker(settings, keys=keys)
     signal.signal(signal.SIGTERM, broker.stop)
     signal.signal(signal.SIGINT, broker.stop)
-    broker.run()
+    announcer = None
+    if settings.announce and keys is not None:
+        from zmqllm.broker.announce import Announcer
+
+        registry = broker.registry
+        try:
+            announcer = Announcer(broker.endpoints[1], keys.public, lambda: list(registry.models))
+        except BaseException:
+            broker.close()
+            raise
+    try:
+        broker.run()
+    finally:
+        if announcer is not None:
+            announcer.close()

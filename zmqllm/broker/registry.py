@@ -96,6 +96,9 @@ class WorkerEntry:
     # A digest of the build fields that decide its numbers: a replay goes only onto
     # workers of its stream's keys (route_build.py).
     build_key: str = ""
+    # What it measured of itself before loading (--layers auto; {}: it did not).
+    measured: dict[str, Any] = field(default_factory=dict)
+    proposes: bool = False  # a last stage that speculates: OPEN gives it the prompt too
     # Its CPU use between its last two heartbeats (percent of one core; None: not yet).
     cpu_percent: float | None = None
     _cpu_at: tuple[float, float] | None = None  # (cpu_s, when) of the last heartbeat
@@ -142,6 +145,7 @@ class WorkerEntry:
             "cpu_percent": self.cpu_percent,
             "build": dict(self.build),
             "build_key": self.build_key,  # what a replay's "no route of the build" names
+            "measured": dict(self.measured),
         }
 
     def heard(self, figures: dict[str, Any], now: float) -> None:
@@ -389,6 +393,8 @@ class Registry:
             peer=reg.peer,
             build=dict(reg.build),
             build_key=build_key(reg.build, last_stage=reg.end == reg.num_layers),
+            measured=dict(reg.measured),
+            proposes=reg.proposes,
             key=key,
         )
         self.workers[w.worker_id] = w

@@ -261,6 +261,7 @@ class SessionTable:
             self.prefixes.note(w.worker_id, p.chain)
         # Over peer links only when every stage has one (and there is more than one).
         peered = n > 1 and all(w.peer for w in route)
+        lookup = p.open.speculative and route[-1].proposes
         # Later stages first: each must hold the session before stage 0's activations
         # reach it (per-peer ordering keeps each OPEN ahead of what follows it; over peer
         # links the receiving worker holds back what comes before its OPEN).
@@ -279,7 +280,8 @@ class SessionTable:
                 stages=n,
                 max_len=p.max_len,
                 next=nxt.worker_id,
-                tokens=p.open.tokens if i == 0 else None,
+                # A last stage that speculates proposes from the prompt: it gets it too.
+                tokens=p.open.tokens if i == 0 or (i == n - 1 and lookup) else None,
                 prefix=p.chain,
                 generated=p.generated if i == n - 1 else (),
                 model=p.open.model,
@@ -287,6 +289,7 @@ class SessionTable:
                 next_key=nxt.key if peered else "",
                 prev=prev.worker_id if peered else "",
                 prev_key=prev.key if peered else "",
+                speculative=p.open.speculative,
             )
             out.append(Out.to_worker(route[i].identity, stage_open))
         return out
@@ -340,6 +343,8 @@ class SessionTable:
         to_client = Out.to_client(s.key[0], token)
         if msg.finish is not None:
             return [to_client, *self._finished(s, msg.finish.value, now)]
+        if msg.more:
+            return [to_client]  # a pass's tokens but its last: that one steps the session
         stage0 = self.registry.workers.get(s.route[0])
         if stage0 is None or msg.stepped:
             return [to_client]  # (stepped: the last stage sent stage 0 the step itself)

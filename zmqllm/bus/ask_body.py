@@ -7,10 +7,11 @@ type and range, so nothing a peer adds reaches the upstream. No torch, no HTTP h
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
-from zmqllm.bus.messages import AskKind
+from zmqllm.bus.messages import Ask, AskKind
 from zmqllm.bus.sampling_params import (
     MAX_PENALTY,
     MAX_SEED,
@@ -19,8 +20,9 @@ from zmqllm.bus.sampling_params import (
     MAX_TEMPERATURE,
     MAX_TOP_K,
 )
+from zmqllm.bus.wire_types import ProtocolError
 
-__all__ = ["CHAT_ROLES", "MAX_MESSAGES", "AskBodyError", "upstream_body"]
+__all__ = ["CHAT_ROLES", "MAX_MESSAGES", "AskBodyError", "ask_fields", "upstream_body"]
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "developer"})
 MAX_MESSAGES = 4096
@@ -28,6 +30,18 @@ MAX_MESSAGES = 4096
 
 class AskBodyError(ValueError):
     """A field of an ASK body that cannot be forwarded; the message names it."""
+
+
+def ask_fields(msg: Ask) -> dict[str, Any]:
+    """An ASK's request fields, as its body holds them (ProtocolError unless a JSON
+    object)."""
+    try:
+        out = json.loads(msg.body.array.tobytes())
+    except (ValueError, UnicodeDecodeError):
+        raise ProtocolError("ask: body is not JSON") from None
+    if not isinstance(out, dict):
+        raise ProtocolError("ask: body must be a JSON object")
+    return out
 
 
 def _number(fields: dict[str, Any], key: str, lo: float, hi: float) -> float | None:

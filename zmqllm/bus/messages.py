@@ -6,6 +6,8 @@ field's type and range, optional fields included, then the checks that span fiel
 
     type          sender -> receiver                    payloads
     ------------  ------------------------------------  ------------------------------
+    PLACE         worker -> broker (--layers auto: its measured figures, before it loads)
+    PLACED        broker -> worker (the layer range it should load)
     REGISTER      worker -> broker
     REGISTERED    broker -> worker
     REFUSED       broker -> worker
@@ -29,13 +31,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 import msgpack
 import numpy as np
 
+from zmqllm.bus.figure_keys import FIGURE_KEYS, MEASURED_KEYS
 from zmqllm.bus.prefix import MAX_PREFIX_BLOCKS, MAX_PREFIX_KEY, prefix_blocks
 from zmqllm.bus.sampling_params import LOGPROB_FLOOR, MAX_LOGPROBS, SamplingParams
 from zmqllm.bus.wire_types import (
@@ -59,12 +61,15 @@ from zmqllm.bus.wire_types import (
     text,
     wire,
 )
+from zmqllm.config.settings import MAX_DRAFT_TOKENS
 
 __all__ = [
     "FIGURE_KEYS",
     "MAX_CONTEXT",
+    "MAX_DRAFT_TOKENS",
     "MAX_LAYERS",
     "MAX_TOKEN_ID",
+    "MEASURED_KEYS",
     "MESSAGE_TYPES",
     "Activation",
     "Ask",
@@ -80,6 +85,8 @@ __all__ = [
     "Message",
     "MsgType",
     "Open",
+    "Place",
+    "Placed",
     "Refused",
     "Register",
     "Registered",
@@ -106,53 +113,13 @@ MAX_TEXT = 1024  # reasons and error messages
 # MAX_HEADER_STR_LEN (16 KiB), the longest string a header may hold.
 MAX_DELTA = 4000
 MAX_ASK_BYTES = 4 << 20  # a text session's request: its messages as JSON
-# What a worker's HEARTBEAT may report (Stage.heartbeat_figures); nothing else is carried on.
-FIGURE_KEYS = frozenset(
-    {
-        "sessions",
-        "kv_tokens_reserved",
-        "kv_bytes_reserved",
-        "forwards",
-        "tokens",
-        "last_batch",
-        "max_batch",
-        "mean_batch",
-        "mean_forward_ms",
-        "last_forward_ms",
-        "busy_s",
-        "rss_bytes",
-        "cuda_allocated_bytes",
-        "cuda_reserved_bytes",
-        # The node's health (worker/health.py): CPU seconds of the process so far, bytes
-        # it received and sent on the bus, KV bytes holding tokens (of those reserved),
-        # the GPU's memory in use and in all (every process's, as the driver counts it).
-        "cpu_s",
-        "net_rx_bytes",
-        "net_tx_bytes",
-        "kv_bytes_used",
-        "cuda_used_bytes",
-        "cuda_total_bytes",
-        # Prefix caching (engine/prefix_cache.py): tokens held now; prompt tokens asked
-        # for and found since the start.
-        "prefix_cached_tokens",
-        "prefix_query_tokens",
-        "prefix_hit_tokens",
-        # What a worker dropped or failed on, by reason (worker/faults.py's FAULT_REASONS).
-        "fault_malformed",
-        "fault_unexpected",
-        "fault_bad_request",
-        "fault_internal",
-        "fault_forward_failed",
-        "fault_unsent",
-        "fault_overloaded",
-        "fault_peer_refused",
-    }
-)
 
 
 class MsgType(str, enum.Enum):
     """Message types; the wire value is the lowercase name."""
 
+    PLACE = "place"
+    PLACED = "placed"
     REGISTER = "register"
     REGISTERED = "registered"
     REFUSED = "refused"
@@ -327,12 +294,40 @@ class Register(Message):
     # device. The broker refuses a replica whose quant or dtype differs from its pool's
     # and shows the other differences as drift.
     build: dict[str, Any] = wire(scalar_map(32), factory=dict)
+    # What it measured before loading (--layers auto: PLACE; {}: nothing), shown in STATUS.
+    measured: dict[str, Any] = wire(scalar_map(16, MEASURED_KEYS), factory=dict)
+    proposes: bool = wire(flag(), False)  # it speculates (a last stage): OPEN gives it the prompt
 
     def _validate(self) -> None:
         if not self.start < self.end <= self.num_layers:
             raise ProtocolError(f"register: layers {self.start}:{self.end} not in [0, L)")
         if self.text_model and (self.start, self.end, self.num_layers) != (0, 1, 1):
             raise ProtocolError("register: a text model registers as layers 0:1 of 1")
+
+
+@_register(MsgType.PLACE)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Place(Message):
+    """--layers auto: which layers to load, given what it measured (weighted_split.Figures);
+    ``hold``: the range answered counts as taken until it registers (else only a look)."""
+
+    served: str = wire(name())
+    num_layers: int = wire(integer(1, MAX_LAYERS))
+    fingerprint: str = wire(text(128), "")
+    figures: dict[str, Any] = wire(scalar_map(16, MEASURED_KEYS), factory=dict)
+    hold: bool = wire(flag(), False)
+
+
+@_register(MsgType.PLACED)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Placed(Message):
+    start: int = wire(integer(0, MAX_LAYERS - 1))
+    end: int = wire(integer(1, MAX_LAYERS))
+    why: str = wire(text(MAX_TEXT), "")  # which rule chose it, for the worker's log
+
+    def _validate(self) -> None:
+        if not self.start < self.end:
+            raise ProtocolError(f"placed: layers {self.start}:{self.end} are empty")
 
 
 @_register(MsgType.REGISTERED)
@@ -393,6 +388,7 @@ class Open(SessionMessage):
     prev: str = wire(name(empty=True), "")
     prev_key: str = wire(curve_key(empty=True), "")
     build: tuple[str, ...] = wire(str_list(text(22), MAX_LAYERS), ())  # a replay's: route_build.py
+    speculative: bool = wire(flag(), True)  # the last stage may speculate (STEP.draft)
 
     def _validate(self) -> None:
         if self.tokens is not None and self.tokens.array.shape != (self.prompt_len,):
@@ -427,16 +423,6 @@ class Ask(SessionMessage):
                 f"ask: body of {self.body.array.size} bytes, at most {MAX_ASK_BYTES}"
             )
 
-    def request(self) -> dict[str, Any]:
-        """The request fields (ProtocolError unless a JSON object)."""
-        try:
-            out = json.loads(self.body.array.tobytes())
-        except (ValueError, UnicodeDecodeError):
-            raise ProtocolError("ask: body is not JSON") from None
-        if not isinstance(out, dict):
-            raise ProtocolError("ask: body must be a JSON object")
-        return out
-
 
 @_register(MsgType.CACHED)
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -455,6 +441,8 @@ _GROUP = optional(group(MAX_SESSIONS))
 class Step(SessionMessage):
     token: int = wire(integer(0, MAX_TOKEN_ID))
     group: tuple[str, int] | None = wire(_GROUP, None)
+    # The last stage's proposals for the next steps: more rows of this step's pass.
+    draft: tuple[int, ...] = wire(int_list(0, MAX_TOKEN_ID, MAX_DRAFT_TOKENS), ())
 
     @classmethod
     def following(cls, token: Token, request_id: str) -> Step:
@@ -467,6 +455,7 @@ class Step(SessionMessage):
             step=token.step + 1,
             token=token.token,
             group=token.group,
+            draft=token.draft,
         )
 
 
@@ -510,6 +499,8 @@ class Token(SessionMessage):
             self.logprobs is not None and len(self.logprobs) != len(self.logprob_ids or ())
         ):
             raise ProtocolError("token: 'logprob_ids' and 'logprobs' come together, alike long")
+        if self.more and (self.finish is not None or self.draft or self.stepped):
+            raise ProtocolError("token: one with 'more' to follow has no finish, draft or step")
 
     group: tuple[str, int] | None = wire(_GROUP, None)
     # The last stage sent the next STEP to stage 0 itself, over their peer link.
@@ -518,6 +509,10 @@ class Token(SessionMessage):
     route: tuple[str, ...] | None = wire(optional(str_list(name(), MAX_LAYERS)), None)
     boot: str | None = wire(optional(text(64)), None)
     build: tuple[str, ...] | None = wire(optional(str_list(text(22), MAX_LAYERS)), None)
+    # A pass's tokens but its last say ``more``: no STEP follows them. The last's ``draft``:
+    # the proposals its STEP carries (speculative decoding).
+    more: bool = wire(flag(), False)
+    draft: tuple[int, ...] = wire(int_list(0, MAX_TOKEN_ID, MAX_DRAFT_TOKENS), ())
 
 
 # Checks made here: inside Delta its field ``text`` hides the function.

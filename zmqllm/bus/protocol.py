@@ -33,7 +33,7 @@ from zmqllm.bus.wire_types import (
 
 # The header's ``v``: bumped with every change of the wire format (messages, fields, framing);
 # tests/bus/test_wire_version.py fails on a change of the messages without a bump.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 5
 
 __all__ = [
     "MAX_FRAMES",

@@ -35,6 +35,8 @@ class GenerateRequest:
     # A replay's: the build of the route its stream started on (as the first token said
     # it); the broker routes it only onto workers of that build. (): any route.
     route_build: tuple[str, ...] = ()
+    # False: the route's last stage makes no proposals for it (speculative decoding).
+    speculative: bool = True
 
     @property
     def kv_tokens(self) -> int:

@@ -91,10 +91,33 @@ def _worker_row(w: Any) -> list[str]:
         f"{w['load']:.2f}",
         str(stats.get("mean_batch", "-")),
         _prefix_cell(stats),
+        _spec_cell(stats),
         f"{w['last_heartbeat_s']:.1f}s",
         "draining" if w.get("draining") else "serving",
         str(w.get("peer") or "-"),
+        _measured_cell(w.get("measured")),
     ]
+
+
+def _measured_cell(m: Any) -> str:
+    """What a worker measured of itself before loading (--layers auto), "-" if nothing:
+    ms per layer at 1 and 16 rows, the memory it may use, its round trip to the broker."""
+    if not isinstance(m, dict) or not {"ms_1", "ms_16", "memory_bytes"} <= set(m):
+        return "-"
+    return (
+        f"{float(m['ms_1']):.3g}/{float(m['ms_16']):.3g} ms, "
+        f"{int(m['memory_bytes']) / (1 << 30):.1f} GiB, rtt {float(m.get('rtt_ms', 0)):.2g} ms"
+    )
+
+
+def _spec_cell(stats: dict[str, Any]) -> str:
+    """Speculation on a last stage: proposals accepted / made, tokens per pass ("-": off)."""
+    if "spec_proposed" not in stats:
+        return "-"
+    return (
+        f"{stats.get('spec_accepted', 0)}/{stats['spec_proposed']}, "
+        f"{float(stats.get('spec_tokens_per_pass', 0.0)):.2f} tok/pass"
+    )
 
 
 def _prefix_cell(stats: dict[str, Any]) -> str:
@@ -170,7 +193,9 @@ def _model_section(st: dict[str, Any], m: dict[str, Any]) -> list[str]:
 
 def _workers_table(workers: Any) -> str:
     headers = ["id", "layers", "sessions", "kv tokens", "load", "mean batch", "prefix hit"]
-    headers += ["heartbeat", "state", "peer link"]
+    headers += ["speculation"]  # accepted/proposed, tokens per pass
+    # measured: ms per layer at 1/16 rows, memory, round trip (--layers auto)
+    headers += ["heartbeat", "state", "peer link", "measured"]
     rows = _rows(workers, _worker_row, len(headers))
     return _table(rows, headers) if rows else "  (none)"
 

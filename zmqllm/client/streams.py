@@ -203,6 +203,7 @@ def open_frames(request: GenerateRequest) -> list[Any]:
             tokens=Payload(tokens, "int32"),
             model=request.model,
             build=request.route_build,
+            speculative=request.speculative,
         )
 
     return _sendable(request.session, request.request_id, build)

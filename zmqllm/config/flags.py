@@ -110,6 +110,18 @@ ROLES: dict[str, tuple[Take, ...]] = {
         Take("security", only=("keys",)),
         LOG,
     ),
+    # `zmqllm measure`: what a worker's probe depends on (launch/split.py, worker/self_measure.py).
+    "measure": (
+        Take("model", skip=("name",)),
+        Take("worker", only=("threads", "max_memory_mb", "packed_rows", "native_attention")),
+        LOG,
+    ),
+    # `zmqllm plan`: the model and what the stages' probes run with.
+    "plan": (
+        Take("model", only=("path", "quant", "dtype")),
+        Take("worker", only=("max_memory_mb",)),
+        LOG,
+    ),
     # `zmqllm ray up|status|down` (zmqllm/onray/): the Ray cluster, and what `up` takes.
     "ray": (
         Take("ray"),

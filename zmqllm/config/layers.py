@@ -1,7 +1,9 @@
 """Layer specs: which half-open range of a model's decoder layers a worker serves.
 
 A spec is a range ``"start:end"`` (either side may be left out), a stage ``"k/n"`` (the
-k-th of n contiguous shares of about equal cost, 1-based) or ``""`` (all layers).
+k-th of n contiguous shares of about equal cost, 1-based), ``""`` (all layers) or
+``"auto"`` (chosen from measured figures: by the broker for a worker, by the launcher's
+weighted split for ``[[stages]]``; see weighted_split.py).
 ``check_layer_spec`` checks what can be checked without the model (for flags and config files);
 ``parse_layers`` turns a spec into the range for a model's layer count, and
 ``split_layers`` is the split behind ``"k/n"``. Mistakes raise ``ConfigError``.
@@ -15,7 +17,9 @@ import re
 
 from zmqllm.config.settings import ConfigError
 
-__all__ = ["check_layer_spec", "parse_layers", "split_layers"]
+__all__ = ["AUTO", "check_layer_spec", "parse_layers", "split_layers"]
+
+AUTO = "auto"
 
 _RANGE_RE = re.compile(r"([0-9]*)\s*:\s*([0-9]*)")
 _STAGE_RE = re.compile(r"([0-9]+)\s*/\s*([0-9]+)")
@@ -51,11 +55,14 @@ def split_layers(num_layers: int, stages: int, head_cost: float = 0.0) -> list[t
 def _parse_layer_form(spec: str) -> tuple[str, int | None, int | None]:
     """Check a layer spec's syntax and whatever can be checked without the model.
 
-    Returns ("all", None, None), ("range", start | None, end | None) or ("stage", k, n).
+    Returns ("all", None, None), ("auto", None, None), ("range", start | None, end |
+    None) or ("stage", k, n).
     """
     text = spec.strip()
     if not text:
         return ("all", None, None)
+    if text == AUTO:
+        return ("auto", None, None)
     stage = _STAGE_RE.fullmatch(text)
     if stage:
         k, n = int(stage[1]), int(stage[2])
@@ -71,7 +78,8 @@ def _parse_layer_form(spec: str) -> tuple[str, int | None, int | None]:
         return ("range", start, end)
     raise ConfigError(
         f"bad layer spec {spec!r}: expected 'start:end' (half-open, either side may be "
-        "omitted), 'k/n' (stage k of n, 1-based) or '' (all layers)"
+        "omitted), 'k/n' (stage k of n, 1-based), 'auto' (from measured figures) or '' "
+        "(all layers)"
     )
 
 
@@ -90,6 +98,11 @@ def parse_layers(spec: str, num_layers: int, head_cost: float = 0.0) -> tuple[in
     if num_layers < 1:
         raise ConfigError(f"layer spec {spec!r}: a model needs at least one layer")
     kind, a, b = _parse_layer_form(spec)
+    if kind == "auto":
+        raise ConfigError(
+            'layer spec "auto" is resolved from measured figures before the layers load '
+            "(the broker answers a worker, the launcher splits [[stages]])"
+        )
     if kind == "all":
         return (0, num_layers)
     if kind == "stage":

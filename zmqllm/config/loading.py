@@ -25,6 +25,7 @@ from zmqllm.config.layers import check_layer_spec
 from zmqllm.config.names import NAME_RULE, is_name
 from zmqllm.config.settings import (
     DTYPES,
+    MAX_DRAFT_TOKENS,
     PLACEMENT_STRATEGIES,
     QUANTS,
     WIRE_DTYPE_CHOICES,
@@ -154,7 +155,9 @@ def _check_model(s: ModelSettings, where: str) -> ModelSettings:
 def _check_broker(s: BrokerSettings, where: str) -> BrokerSettings:
     _check_endpoint("frontend", s.frontend, where)
     _check_endpoint("backend", s.backend, where)
-    _check_positive(s, ("heartbeat_interval", "queue_timeout", "session_timeout"), where)
+    _check_positive(
+        s, ("heartbeat_interval", "queue_timeout", "session_timeout", "place_hold"), where
+    )
     _check_positive(
         s,
         (
@@ -187,6 +190,15 @@ def _check_worker(s: WorkerSettings, where: str) -> WorkerSettings:
         raise _fail("peer", where, "auto, off or tcp://HOST:PORT", s.peer)
     if s.wire_dtype not in WIRE_DTYPE_CHOICES:
         raise _fail("wire_dtype", where, f"one of {', '.join(WIRE_DTYPE_CHOICES)}", s.wire_dtype)
+    if s.speculative == "draft":
+        raise ConfigError(
+            f'speculative {where}: "draft" (a draft model) is not built yet; use "lookup" '
+            '(prompt lookup) or "off"'
+        )
+    if s.speculative not in ("off", "lookup"):
+        raise _fail("speculative", where, "off or lookup", s.speculative)
+    if not 1 <= s.max_draft_tokens <= MAX_DRAFT_TOKENS:
+        raise _fail("max_draft_tokens", where, f"in 1..{MAX_DRAFT_TOKENS}", s.max_draft_tokens)
     if s.remote and not s.remote.startswith("@") and not _URL_RE.fullmatch(s.remote):
         # Not echoed: a URL may hold a password or a key.
         raise ConfigError(

@@ -41,6 +41,9 @@ __all__ = [
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTS = ("none", "int8", "int4")  # engine/quant.py
 WIRE_DTYPE_CHOICES = ("auto", *DTYPES)  # "auto": activations travel in the model's dtype
+# engine/prompt_lookup.py; "draft" (a draft model) is reserved: refused until it is built.
+SPECULATIVE_CHOICES = ("off", "lookup", "draft")
+MAX_DRAFT_TOKENS = 16  # bus/messages.py's, the most proposals a STEP carries
 DEFAULT_MODEL = "default"
 TINY_MODEL = "tiny"
 
@@ -146,6 +149,20 @@ class BrokerSettings:
         "a session follows its cached prompt prefix to a replica with at most this many "
         "more sessions than the least busy one of its layer range; past that, load decides",
     )
+    # Long enough for a worker to load the range it was given and register.
+    place_hold: float = setting(
+        300.0,
+        "seconds a range given to a worker started with --layers auto counts as served "
+        "(so that workers starting together fill different gaps) until it registers",
+    )
+    # Discovery finds the address only: a worker checks the announced key against its own
+    # copy of the broker's key (bus/discovery.py).
+    announce: bool = setting(
+        False,
+        "advertise the backend on the local network by mDNS/DNS-SD (_zmqllm._tcp), with "
+        "the broker's public key and the models served, for `zmqllm worker --discover`; "
+        "needs CURVE keys and a backend other machines can reach",
+    )
     model_fingerprint: str = setting(
         "",
         "admit only workers of the model with this digest (sent in REGISTER), even into an "
@@ -167,6 +184,12 @@ _JOIN_HELP = (
 class WorkerSettings:
     broker: str = setting("tcp://127.0.0.1:5556", "the broker's backend address", metavar="ADDR")
     join: str = setting("", _JOIN_HELP.format(what=", model and layers are"), metavar="TICKET")
+    discover: bool = setting(
+        False,
+        "find the broker on the local network by mDNS (one started with --announce) instead "
+        "of --broker; an announcement is used only when its public key is the broker key of "
+        "this worker's --keys or ticket (prefers a broker already serving --model)",
+    )
     # Activations and next steps then go from worker to worker: the broker forwards only
     # the tokens.
     peer: str = setting(
@@ -179,7 +202,9 @@ class WorkerSettings:
     layers: str = setting(
         "",
         'half-open layer range "0:15", stage "1/2" (stages of about equal cost: the last '
-        'one also runs the output layer) or "" for all layers',
+        'one also runs the output layer), "" for all layers, or "auto": measure this '
+        "machine, then load the range the broker answers (the first layers no worker "
+        "serves, else the pool with the least throughput for its load, within memory)",
         metavar="SPEC",
     )
     threads: int = setting(0, "torch CPU threads; 0 = torch's default")
@@ -261,6 +286,19 @@ class WorkerSettings:
         'dtype of the activations this worker sends; "auto" = the model\'s dtype. A worker '
         "takes activations of any of float32, bfloat16 and float16 and casts them to its own",
         choices=WIRE_DTYPE_CHOICES,
+    )
+    # Fewer passes per token: across machines a pass costs a crossing of every link. Off by
+    # default until it measures as a gain with no loss (docs/configuration.md).
+    speculative: str = setting(
+        "off",
+        "speculative decoding, on the last stage: lookup = propose the tokens that followed "
+        "the latest occurrence of the text's last tokens in its prompt and output, verified "
+        "in the next pass (the same tokens, fewer passes when text repeats); draft (a draft "
+        "model) is not built yet",
+        choices=SPECULATIVE_CHOICES,
+    )
+    max_draft_tokens: int = setting(
+        4, f"the most tokens a session proposes per pass (1 to {MAX_DRAFT_TOKENS})"
     )
     name: str = setting("", "a name for logs and status; empty = HOST-PID")
     served_name: str = setting(

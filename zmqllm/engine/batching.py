@@ -38,12 +38,18 @@ if TYPE_CHECKING:
 
     from zmqllm.bus.sampling_params import SamplingParams
     from zmqllm.engine.cache import KVCache
+    from zmqllm.engine.prompt_lookup import Proposer
     from zmqllm.engine.rules import SessionRules
 
 # How long ready work may wait for more sessions while the cores are free (see
 # Scheduler.coalesce_wait; time another stage spends computing does not count, up to
 # the worker's LOCK_WAIT_MAX_S): a safety net, far above one forward of a shard.
 COALESCE_MAX_S = 0.25
+
+# Proposed rows (speculative decoding) all sessions together may add to one forward on
+# stage 0, past which proposals are cut: speculation never crowds out the decode steps
+# and prompt chunks of sessions that do not speculate.
+DRAFT_ROWS_PER_FORWARD = 16
 
 # (session key, request id, reason): work refused before or after a forward; the
 # socket side reports and closes those sessions. One bad session must not fail a batch.
@@ -78,6 +84,11 @@ class SessionState:
     stages: int = 1  # stages on the session's route (stage 0 groups its sessions by it)
     opened_at: float = field(default_factory=time.monotonic)
     group: int = -1  # stage 0: the forward it last went in (its micro-batch)
+    # Speculative decoding: the proposals among the rows of its last decode step (the
+    # next step may come up to this many steps later, and the rows it skips past are
+    # dropped), and on a last stage that speculates for it, its proposer.
+    window: int = 0
+    spec: Proposer | None = None
 
     def prompt_waiting(self) -> bool:
         """Stage 0: prompt tokens are left and no later stage's word is awaited."""
@@ -94,6 +105,11 @@ class Work:
     final: bool  # the last chunk of the prompt, or a decode step: the last stage samples
     ready_at: float = field(default_factory=time.monotonic)
     prefix: int = 0  # the first prompt chunk: the prompt tokens before it, not computed
+    # A speculative decode step: of its rows, the proposals after its token; and the
+    # rows of the session's previous pass whose proposals were rejected, dropped from
+    # its cache before this work runs.
+    draft: int = 0
+    drop: int = 0
 
     @property
     def rows(self) -> int:
@@ -115,8 +131,10 @@ class Scheduler:
         prefill_chunk: int,
         first: bool = False,
         micro: MicroBatches | None = None,
+        draft_rows: int = DRAFT_ROWS_PER_FORWARD,
     ) -> None:
         self.sessions = sessions
+        self.draft_rows = draft_rows
         self.prefill_chunk = prefill_chunk
         self.ready: deque[Work] = deque()
         self.first = first
@@ -137,7 +155,7 @@ class Scheduler:
 
     def queued_rows(self, s: SessionState) -> int:
         """The tokens of a session's ready work, not yet in its cache."""
-        return sum(w.rows for w in self.queued(s))
+        return sum(w.rows - w.drop for w in self.queued(s))
 
     def has_work(self) -> bool:
         return bool(self.ready) or any(s.prompt_waiting() for s in self.sessions.values())
@@ -221,21 +239,25 @@ class Scheduler:
         seen: set[SessionKey] = set()
         later: deque[Work] = deque()
         budget = self.prefill_chunk
+        drafts = self.draft_rows
         while self.ready:
             w = self.ready.popleft()
             n = w.rows
             cache = w.session.cache
-            if cache.length + n > cache.max_len:
+            if cache.length - w.drop + n > cache.max_len:
                 reason = f"{n} more tokens after {cache.length} overflow a cache of {cache.max_len}"
                 refused.append((w.session.id, w.session.request_id, reason))
                 continue
             held = allowed is not None and w.session.id not in allowed
-            if held or w.session.id in seen or (n > 1 and n > budget and batch):
+            prompt = n > 1 and not w.draft  # a prompt chunk spends the token budget
+            if held or w.session.id in seen or (prompt and n > budget and batch):
                 later.append(w)
                 continue
+            if w.draft and self.first:
+                drafts -= self._cut_draft(w, drafts)
             batch.append(w)
             seen.add(w.session.id)
-            if n > 1:
+            if prompt:
                 budget -= n
         self.ready = later
         for s in self.sessions.values():
@@ -252,6 +274,16 @@ class Scheduler:
             for w in batch:
                 w.session.group = self.forwards
         return batch
+
+    @staticmethod
+    def _cut_draft(w: Work, most: int) -> int:
+        """Stage 0: keep at most ``most`` of a step's proposals (the last stage verifies
+        what arrives); returns how many are kept."""
+        keep = max(0, min(w.draft, most))
+        if keep < w.draft:
+            w.inputs = w.inputs[: 1 + keep]
+            w.draft = w.session.window = keep
+        return keep
 
     @staticmethod
     def _prompt_chunk(s: SessionState, budget: int) -> Work:

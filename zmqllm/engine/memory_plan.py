@@ -10,6 +10,7 @@ No torch here: the figures come from the config alone.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from zmqllm.config.machine import memory_available
@@ -177,3 +178,22 @@ def plan_stage(
         kv_sized=True,
         kv_minimum=min(MIN_KV_TOKENS, context),
     )
+
+
+def range_costs(
+    args: ModelArgs, dtype: str, quant: str, packed: bool = False, gguf: bool = False
+) -> tuple[int, int, int, int]:
+    """Bytes a stage needs per layer (weights, packed copy, and the KV of a minimal
+    budget), for the embedding (stage 0), for the head (the last stage), and for the
+    runtime with its margin: the terms of config/weighted_split.fits."""
+    deep = dataclasses.replace(args, num_layers=3)
+    layer = weight_bytes(deep, 1, 2, dtype, quant, gguf)
+    first = weight_bytes(deep, 0, 1, dtype, quant, gguf) - layer
+    last = weight_bytes(deep, 2, 3, dtype, quant, gguf) - layer
+    if packed and quant == "none" and dtype == "float32":
+        layer += layer_matmul_weights(args) * 4
+        last += args.vocab_size * args.hidden_size * 4
+    kv = args.kv_bytes_per_token(1, ITEMSIZE[dtype]) * min(
+        MIN_KV_TOKENS, args.max_position_embeddings
+    )
+    return layer + kv, first, last, RUNTIME_BYTES + KV_MARGIN_MIN

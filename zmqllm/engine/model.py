@@ -351,14 +351,20 @@ class MistralShard(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, x: torch.Tensor, segments: Sequence[Segment], all_logits: bool = False
+        self,
+        x: torch.Tensor,
+        segments: Sequence[Segment],
+        all_logits: bool = False,
+        logit_rows: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Run the shard over a batch.
 
         x is token ids [T] (int64/int32) on stage 0, hidden states [T, hidden]
         elsewhere, with T = sum of the segments' n, in segment order. Returns
         hidden states [T, hidden], or on the last stage logits [B, vocab] for
-        each segment's last token ([T, vocab] with all_logits) in float32.
+        each segment's last token ([T, vocab] with all_logits; with ``logit_rows``,
+        [sum(logit_rows), vocab] for each segment's last logit_rows[i] tokens: a
+        speculative pass verifies all its rows) in float32.
         Each segment's cache length advances by its n.
         """
         plan = self._plan(segments)
@@ -389,7 +395,8 @@ class MistralShard(nn.Module):
         assert self.norm is not None and self.head is not None
         if not all_logits:
             ends = list(itertools.accumulate(seg.n for seg in segments))
-            last = torch.tensor([e - 1 for e in ends], device=self.device)
-            h = h[last]
+            counts = logit_rows or [1] * len(segments)
+            rows = [i for e, r in zip(ends, counts, strict=True) for i in range(e - r, e)]
+            h = h[torch.tensor(rows, device=self.device)]
         h = self.norm(h)
         return self.head(h).float()

@@ -4,6 +4,13 @@
 chose as ONE forward over the shard, every session a segment of its rows, and turns
 the result into outputs: hidden states for the next stage, or (last stage) a sampled
 token per session whose step is final. It decides nothing about what runs.
+
+A speculative pass (a session's token and the proposals after it, engine/prompt_lookup.py)
+is verified here, on the last stage: each row's token is picked exactly as a decode step
+of its own would pick it (greedy, or the (seed, step) draw on the session's penalties and
+grammar), and the pass keeps the tokens up to the first that differs from the proposal at
+its place, that one included. So speculation changes how many passes a text takes, never
+its tokens, at any temperature: a replay after a failover gives the same ones.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import re
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from zmqllm.bus.messages import Finish
@@ -22,6 +30,7 @@ from zmqllm.engine.cache import CachePool, bytes_free, is_out_of_memory
 from zmqllm.engine.decoder_layer import Segment
 from zmqllm.engine.model import MistralShard
 from zmqllm.engine.prefix_cache import PrefixStore
+from zmqllm.engine.prompt_lookup import SpecStats
 from zmqllm.engine.sampling import logprobs_of, sample
 from zmqllm.log import get_logger
 
@@ -60,6 +69,10 @@ class Output:
     # last stage, when the session asked: the ids and log-probabilities of the sampled
     # token, then of the most likely ones (engine.sampling.logprobs_of)
     logprobs: tuple[tuple[int, ...], tuple[float, ...]] | None = None
+    # last stage, speculative decoding: more tokens of the same pass follow this one (no
+    # step follows it); on the pass's last token, the proposals for the next pass
+    more: bool = False
+    draft: tuple[int, ...] = ()
 
 
 @dataclass
@@ -106,6 +119,7 @@ class ModelRunner:
         self.pool = pool
         self.prefixes = prefixes
         self.stats = StageStats()
+        self.spec = SpecStats()
 
     def run(self, batch: list[Work], refused: list[Refusal]) -> list[Output]:
         """One forward of ``batch`` (at most one work item per session). Raises
@@ -142,6 +156,10 @@ class ModelRunner:
         return self.run(batch[:half], refused) + self.run(batch[half:], refused)
 
     def _forward(self, batch: list[Work], refused: list[Refusal]) -> list[Output]:
+        for w in batch:
+            if w.drop:  # the rows of rejected proposals: overwritten from here on
+                w.session.cache.length -= w.drop
+                w.drop = 0
         segs = [Segment(w.session.cache, w.rows) for w in batch]
         lengths = [seg.cache.length for seg in segs]
         t0 = time.perf_counter()
@@ -149,7 +167,10 @@ class ModelRunner:
             # Prompt chunks come as numpy slices: viewed, not copied.
             inputs = [torch.as_tensor(w.inputs) for w in batch]
             x = torch.cat(inputs) if len(inputs) > 1 else inputs[0]
-            out = self.shard(x, segs)
+            if self.shard.is_last and any(w.draft for w in batch):
+                out = self.shard(x, segs, logit_rows=[1 + w.draft for w in batch])
+            else:
+                out = self.shard(x, segs)
         except Exception as exc:
             # The shard moves the lengths before its output layer: a failure there must
             # not leave them moved (a retry would skip positions).
@@ -174,36 +195,62 @@ class ModelRunner:
             off += seg.n
         return outputs
 
-    @staticmethod
     def _sampled_outputs(
-        batch: list[Work], out: torch.Tensor, refused: list[Refusal]
+        self, batch: list[Work], out: torch.Tensor, refused: list[Refusal]
     ) -> list[Output]:
-        """A token per session whose step is final, from ``out``: logits [B, vocab]."""
-        logits = out.numpy()  # [B, vocab] float32
-        outputs = []
-        for row, w in enumerate(batch):
+        """The tokens of each session whose step is final, from ``out``: logits
+        [rows, vocab], 1 + Work.draft rows per work."""
+        logits = out.numpy()  # [rows, vocab] float32
+        outputs: list[Output] = []
+        row = 0
+        for w in batch:
+            rows = logits[row : row + 1 + w.draft]
+            row += 1 + w.draft
             if not w.final:
                 continue  # a prompt chunk that is not the last: nothing to sample yet
             s = w.session
             try:
-                if s.rules is None:
-                    token = sample(logits[row], s.sampling, w.step)
-                else:
-                    token = sample(s.rules.apply(logits[row]), s.sampling, w.step)
-                    s.rules.accept(token)
+                outputs += self._verified(w, rows)
             except ValueError as exc:  # e.g. NaN logits: this row's session only
                 refused.append((s.id, s.request_id, f"sampling failed: {exc}"))
-                continue
+        return outputs
+
+    def _verified(self, w: Work, rows: np.ndarray) -> list[Output]:
+        """The tokens one work keeps: its step's, then, while the token picked at each
+        row is the proposal there, the next row's; none past a finish. A session that
+        speculates then proposes for its next pass."""
+        s = w.session
+        proposals = s.spec.pending[: w.draft] if s.spec is not None else []
+        outputs: list[Output] = []
+        for j in range(1 + w.draft):
+            step = w.step + j
+            if s.rules is None:
+                token = sample(rows[j], s.sampling, step)
+            else:
+                token = sample(s.rules.apply(rows[j]), s.sampling, step)
+                s.rules.accept(token)
             finish = None
             if token in s.stop_ids or (s.rules is not None and s.rules.done()):
                 finish = Finish.STOP
-            elif w.step + 1 >= s.max_tokens:
+            elif step + 1 >= s.max_tokens:
                 finish = Finish.LENGTH
             top = s.sampling.logprobs
-            lp = logprobs_of(logits[row], token, top) if top != NO_LOGPROBS else None
+            lp = logprobs_of(rows[j], token, top) if top != NO_LOGPROBS else None
             outputs.append(
-                Output(s.id, s.request_id, w.step, True, token=token, finish=finish, logprobs=lp)
+                Output(s.id, s.request_id, step, True, token=token, finish=finish, logprobs=lp)
             )
+            if finish is not None or j == w.draft or token != proposals[j]:
+                break
+            outputs[-1].more = True
+        last = outputs[-1]
+        if s.spec is not None:
+            kept = [o.token for o in outputs if o.token is not None]
+            s.spec.kept(kept, w.draft, self.spec if w.step else None)
+            if last.finish is None:
+                # Where the next pass starts: after this pass's kept rows.
+                start = s.cache.length - (w.draft + 1 - len(kept))
+                room = s.cache.max_len - start - 1
+                last.draft = s.spec.propose(last.step + 1, s.max_tokens, room)
         return outputs
 
     def _keep_prefixes(self, batch: list[Work]) -> None:

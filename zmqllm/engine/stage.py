@@ -12,6 +12,12 @@ Work is validated when it arrives, before any tensor op sees it: a token id outs
 vocabulary, a hidden state of the wrong shape or dtype, a step out of order or for an
 unknown session raises :class:`BadWork`, which costs that session alone. A forward that
 raises anyway raises :class:`BatchFailed` naming the sessions that were in it.
+
+Speculative decoding (``speculative="lookup"``): the last stage proposes tokens for a
+session's next pass (engine/prompt_lookup.py) from its history, which it is given at open;
+stage 0 runs a step's token and those proposals as the session's rows of one forward, and
+every stage takes the next step up to as many steps later as there were proposals,
+dropping the rows of those rejected (``SessionState.window``).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from zmqllm.bus.messages import MAX_DRAFT_TOKENS
 from zmqllm.bus.prefix import PREFIX_BLOCK, prefix_blocks
 from zmqllm.bus.sampling_params import SamplingParams
 from zmqllm.bus.wire_types import SessionKey
@@ -38,6 +45,7 @@ from zmqllm.engine.frames import ACTIVATION_DTYPES
 from zmqllm.engine.micro_batches import MicroBatches
 from zmqllm.engine.model import MistralShard
 from zmqllm.engine.prefix_cache import PrefixStore
+from zmqllm.engine.prompt_lookup import SPECULATIVE_MODES, Proposer
 from zmqllm.engine.rules import GrammarTokenizer, SessionRules
 from zmqllm.engine.runner import ModelRunner, Output, StageStats
 from zmqllm.log import get_logger
@@ -62,7 +70,18 @@ class Stage:
         prefix_cache: bool = True,
         grammar_tokenizer: GrammarTokenizer | None = None,
         micro_batches: int = 0,
+        speculative: str = "off",
+        max_draft_tokens: int = 4,
     ) -> None:
+        if speculative not in SPECULATIVE_MODES:
+            raise ValueError(f"speculative {speculative!r} is not one of off, lookup")
+        if speculative == "draft":
+            raise ValueError('speculative "draft" (a draft model) is not built yet: use "lookup"')
+        if not 1 <= max_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"max_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}]")
+        # Only the last stage's mode matters: it proposes; the others run what comes.
+        self.speculative = speculative
+        self.max_draft_tokens = max_draft_tokens
         self.pool = CachePool(
             shard.args,
             shard.num_local_layers,
@@ -130,6 +149,8 @@ class Stage:
         stages: int = 1,
         prompt_len: int = 0,
         generated: Sequence[int] = (),
+        history: np.ndarray | None = None,
+        speculative: bool = True,
     ) -> SessionState:
         """Reserve the session's cache. Raises CacheFullError when there is no room and
         ValueError for a request this stage cannot serve (stage 0 needs the prompt's
@@ -140,7 +161,10 @@ class Stage:
         later stages' word (:meth:`cached`) before it starts the prompt.
 
         ``generated``: a replayed stream's tokens so far (the end of its prompt), for the
-        last stage's penalties and grammar."""
+        last stage's penalties and grammar.
+
+        ``history``: a later last stage's copy of the prompt's token ids, where the
+        request lets it speculate (``speculative``) and it does."""
         if session in self.sessions:
             raise ValueError("session is already open on this stage")
         if self.shard.is_first:
@@ -152,6 +176,12 @@ class Stage:
                 raise ValueError(f"a prompt of {prompt.size} tokens leaves no room in {max_len}")
         elif prompt is not None:
             raise ValueError("only stage 0 takes the prompt's token ids")
+        if history is not None and (self.shard.is_first or not self.shard.is_last):
+            raise ValueError("only a later last stage takes the prompt's ids as its history")
+        if history is not None and (history.ndim != 1 or history.size != prompt_len):
+            raise ValueError("the history must be the prompt's token ids, prompt_len of them")
+        if self.shard.is_first:
+            history = prompt
         rules = None
         if self.shard.is_last and sampling.needs_history:
             rules = SessionRules(
@@ -179,6 +209,9 @@ class Stage:
         s = SessionState(session, request_id, max_tokens, sampling, stop_ids, cache)
         s.rules = rules
         s.stages = stages
+        lookup = self.speculative == "lookup" and speculative and self.shard.is_last
+        if lookup and history is not None and max_tokens > 1:
+            s.spec = Proposer.of(history.tolist(), self.max_draft_tokens)
         if prompt is not None:
             # Copied out of the receive frame: it must outlive this turn.
             s.prompt_left = np.array(prompt, dtype=np.int64)
@@ -246,19 +279,28 @@ class Stage:
         for sid in list(self.sessions):
             self.close(sid)
 
-    def step(self, session: SessionKey, step: int, token: int) -> None:
-        """Stage 0: the next decode step of a session (its previous token)."""
+    def step(self, session: SessionKey, step: int, token: int, draft: Sequence[int] = ()) -> None:
+        """Stage 0: the next decode step of a session (its previous token), and the last
+        stage's proposals for the steps after it, if any."""
         s = self._known(session)
         if not self.shard.is_first:
             raise BadWork("only stage 0 takes decode steps")
-        if not 0 <= token < self.shard.args.vocab_size:
-            raise BadWork(f"token id {token} is not in [0, {self.shard.args.vocab_size})")
+        vocab = self.shard.args.vocab_size
+        for t in (token, *draft):
+            if not 0 <= t < vocab:
+                raise BadWork(f"token id {t} is not in [0, {vocab})")
         if s.next_step == 0:
             raise BadWork("a decode step for a session still in prefill")
-        self._check_step(s, step)
-        self._check_room(s, 1)
-        s.next_step += 1
-        self.scheduler.add(Work(s, step, torch.tensor([token], dtype=torch.long), True))
+        if len(draft) > MAX_DRAFT_TOKENS:
+            raise BadWork(f"{len(draft)} proposals, at most {MAX_DRAFT_TOKENS}")
+        draft = tuple(draft)[: self.prefill_chunk - 1]  # rows an activation may carry
+        drop = self._check_step(s, step)
+        if s.spec is not None and draft != tuple(s.spec.pending[: len(draft)]):
+            raise BadWork("proposals this stage did not make")
+        self._check_room(s, 1 + len(draft) - drop)
+        s.next_step, s.window = step + 1, len(draft)
+        ids = torch.tensor([token, *draft], dtype=torch.long)
+        self.scheduler.add(Work(s, step, ids, True, draft=len(draft), drop=drop))
 
     def activation(
         self, session: SessionKey, step: int, hidden: torch.Tensor, final: bool, prefix: int = 0
@@ -285,20 +327,28 @@ class Stage:
             raise BadWork(f"{n} rows, expected 1 to {self.prefill_chunk}")
         if hidden.dtype not in ACTIVATION_DTYPES:
             raise BadWork(f"hidden states of {hidden.dtype}, not float32, bfloat16 or float16")
+        drop = 0
         if s.next_step == 0:  # prompt chunks: all step 0, the last one final
             if step != 0:
                 raise BadWork(f"step {step} before the prompt's last chunk")
+            self._check_room(s, n)
+            s.next_step = 1 if final else 0
         else:
-            if n != 1 or not final:
-                raise BadWork("a decode step carries one final row")
-            self._check_step(s, step)
-        self._check_room(s, n)
-        if s.next_step or final:
-            s.next_step += 1
+            # A decode step: its token's row, then any proposals' (speculative decoding).
+            if n > 1 + MAX_DRAFT_TOKENS or not final:
+                raise BadWork(f"a decode step carries 1 to {1 + MAX_DRAFT_TOKENS} final rows")
+            drop = self._check_step(s, step)
+            if self.shard.is_last and n > 1 and s.spec is None:
+                raise BadWork("a decode step carries one final row: this stage proposed nothing")
+            if self.shard.is_last and s.spec is not None and n - 1 > len(s.spec.pending):
+                raise BadWork(f"{n - 1} proposals: this stage made fewer")
+            self._check_room(s, n - drop)
+            s.next_step, s.window = step + 1, n - 1
         # Cast to this stage's dtype: the previous stage may send a narrower wire dtype.
         # (No copy when it already is the stage's dtype on the CPU.)
         hidden = hidden.to(device=self.shard.device, dtype=self.shard.dtype)
-        self.scheduler.add(Work(s, step, hidden, final))
+        draft = n - 1 if step else 0  # decode steps count from 1
+        self.scheduler.add(Work(s, step, hidden, final, draft=draft, drop=drop))
 
     def _known(self, session: SessionKey) -> SessionState:
         s = self.sessions.get(session)
@@ -307,11 +357,18 @@ class Stage:
         return s
 
     @staticmethod
-    def _check_step(s: SessionState, step: int) -> None:
-        if step != s.next_step:
-            raise BadWork(f"step {step}, expected {s.next_step}")
+    def _check_step(s: SessionState, step: int) -> int:
+        """A decode step may come up to ``window`` steps late (after a pass that kept
+        some of its proposals); returns the rows of that pass to drop (the rejected ones)."""
+        late = step - s.next_step
+        if not 0 <= late <= s.window:
+            more = f" to {s.next_step + s.window}" if s.window else ""
+            raise BadWork(f"step {step}, expected {s.next_step}{more}")
         if step >= s.max_tokens:
             raise BadWork(f"step {step} past max_tokens {s.max_tokens}")
+        if s.spec is not None and step != s.spec.expect:
+            raise BadWork(f"step {step}: this stage's proposals were for step {s.spec.expect}")
+        return s.window - late
 
     def _check_room(self, s: SessionState, n: int) -> None:
         queued = self.scheduler.queued_rows(s)
@@ -387,7 +444,13 @@ class Stage:
             "rss_bytes": rss_bytes(),
             **cuda_memory(self.shard.device),
             **self._prefix_figures(),
+            **(self.runner.spec.figures() if self.proposes else {}),
         }
+
+    @property
+    def proposes(self) -> bool:
+        """This stage makes proposals (the last stage, speculative on)."""
+        return self.shard.is_last and self.speculative != "off"
 
     def _prefix_figures(self) -> dict[str, int]:
         store = self.prefixes

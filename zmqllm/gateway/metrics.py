@@ -62,6 +62,11 @@ _WORKER_GAUGES = (
         "zmqllm_worker_prefix_cache_tokens",
         "Prompt tokens held in the prefix cache",
     ),
+    (
+        "spec_tokens_per_pass",
+        "zmqllm_worker_speculative_tokens_per_pass",
+        "Tokens per pass of the sessions the worker speculates for (last stage)",
+    ),
 )
 _WORKER_COUNTERS = (
     ("forwards", "zmqllm_worker_forwards", "Forward calls run"),
@@ -80,6 +85,10 @@ _WORKER_COUNTERS = (
         "zmqllm_worker_prefix_cache_hit_tokens",
         "Prompt tokens taken from the prefix cache instead of computed",
     ),
+    ("spec_proposed", "zmqllm_worker_speculative_proposed_tokens", "Tokens proposed"),
+    ("spec_accepted", "zmqllm_worker_speculative_accepted_tokens", "Proposed tokens accepted"),
+    ("spec_passes", "zmqllm_worker_speculative_passes", "Passes of speculating sessions"),
+    ("spec_tokens", "zmqllm_worker_speculative_tokens", "Tokens those passes gave"),
 )
 
 

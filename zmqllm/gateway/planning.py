@@ -191,6 +191,7 @@ class Planner:
             request_id,
             stops=tuple(body.stop or ()),
             ignore_eos=body.ignore_eos,
+            speculative=body.speculative,
         )
         return [
             dataclasses.replace(first, sampling=dataclasses.replace(sampling, seed=seed))
@@ -206,6 +207,7 @@ class Planner:
         *,
         stops: tuple[str, ...] = (),
         ignore_eos: bool = False,
+        speculative: bool = True,
     ) -> GenerateRequest:
         """The request; the model's EOS ids end it unless it ignores them (benchmarks,
         vLLM's extension). Its model's name on the bus is set when it opens."""
@@ -217,6 +219,7 @@ class Planner:
             sampling=sampling,
             stop_ids=eos,
             stops=stops,
+            speculative=speculative,
         )
 
     # --- the prompt ------------------------------------------------------------------

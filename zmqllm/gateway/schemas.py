@@ -145,6 +145,9 @@ class _SamplingFields(_Request):
     top_k: int | None = None  # an extension (vLLM and TGI have it too)
     seed: int | None = None
     ignore_eos: bool = False  # an extension (vLLM has it): generate past EOS
+    # An extension: false keeps this request off speculative decoding ([worker]
+    # speculative), whose tokens are the same: for timing a request without it.
+    speculative: bool = True
     stop: list[str] | None = None
     n: int | None = None
     stream: bool | None = None

@@ -53,6 +53,7 @@ from zmqllm.launch.plan import (
     stages_of,
     up_config,
 )
+from zmqllm.launch.split import auto_stages
 from zmqllm.launch.state_file import StateFile, essential_children
 from zmqllm.launch.supervision import GiveUp, RestartPolicy
 from zmqllm.log import KERNELS_BUILDING, KERNELS_BUILT
@@ -278,6 +279,8 @@ def run_up(ns: argparse.Namespace) -> int:
         if errors:
             raise UpError("\n".join(errors))
         prepare_model(cfg)
+        # layers = "auto": each stage's range from this machine's measured figures.
+        cfg = auto_stages(cfg, config_path, say=say)
     except UpError as err:
         say(str(err))
         return 1

@@ -31,6 +31,7 @@ __all__ = [
     "layer_flags",
     "local_host",
     "log_path",
+    "memory_share_mb",
     "plan",
     "port_errors",
     "port_problem",
@@ -91,6 +92,18 @@ def cpu_lock_path() -> Path:
     return zmqllm_home() / "cpu.lock"
 
 
+def memory_share_mb(cfg: Config) -> int:
+    """What each worker of a local cluster is given of the machine's free memory (the
+    front end keeps some), when there are several and the config sets nothing (0 then):
+    each sizes its KV budget from the memory given to it, so several must not each take
+    what the machine has free."""
+    n_workers = sum(stage.count for stage in stages_of(cfg))
+    if n_workers < 2 or cfg.worker.max_memory_mb or cfg.worker.max_kv_tokens:
+        return 0
+    free, _source = memory_available()
+    return max(1, max(0, free - FRONT_END_BYTES) // n_workers >> 20)
+
+
 def layer_flags(layers: str) -> list[str]:
     # ":" rather than "" so the flag is visibly "all layers" in `ps` and the logs.
     return ["--stage", layers] if "/" in layers else ["--layers", layers or ":"]
@@ -139,12 +152,9 @@ def plan(cfg: Config, config_path: Path | None, python: str = sys.executable) ->
     share = []
     if not cfg.worker.batch_threads and not cfg.worker.cpu_lock and n_workers > 1:
         share = ["--cpu-lock", str(cpu_lock_path())]
-    # And its memory: each sizes its KV budget from the memory given to it, so several
-    # must not each take what the machine has free (the front end keeps some).
-    if n_workers > 1 and not cfg.worker.max_memory_mb and not cfg.worker.max_kv_tokens:
-        free, _source = memory_available()
-        each_mb = max(0, free - FRONT_END_BYTES) // n_workers >> 20
-        share += ["--max-memory-mb", str(max(1, each_mb))]
+    # And its memory (memory_share_mb).
+    if each_mb := memory_share_mb(cfg):
+        share += ["--max-memory-mb", str(each_mb)]
     for stage in stages_of(cfg):
         for replica in range(stage.count):
             name = f"worker-{stage_slug(stage.layers)}-{replica}"

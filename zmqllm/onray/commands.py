@@ -27,6 +27,7 @@ from zmqllm.config.flags import apply_flags
 from zmqllm.config.loading import load_config
 from zmqllm.config.settings import Config
 from zmqllm.launch.launcher import http_status
+from zmqllm.launch.split import auto_stages
 from zmqllm.launch.supervision import CRASH_WINDOW_S
 from zmqllm.log import printable
 from zmqllm.onray.plan import (
@@ -110,6 +111,8 @@ def ray_up(ns: argparse.Namespace) -> int:
     if refused:
         print(f"zmqllm ray up: {refused}", file=sys.stderr)
         return 2
+    # layers = "auto": split by each stage's cpus and memory, measured here (launch/split.py).
+    cfg = auto_stages(cfg, path, ray=True, say=_say)
     specs = plan_actors(cfg, path)
     ray = _connect(cfg)
     from ray.util.placement_group import placement_group

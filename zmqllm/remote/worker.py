@@ -28,7 +28,7 @@ from typing import Any
 
 import zmq
 
-from zmqllm.bus.ask_body import AskBodyError, upstream_body
+from zmqllm.bus.ask_body import AskBodyError, ask_fields, upstream_body
 from zmqllm.bus.keys import PeerKeys
 from zmqllm.bus.messages import (
     MAX_CONTEXT,
@@ -198,7 +198,7 @@ class RemoteWorker(WorkerShell):
                 self.fail(msg, ErrorCode.FULL, "remote worker has no room")
                 return
             try:
-                body = upstream_body(msg.kind, msg.request(), msg.max_tokens)
+                body = upstream_body(msg.kind, ask_fields(msg), msg.max_tokens)
             except (AskBodyError, ProtocolError) as exc:
                 self.fail(msg, ErrorCode.BAD_REQUEST, str(exc), "bad_request")
                 return

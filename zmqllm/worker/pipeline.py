@@ -187,7 +187,7 @@ class Worker(WorkerShell):
     # -- messages ----------------------------------------------------------------
     def on_step(self, msg: Step) -> None:
         self._arrived(msg.group)
-        self.stage.step(SessionKey.of(msg), msg.step, msg.token)
+        self.stage.step(SessionKey.of(msg), msg.step, msg.token, msg.draft)
 
     def on_activation(self, msg: Activation) -> None:
         self._arrived(msg.group)
@@ -210,6 +210,9 @@ class Worker(WorkerShell):
                 self.fail(msg, ErrorCode.FULL, "worker is draining", None)
                 return
             prompt = msg.tokens.array if msg.tokens is not None else None
+            # A later last stage is given the prompt too, to speculate from (history).
+            history = prompt if msg.stage > 0 else None
+            prompt = None if msg.stage > 0 else prompt
             try:
                 msg.sampling.validate()
                 state = self.stage.open(
@@ -224,6 +227,8 @@ class Worker(WorkerShell):
                     stages=msg.stages,
                     prompt_len=msg.prompt_len,
                     generated=msg.generated,
+                    history=history,
+                    speculative=msg.speculative,
                 )
             except CacheFullError as exc:
                 self.fail(msg, ErrorCode.FULL, str(exc), None)
@@ -261,8 +266,9 @@ class Worker(WorkerShell):
         """(group id, size) per output that travels on (None: a final token)."""
         hops: list[str | None] = []
         for o in outputs:
-            if o.token is not None and o.finish is not None:
-                hops.append(None)  # the broker ends it here: no STEP follows
+            if o.token is not None and (o.finish is not None or o.more):
+                hops.append(None)  # the broker ends it here, or a later token of its pass
+                # steps it: no STEP follows this one
                 continue
             s = self.stage.sessions.get(o.session)
             hops.append(s.next_hop if s is not None else "")
@@ -322,7 +328,8 @@ class Worker(WorkerShell):
             # refusal when the broker sends it instead.
             assert isinstance(routed.ahead, Step)
             try:
-                self.stage.step(o.session, routed.ahead.step, routed.ahead.token)
+                ahead = routed.ahead
+                self.stage.step(o.session, ahead.step, ahead.token, ahead.draft)
             except BadWork:
                 return routed.instead
             return routed.to_broker
@@ -346,6 +353,8 @@ class Worker(WorkerShell):
                 group=group,
                 logprob_ids=o.logprobs[0] if o.logprobs else None,
                 logprobs=o.logprobs[1] if o.logprobs else None,
+                more=o.more,
+                draft=o.draft,
             )
         assert o.hidden is not None
         return Activation(

@@ -51,8 +51,10 @@ def route_result(
     peer = link.next_peer if link is not None and not link.via_broker else ""
     if isinstance(result, Activation):
         return Routed(None, ahead=result, peer=peer, instead=result) if peer else Routed(result)
-    if result.finish is not None:
-        return Routed(result)  # the last token: the broker ends the session, no step follows
+    if result.finish is not None or result.more:
+        # The last token: the broker ends the session; or more of its pass follow, and
+        # the pass's last token steps it: no step follows this one.
+        return Routed(result)
     if next_hop == identity:
         return _stepping(result, peer="")  # here wins over any peer link
     return _stepping(result, peer) if peer else Routed(result)

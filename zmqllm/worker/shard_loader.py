@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,6 +48,8 @@ class Loaded:
     context: int
     # The units the quantized products of several rows use (native.use_matrix_units).
     matrix_units: str = ""
+    # What the worker measured of itself before loading (--layers auto), for REGISTER.
+    measured: dict[str, float | int] = field(default_factory=dict)
 
 
 def load_stage(cfg: Config) -> Loaded:
@@ -103,6 +105,8 @@ def load_stage(cfg: Config) -> Loaded:
         w.prefix_cache,
         grammars,
         micro_batches=w.micro_batches or (1 if w.cpu_lock else 0),
+        speculative=w.speculative,
+        max_draft_tokens=w.max_draft_tokens,
     )
     stage.model = worker_served_name(cfg)
     stage.warmup()
@@ -180,4 +184,6 @@ def register_message(cfg: Config, ld: Loaded) -> Register:
             kernel_loaded=native.load() is not None,
             matrix_units=units_shown(ld.matrix_units, cfg.worker.int8_activations),
         ),
+        measured=dict(ld.measured),
+        proposes=ld.stage.proposes,
     )
