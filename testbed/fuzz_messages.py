@@ -22,11 +22,10 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from zmqllm.bus.figure_keys import FIGURE_KEYS
 from zmqllm.bus.messages import (
-    FIGURE_KEYS,
     MAX_ATTEMPTS,
     MAX_CONTEXT,
-    MAX_DRAFT_TOKENS,
     MAX_LAYERS,
     MAX_SESSIONS,
     MAX_TOKEN_ID,
@@ -59,6 +58,7 @@ from zmqllm.bus.prefix import PREFIX_BLOCK, prefix_blocks
 from zmqllm.bus.protocol import encode
 from zmqllm.bus.sampling_params import SamplingParams
 from zmqllm.bus.wire_types import WIRE_DTYPES, Payload
+from zmqllm.config.settings import MAX_DRAFT_TOKENS
 from zmqllm.version import __version__
 
 __all__ = [

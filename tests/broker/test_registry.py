@@ -24,8 +24,8 @@ from zmqllm.broker.registry import (
     WorkerEntry,
     fingerprint_differences,
 )
+from zmqllm.bus.figure_keys import FIGURE_KEYS
 from zmqllm.bus.messages import (
-    FIGURE_KEYS,
     MAX_LAYERS,
     MAX_STATUS_BYTES,
     MAX_TEXT,

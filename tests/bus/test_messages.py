@@ -17,19 +17,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from zmqllm.bus.figure_keys import FIGURE_KEYS, MEASURED_KEYS
 from zmqllm.bus.messages import (
-    FIGURE_KEYS,
     MAX_ATTEMPTS,
     MAX_CONTEXT,
     MAX_DELTA,
-    MAX_DRAFT_TOKENS,
     MAX_LAYERS,
     MAX_SESSIONS,
     MAX_STATUS_BYTES,
     MAX_STEP,
     MAX_TEXT,
     MAX_TOKEN_ID,
-    MEASURED_KEYS,
     MESSAGE_TYPES,
     Activation,
     Ask,
@@ -62,6 +60,7 @@ from zmqllm.bus.prefix import MAX_PREFIX_KEY, prefix_blocks
 from zmqllm.bus.protocol import PROTOCOL_VERSION, decode, encode
 from zmqllm.bus.sampling_params import MAX_SEED, SamplingParams
 from zmqllm.bus.wire_types import ID_PATTERN, Payload, ProtocolError, WireField, is_valid_id
+from zmqllm.config.settings import MAX_DRAFT_TOKENS
 
 # Modest and reproducible: the suite runs on 2 shared cores, and no .hypothesis/ database
 # is written into the checkout.

@@ -59,6 +59,6 @@ def test_an_exception_is_described_without_locals_or_its_whole_message() -> None
 
 
 def test_every_fault_counter_can_ride_the_heartbeat() -> None:
-    from zmqllm.bus.messages import FIGURE_KEYS
+    from zmqllm.bus.figure_keys import FIGURE_KEYS
 
     assert {f"fault_{r}" for r in FAULT_REASONS} <= FIGURE_KEYS

@@ -21,7 +21,13 @@ from typing import TYPE_CHECKING, Any
 from zmqllm.broker.drift import pool_drift, pool_refusal
 from zmqllm.broker.route_build import build_key
 from zmqllm.broker.route_search import Edge, best_chain, gaps, route_shapes
-from zmqllm.bus.messages import FIGURE_KEYS, MAX_CONTEXT, MAX_LAYERS, MAX_TEXT, Register
+from zmqllm.bus.figure_keys import FIGURE_KEYS
+from zmqllm.bus.messages import (
+    MAX_CONTEXT,
+    MAX_LAYERS,
+    MAX_TEXT,
+    Register,
+)
 from zmqllm.bus.wire_types import ProtocolError
 from zmqllm.config.names import NAME_RULE, is_name
 

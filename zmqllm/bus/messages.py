@@ -64,12 +64,9 @@ from zmqllm.bus.wire_types import (
 from zmqllm.config.settings import MAX_DRAFT_TOKENS
 
 __all__ = [
-    "FIGURE_KEYS",
     "MAX_CONTEXT",
-    "MAX_DRAFT_TOKENS",
     "MAX_LAYERS",
     "MAX_TOKEN_ID",
-    "MEASURED_KEYS",
     "MESSAGE_TYPES",
     "Activation",
     "Ask",

@@ -27,11 +27,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from zmqllm.bus.messages import MAX_DRAFT_TOKENS
 from zmqllm.bus.prefix import PREFIX_BLOCK, prefix_blocks
 from zmqllm.bus.sampling_params import SamplingParams
 from zmqllm.bus.wire_types import SessionKey
 from zmqllm.config.machine import rss_bytes
+from zmqllm.config.settings import MAX_DRAFT_TOKENS
 from zmqllm.engine.batching import Refusal, Scheduler, SessionState, Work
 from zmqllm.engine.cache import (
     CacheFullError,
