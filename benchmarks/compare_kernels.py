@@ -10,9 +10,16 @@ after round with the order flipped, and reports both medians and every round's r
 - ``int4``: one token's one-row products through every layer weight of the default
   model, quantized to int4 (group-32, scale and minimum), 120 products;
 - ``attention``: decode attention of one session over ``--context`` tokens, 30 layers
-  of 9 query heads on 3 kv heads of 64 (the default model's shape).
+  of 9 query heads on 3 kv heads of 64 (the default model's shape);
+- ``int4x16`` / ``int8x16``: the four products of one Mistral-7B-shaped layer (random
+  weights) for 16 rows, a batched decode step's many-row path.
+
+``--march`` builds both for another target than this CPU (``ZMQLLM_NATIVE_MARCH``):
+``x86-64-v3`` is what an AVX2-only machine builds, ``x86-64-v4`` an AVX-512 one without
+BF16, VNNI or AMX; so a change's effect on those machines is measured here.
 
     python benchmarks/compare_kernels.py --before 615e014 [--rounds 6] [--threads 2]
+        [--march x86-64-v3] [--what int4 attention int4x16 int8x16]
 
 Writes benchmarks/results/compare_kernels.json.
 """
@@ -25,24 +32,29 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # see benchmarks/__init__.py
 
 import argparse
+import os
 import subprocess
 import tempfile
 import time
 from typing import Any
 
 from benchmarks.paired import alternate, compare, describe
-from benchmarks.report import write_json
+from benchmarks.report import cpu_name, write_json
 from benchmarks.stats import median
 from zmqllm.engine import native
+from zmqllm.engine.native import NAME
 
 REPO = Path(__file__).resolve().parent.parent
 ITERATIONS = 15  # timed repetitions per process; the median is its figure
+KINDS = ("int4", "attention", "int4x16", "int8x16")
+# One Mistral-7B layer's products, (inputs, outputs): qkv, o, gate+up, down.
+LAYER_7B = ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096))
 
 
 def build_revision(rev: str, into: Path) -> Path:
     """REV's csrc/ compiled into ``into``; the module's path."""
     src = into / "src"
-    src.mkdir(parents=True)
+    src.mkdir(parents=True, exist_ok=True)
     # REV's own file list: the csrc/ files of one revision need not be another's.
     csrc = native.CSRC.relative_to(REPO).as_posix()
     listing = ["git", "-C", str(REPO), "ls-tree", "--name-only", f"{rev}:{csrc}"]
@@ -80,6 +92,21 @@ def time_build(so: str, what: str, threads: int, context: int) -> float:
             for x, m in zip(xs, mats, strict=True):
                 kernel.matmul(x, m)
 
+    elif what in ("int4x16", "int8x16"):
+        from zmqllm.engine import quant
+
+        kind = what[:4]
+        quantize = quant.quantize_int4 if kind == "int4" else quant.quantize_int8
+        mats, xs = [], []
+        for inputs, outputs in LAYER_7B:
+            t = quantize(torch.randn(outputs, inputs, generator=g) * 0.02)
+            mats.append(kernel.Matrix(quant.KIND[kind], t.q, t.d, t.m))
+            xs.append(torch.randn(16, inputs, generator=g))
+
+        def once() -> None:
+            for x, m in zip(xs, mats, strict=True):
+                kernel.matmul(x, m)
+
     else:
         layers, kv_heads, heads, dim = 30, 3, 9, 64
         caches = [torch.randn(layers, kv_heads, context + 1, dim, generator=g) for _ in (0, 1)]
@@ -103,7 +130,7 @@ def time_build(so: str, what: str, threads: int, context: int) -> float:
 
 
 def run_child(so: Path, what: str, a: argparse.Namespace) -> float:
-    cmd = [sys.executable, __file__, "--child", str(so), "--what", what]
+    cmd = [sys.executable, __file__, "--child", str(so), "--child-what", what]
     cmd += ["--threads", str(a.threads), "--context", str(a.context)]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return float(done.stdout.strip().splitlines()[-1])
@@ -118,20 +145,34 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6, help="alternating rounds")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=400, help="tokens the attention reads")
+    ap.add_argument("--march", default="", help="build both for this -march (default: native)")
+    ap.add_argument("--what", nargs="+", choices=KINDS, default=["int4", "attention"])
     ap.add_argument("--out", default="benchmarks/results/compare_kernels.json")
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--what", default="int4", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--keep-build", default="", help="build the older revision here, or reuse it from here"
+    )
+    ap.add_argument("--build-only", action="store_true", help="build both, time nothing")
+    ap.add_argument("--child-what", default="int4", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        print(f"{time_build(a.child, a.what, a.threads, a.context):.4f}")
+        print(f"{time_build(a.child, a.child_what, a.threads, a.context):.4f}")
         return
+    if a.march:
+        os.environ[native.MARCH_ENV] = a.march  # both builds, and the children that time them
     after = native.load()
     if after is None or after.__file__ is None:
         raise SystemExit("the working tree's kernels cannot be built here")
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        before = build_revision(a.before, Path(tmp))
-        for what in ("int4", "attention"):
+        kept = Path(a.keep_build) / "build" / f"{NAME}.so" if a.keep_build else None
+        if kept is not None and kept.is_file():
+            before = kept
+        else:
+            before = build_revision(a.before, Path(a.keep_build or tmp))
+        if a.build_only:
+            return
+        for what in a.what:
             print(f"{what}, ms:", flush=True)
             values = alternate(
                 a.rounds,
@@ -141,6 +182,7 @@ def main() -> None:
             results[what] = compare(values, "before", "after")
             print(describe(results[what], "before", "after", "ms"), flush=True)
     meta = {"before": a.before, "threads": a.threads, "context": a.context, "rounds": a.rounds}
+    meta |= {"march": a.march or "native", "cpu": cpu_name()}
     write_json(Path(a.out), {"meta": meta, "results": results})
 
 

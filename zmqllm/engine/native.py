@@ -5,7 +5,8 @@ and the single-row matrix-vector product of a single stream.
 Built on first use with torch's C++ extension loader (a C++ compiler and ninja
 are needed) into ``$ZMQLLM_HOME/kernels/<key>``, where the key is a digest of
 what determines the binary: the sources, the compiler flags, the compiler, the
-torch build, the Python ABI and the CPU (``-march=native``). Not the checkout's
+torch build, the Python ABI and the CPU (``-march=native``, or the target named by
+``ZMQLLM_NATIVE_MARCH``). Not the checkout's
 or the virtual environment's path: every checkout and venv with the same torch
 shares one build. A built module is imported straight from its ``.so`` (no
 ninja check, which would see another venv's include paths and rebuild). Where it
@@ -53,9 +54,13 @@ def headers(csrc: Path) -> tuple[Path, ...]:
 # every file is compiled, and one for a set the CPU lacks compiles to nothing.
 SOURCES = sources(CSRC)
 HEADERS = headers(CSRC)
-# The build runs on the machine that uses it: tune for its CPU. OpenMP makes
-# at::parallel_for use torch's threads (without it, it runs serially).
-CFLAGS = ("-O3", "-march=native", "-fopenmp")
+# OpenMP makes at::parallel_for use torch's threads (without it, it runs serially).
+CFLAGS = ("-O3", "-fopenmp")
+# The build runs on the machine that uses it and is tuned for its CPU (-march=native).
+# ZMQLLM_NATIVE_MARCH names another target: x86-64-v3 builds what an AVX2-only CPU runs,
+# x86-64-v4 an AVX-512 one without BF16, VNNI or AMX; for checking those paths here.
+MARCH_ENV = "ZMQLLM_NATIVE_MARCH"
+_MARCH_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-_.")
 LDFLAGS = ("-fopenmp",)
 NAME = "zmqllm_native"
 _lock = threading.Lock()
@@ -69,6 +74,18 @@ name, sources, directory, cflags, ldflags = json.loads(sys.argv[1])
 cpp_extension.load(name=name, sources=sources, build_directory=directory,
                    extra_cflags=cflags, extra_ldflags=ldflags, verbose=False)
 """
+
+
+def march() -> str:
+    """The -march the kernels are built for: ``native`` unless ZMQLLM_NATIVE_MARCH says."""
+    value = os.environ.get(MARCH_ENV, "").strip().lower() or "native"
+    if not set(value) <= _MARCH_CHARS:
+        raise ValueError(f"{MARCH_ENV}={value!r}: not a compiler target name")
+    return value
+
+
+def compile_flags() -> list[str]:
+    return [*CFLAGS, f"-march={march()}"]
 
 
 def enabled() -> bool:
@@ -105,7 +122,7 @@ def cache_key() -> str:
     for src in (*SOURCES, *HEADERS):
         h.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
     parts = (
-        " ".join(CFLAGS),
+        " ".join(compile_flags()),
         " ".join(LDFLAGS),
         _compiler(),
         torch.__version__,
@@ -209,7 +226,7 @@ def _build(directory: Path, built: Path, csrc: Path = CSRC) -> None:
     t0 = time.perf_counter()
     # In a child process: torch's loader imports what it builds, from the scratch
     # folder; this process then imports the module once, from its final place.
-    args = json.dumps([NAME, copies, str(scratch), list(CFLAGS), list(LDFLAGS)])
+    args = json.dumps([NAME, copies, str(scratch), compile_flags(), list(LDFLAGS)])
     done = subprocess.run(
         [sys.executable, "-c", _BUILD_SCRIPT, args],
         capture_output=True,
