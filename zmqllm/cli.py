@@ -230,17 +230,21 @@ def cmd_worker(ns: argparse.Namespace) -> int:
     worker_served_name(cfg)  # a name the bus cannot carry is told before the model loads
     for key, value in WORKER_THREAD_ENV.items():
         os.environ.setdefault(key, value)  # before torch (and its OpenMP) loads
+    from zmqllm.engine.draft import DraftModelError
     from zmqllm.engine.memory_plan import StageDoesNotFit
     from zmqllm.log import get_logger
     from zmqllm.worker.main import serve
 
-    if resolve_model_path(cfg.model.path) == str(default_model_dir()):
-        _model_dir(cfg.model.path)  # convert the default model on first use
+    drafts = cfg.worker.speculative == "draft"
+    for spec in (cfg.model.path, *([cfg.worker.draft_model] if drafts else [])):
+        if resolve_model_path(spec) == str(default_model_dir()):
+            _model_dir(spec)  # convert the default model on first use
     try:
         return serve(cfg)
-    except StageDoesNotFit as exc:
+    except (StageDoesNotFit, DraftModelError) as exc:
         # Refused before the weights load: said once in the log, once on stderr.
-        get_logger("zmqllm.worker").error("stage does not fit", reason=str(exc))
+        what = "stage does not fit" if isinstance(exc, StageDoesNotFit) else "draft model refused"
+        get_logger("zmqllm.worker").error(what, reason=str(exc))
         print(f"zmqllm worker: {exc}", file=sys.stderr)
         return 2
 

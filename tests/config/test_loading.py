@@ -236,7 +236,7 @@ def test_section_must_be_a_table(tmp_path: Path) -> None:
         ("[worker]\nprefill_chunk = 0\n", "prefill_chunk"),
         ('[worker]\nwire_dtype = "int8"\n', "wire_dtype"),
         ('[worker]\nspeculative = "ngram"\n', "speculative"),
-        ('[worker]\nspeculative = "draft"\n', "not built yet"),
+        ('[worker]\nspeculative = "draft"\ndraft_model = ""\n', "draft_model"),
         ("[worker]\nmax_draft_tokens = 0\n", "max_draft_tokens"),
         ("[worker]\nmax_draft_tokens = 17\n", "max_draft_tokens"),
         ('[worker]\npeer = "ipc:///tmp/p"\n', "peer"),
@@ -252,6 +252,13 @@ def test_section_must_be_a_table(tmp_path: Path) -> None:
 def test_bad_values(tmp_path: Path, text: str, key: str) -> None:
     with pytest.raises(ConfigError, match=key):
         load_config(write(tmp_path, text))
+
+
+def test_a_draft_model_is_the_default_model_unless_named(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, '[worker]\nspeculative = "draft"\n'))
+    assert (cfg.worker.speculative, cfg.worker.draft_model) == ("draft", "default")
+    text = '[worker]\nspeculative = "draft"\ndraft_model = "/models/small"\n'
+    assert load_config(write(tmp_path, text)).worker.draft_model == "/models/small"
 
 
 def test_port_zero_means_any_free_port(tmp_path: Path) -> None:

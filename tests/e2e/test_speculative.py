@@ -1,5 +1,5 @@
-"""Speculative decoding by prompt lookup on a real cluster: broker, two workers of the tiny
-sliding-window model (the last one with ``--speculative lookup``) and the gateway, as
+"""Speculative decoding on a real cluster: broker, two workers of the tiny sliding-window
+model (the last one with ``--speculative lookup``, or ``draft``) and the gateway, as
 separate processes on 127.0.0.1. The text must be HF greedy's token for token, with and
 without speculation, beside requests that turn it off, whatever ends it (stop strings,
 max_tokens inside a pass that proposed past them); the workers' figures show it worked.
@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 import http.client
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -194,3 +196,44 @@ def test_a_stream_survives_its_proposing_worker_mid_window(
         assert text == expected
         c.start_worker("2:4", flags=("--speculative", "lookup"))
         c.wait_for(lambda: len(c.status()["workers"]) == 4, timeout=60, what="4 workers")
+
+
+def test_a_draft_model_on_the_last_stage_gives_hf_greedy_text(
+    fresh_cluster: Cluster, reference: Any, greedy_ids: Callable[..., list[int]], e2e_model: Path
+) -> None:
+    """``--speculative draft``: the last stage's draft model (the served model itself, so
+    that every proposal is its choice) proposes; the text is HF greedy's. A draft asked of
+    a stage that does not sample is refused at start, the worker saying why."""
+    c = fresh_cluster
+    draft = ("--speculative", "draft", "--draft-model", str(e2e_model))
+    first = [
+        "worker",
+        "--model",
+        str(e2e_model),
+        "--layers",
+        "0:2",
+        "--broker",
+        "tcp://127.0.0.1:1",
+    ]
+    refused = subprocess.run(
+        [sys.executable, "-m", "zmqllm.cli", *first, *draft],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 2 and "not the last" in refused.stderr, refused.stderr[-2000:]
+    c.start_broker()
+    c.start_worker("0:2")
+    c.start_worker("2:4", flags=(*draft, "--max-draft-tokens", "6"))
+    c.start_gateway()
+    c.wait_ready()
+    tok = reference.tokenizer
+    prompts = [echo(ECHOED[0], tok, greedy_ids), *PROMPTS]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(lambda p: complete(c, p), prompts))
+    for prompt, (text, finish) in zip(prompts, got, strict=True):
+        assert text == sent_text(tok, greedy_ids(tok.encode(prompt), 40, stop_at_eos=False))
+        assert finish == "length"
+    stats = c.wait_for(lambda: (s := last_stage_stats(c)).get("spec_passes") and s)
+    assert stats["spec_proposed"] >= stats["spec_accepted"] > 0
+    assert stats["spec_tokens_per_pass"] > 2.0

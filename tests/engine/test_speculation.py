@@ -285,10 +285,11 @@ def test_a_later_stage_refuses_proposals_its_last_stage_did_not_make(
         last.activation("q", 1, hidden[:3], True)
 
 
-def test_draft_mode_is_refused_until_it_is_built(
+def test_draft_mode_needs_its_model_and_the_draft_length_a_bound(
     shards: dict[tuple[int, int], MistralShard],
 ) -> None:
-    with pytest.raises(ValueError, match="draft"):
+    # The draft model's own tests: tests/engine/test_draft.py.
+    with pytest.raises(ValueError, match="needs a draft model"):
         Stage(shards[(0, 4)], speculative="draft")
     with pytest.raises(ValueError, match="max_draft_tokens"):
         Stage(shards[(0, 4)], speculative="lookup", max_draft_tokens=0)

@@ -28,6 +28,7 @@ from zmqllm.config.settings import (
     MAX_DRAFT_TOKENS,
     PLACEMENT_STRATEGIES,
     QUANTS,
+    SPECULATIVE_CHOICES,
     WIRE_DTYPE_CHOICES,
     BrokerSettings,
     Config,
@@ -190,13 +191,10 @@ def _check_worker(s: WorkerSettings, where: str) -> WorkerSettings:
         raise _fail("peer", where, "auto, off or tcp://HOST:PORT", s.peer)
     if s.wire_dtype not in WIRE_DTYPE_CHOICES:
         raise _fail("wire_dtype", where, f"one of {', '.join(WIRE_DTYPE_CHOICES)}", s.wire_dtype)
-    if s.speculative == "draft":
-        raise ConfigError(
-            f'speculative {where}: "draft" (a draft model) is not built yet; use "lookup" '
-            '(prompt lookup) or "off"'
-        )
-    if s.speculative not in ("off", "lookup"):
-        raise _fail("speculative", where, "off or lookup", s.speculative)
+    if s.speculative not in SPECULATIVE_CHOICES:
+        raise _fail("speculative", where, ", ".join(SPECULATIVE_CHOICES), s.speculative)
+    if s.speculative == "draft" and not s.draft_model:
+        raise _fail("draft_model", where, 'a model (a directory, a repo id or "default")', "")
     if not 1 <= s.max_draft_tokens <= MAX_DRAFT_TOKENS:
         raise _fail("max_draft_tokens", where, f"in 1..{MAX_DRAFT_TOKENS}", s.max_draft_tokens)
     if s.remote and not s.remote.startswith("@") and not _URL_RE.fullmatch(s.remote):

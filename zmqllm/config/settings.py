@@ -41,7 +41,7 @@ __all__ = [
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTS = ("none", "int8", "int4")  # engine/quant.py
 WIRE_DTYPE_CHOICES = ("auto", *DTYPES)  # "auto": activations travel in the model's dtype
-# engine/prompt_lookup.py; "draft" (a draft model) is reserved: refused until it is built.
+# engine/prompt_lookup.py (lookup) and engine/draft.py (a draft model).
 SPECULATIVE_CHOICES = ("off", "lookup", "draft")
 MAX_DRAFT_TOKENS = 16  # bus/messages.py's, the most proposals a STEP carries
 DEFAULT_MODEL = "default"
@@ -293,12 +293,21 @@ class WorkerSettings:
         "off",
         "speculative decoding, on the last stage: lookup = propose the tokens that followed "
         "the latest occurrence of the text's last tokens in its prompt and output, verified "
-        "in the next pass (the same tokens, fewer passes when text repeats); draft (a draft "
-        "model) is not built yet",
+        "in the next pass (the same tokens, fewer passes when text repeats); draft = a "
+        "draft model (draft_model) on this stage, which must be the last, proposes its "
+        "greedy next tokens (the same tokens, fewer passes when the draft guesses right)",
         choices=SPECULATIVE_CHOICES,
     )
     max_draft_tokens: int = setting(
         4, f"the most tokens a session proposes per pass (1 to {MAX_DRAFT_TOKENS})"
+    )
+    draft_model: str = setting(
+        DEFAULT_MODEL,
+        'the draft model of speculative = "draft": a directory or Hub repo id of a model '
+        'with the served model\'s tokenizer (refused otherwise), or "default" (the default '
+        "model, which drafts for any model with its tokenizer); its weights and each "
+        "session's draft KV cache are held beside the stage's",
+        metavar="MODEL",
     )
     name: str = setting("", "a name for logs and status; empty = HOST-PID")
     served_name: str = setting(

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
     from zmqllm.bus.sampling_params import SamplingParams
     from zmqllm.engine.cache import KVCache
-    from zmqllm.engine.prompt_lookup import Proposer
+    from zmqllm.engine.prompt_lookup import Speculator
     from zmqllm.engine.rules import SessionRules
 
 # How long ready work may wait for more sessions while the cores are free (see
@@ -88,7 +88,7 @@ class SessionState:
     # next step may come up to this many steps later, and the rows it skips past are
     # dropped), and on a last stage that speculates for it, its proposer.
     window: int = 0
-    spec: Proposer | None = None
+    spec: Speculator | None = None
 
     def prompt_waiting(self) -> bool:
         """Stage 0: prompt tokens are left and no later stage's word is awaited."""

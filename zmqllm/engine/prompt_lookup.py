@@ -17,12 +17,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from zmqllm.config.settings import SPECULATIVE_CHOICES
 
-__all__ = ["SPECULATIVE_MODES", "DraftLength", "PromptLookup", "Proposer", "SpecStats"]
+__all__ = [
+    "SPECULATIVE_MODES",
+    "DraftLength",
+    "PromptLookup",
+    "Proposer",
+    "SpecStats",
+    "Speculator",
+]
 
-# [worker] speculative: "draft" (a draft model, issue 39 1b) is reserved, refused for now.
+# [worker] speculative: off, lookup (this module) or draft (a draft model, engine/draft.py).
 SPECULATIVE_MODES = SPECULATIVE_CHOICES
 
 # The n-grams looked up, longest first: a 1-gram matches common tokens of any text and
@@ -143,6 +151,25 @@ class SpecStats:
             "spec_tokens_per_pass": round(self.tokens / self.passes, 3) if self.passes else 0.0,
         }
 
+    def count(self, proposed: int, accepted: int, tokens: int) -> None:
+        """One pass of a speculating session."""
+        self.proposed += proposed
+        self.accepted += accepted
+        self.passes += 1
+        self.tokens += tokens
+
+
+class Speculator(Protocol):
+    """What the stage and the runner ask of one session's proposer, whoever makes the
+    proposals (prompt lookup's :class:`Proposer`, a draft model's in engine/draft.py)."""
+
+    pending: list[int]  # the proposals in flight
+    expect: int  # the step of the pass whose rows carry them
+
+    def kept(self, tokens: Sequence[int], proposed: int, stats: SpecStats | None) -> None: ...
+
+    def propose(self, next_step: int, max_tokens: int, room: int) -> tuple[int, ...]: ...
+
 
 @dataclass
 class Proposer:
@@ -164,12 +191,8 @@ class Proposer:
         accepted = len(tokens) - 1
         self.lookup.extend(tokens)
         self.length.passed(proposed, accepted, len(tokens))
-        if stats is None:
-            return
-        stats.proposed += proposed
-        stats.accepted += accepted
-        stats.passes += 1
-        stats.tokens += len(tokens)
+        if stats is not None:
+            stats.count(proposed, accepted, len(tokens))
 
     def propose(self, next_step: int, max_tokens: int, room: int) -> tuple[int, ...]:
         """The proposals for the pass at ``next_step``: never past the session's last step

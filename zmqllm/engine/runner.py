@@ -28,6 +28,7 @@ from zmqllm.bus.wire_types import SessionKey
 from zmqllm.engine.batching import Refusal, Work
 from zmqllm.engine.cache import CachePool, bytes_free, is_out_of_memory
 from zmqllm.engine.decoder_layer import Segment
+from zmqllm.engine.draft import Ask, propose_all
 from zmqllm.engine.model import MistralShard
 from zmqllm.engine.prefix_cache import PrefixStore
 from zmqllm.engine.prompt_lookup import SpecStats
@@ -202,6 +203,9 @@ class ModelRunner:
         [rows, vocab], 1 + Work.draft rows per work."""
         logits = out.numpy()  # [rows, vocab] float32
         outputs: list[Output] = []
+        # The passes that go on, and what their sessions are asked to propose next: all
+        # at once, after the batch's tokens (a draft model drafts for them together).
+        asks: list[tuple[Output, Ask]] = []
         row = 0
         for w in batch:
             rows = logits[row : row + 1 + w.draft]
@@ -210,15 +214,17 @@ class ModelRunner:
                 continue  # a prompt chunk that is not the last: nothing to sample yet
             s = w.session
             try:
-                outputs += self._verified(w, rows)
+                outputs += self._verified(w, rows, asks)
             except ValueError as exc:  # e.g. NaN logits: this row's session only
                 refused.append((s.id, s.request_id, f"sampling failed: {exc}"))
+        for (last, _), draft in zip(asks, propose_all([a for _, a in asks]), strict=True):
+            last.draft = draft
         return outputs
 
-    def _verified(self, w: Work, rows: np.ndarray) -> list[Output]:
+    def _verified(self, w: Work, rows: np.ndarray, asks: list[tuple[Output, Ask]]) -> list[Output]:
         """The tokens one work keeps: its step's, then, while the token picked at each
         row is the proposal there, the next row's; none past a finish. A session that
-        speculates then proposes for its next pass."""
+        speculates and goes on then asks for proposals for its next pass (``asks``)."""
         s = w.session
         proposals = s.spec.pending[: w.draft] if s.spec is not None else []
         outputs: list[Output] = []
@@ -250,7 +256,7 @@ class ModelRunner:
                 # Where the next pass starts: after this pass's kept rows.
                 start = s.cache.length - (w.draft + 1 - len(kept))
                 room = s.cache.max_len - start - 1
-                last.draft = s.spec.propose(last.step + 1, s.max_tokens, room)
+                asks.append((last, (s.spec, last.step + 1, s.max_tokens, room)))
         return outputs
 
     def _keep_prefixes(self, batch: list[Work]) -> None:

@@ -13,8 +13,9 @@ vocabulary, a hidden state of the wrong shape or dtype, a step out of order or f
 unknown session raises :class:`BadWork`, which costs that session alone. A forward that
 raises anyway raises :class:`BatchFailed` naming the sessions that were in it.
 
-Speculative decoding (``speculative="lookup"``): the last stage proposes tokens for a
-session's next pass (engine/prompt_lookup.py) from its history, which it is given at open;
+Speculative decoding (``speculative="lookup"`` or ``"draft"``): the last stage proposes
+tokens for a session's next pass from its history, given at open, by prompt lookup
+(engine/prompt_lookup.py) or with a draft model (engine/draft.py);
 stage 0 runs a step's token and those proposals as the session's rows of one forward, and
 every stage takes the next step up to as many steps later as there were proposals,
 dropping the rows of those rejected (``SessionState.window``).
@@ -41,11 +42,11 @@ from zmqllm.engine.cache import (
     memory_in_use,
 )
 from zmqllm.engine.decoder_layer import Segment
+from zmqllm.engine.draft import Speculation
 from zmqllm.engine.frames import ACTIVATION_DTYPES
 from zmqllm.engine.micro_batches import MicroBatches
 from zmqllm.engine.model import MistralShard
 from zmqllm.engine.prefix_cache import PrefixStore
-from zmqllm.engine.prompt_lookup import SPECULATIVE_MODES, Proposer
 from zmqllm.engine.rules import GrammarTokenizer, SessionRules
 from zmqllm.engine.runner import ModelRunner, Output, StageStats
 from zmqllm.log import get_logger
@@ -72,16 +73,12 @@ class Stage:
         micro_batches: int = 0,
         speculative: str = "off",
         max_draft_tokens: int = 4,
+        draft: MistralShard | None = None,
     ) -> None:
-        if speculative not in SPECULATIVE_MODES:
-            raise ValueError(f"speculative {speculative!r} is not one of off, lookup")
-        if speculative == "draft":
-            raise ValueError('speculative "draft" (a draft model) is not built yet: use "lookup"')
-        if not 1 <= max_draft_tokens <= MAX_DRAFT_TOKENS:
-            raise ValueError(f"max_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}]")
-        # Only the last stage's mode matters: it proposes; the others run what comes.
-        self.speculative = speculative
-        self.max_draft_tokens = max_draft_tokens
+        """``draft``: the draft model, for ``speculative="draft"`` (engine/draft.py)."""
+        self.speculation = Speculation(
+            speculative, max_draft_tokens, shard.is_last, draft, max_sessions, max_kv_tokens
+        )
         self.pool = CachePool(
             shard.args,
             shard.num_local_layers,
@@ -209,9 +206,8 @@ class Stage:
         s = SessionState(session, request_id, max_tokens, sampling, stop_ids, cache)
         s.rules = rules
         s.stages = stages
-        lookup = self.speculative == "lookup" and speculative and self.shard.is_last
-        if lookup and history is not None and max_tokens > 1:
-            s.spec = Proposer.of(history.tolist(), self.max_draft_tokens)
+        if speculative and history is not None and max_tokens > 1:
+            s.spec = self.speculation.proposer(session, history.tolist(), max_len)
         if prompt is not None:
             # Copied out of the receive frame: it must outlive this turn.
             s.prompt_left = np.array(prompt, dtype=np.int64)
@@ -271,6 +267,7 @@ class Stage:
     def close(self, session: SessionKey) -> bool:
         s = self.sessions.pop(session, None)
         self.pool.free(session)
+        self.speculation.close(session)
         if s is not None:
             self.scheduler.drop(s)
         return s is not None
@@ -450,7 +447,7 @@ class Stage:
     @property
     def proposes(self) -> bool:
         """This stage makes proposals (the last stage, speculative on)."""
-        return self.shard.is_last and self.speculative != "off"
+        return self.speculation.proposes
 
     def _prefix_figures(self) -> dict[str, int]:
         store = self.prefixes

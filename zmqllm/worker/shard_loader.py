@@ -21,6 +21,7 @@ from zmqllm.config.machine import rss_bytes
 from zmqllm.config.paths import resolve_model_path, worker_served_name
 from zmqllm.config.settings import Config
 from zmqllm.engine import native
+from zmqllm.engine.draft import load_draft
 from zmqllm.engine.generator import gguf_serves, load_shard
 from zmqllm.engine.linear import PACK_MIN_ROWS
 from zmqllm.engine.memory_plan import StageDoesNotFit, plan_stage
@@ -67,6 +68,11 @@ def load_stage(cfg: Config) -> Loaded:
     args = ModelArgs.from_dir(directory)
     start, end = layer_range(args)
     m = cfg.model
+    draft = None
+    if w.speculative == "draft":  # refused before the shard's weights load if it cannot be
+        last = end == args.num_layers
+        spec = resolve_model_path(w.draft_model)
+        draft = load_draft(spec, directory, args, last, m.dtype, m.device)
     plan = plan_stage(
         args,
         start,
@@ -86,6 +92,8 @@ def load_stage(cfg: Config) -> Loaded:
     t0 = time.perf_counter()
     shard = load_shard(directory, start, end, m.dtype, m.device, args, m.quant)
     kernel = shard.use_kernel(native.load()) if w.native_attention else False
+    if draft is not None and kernel:
+        draft.use_kernel(native.load())
     units = native.use_matrix_units(w.matrix_units, w.int8_activations) if kernel else ""
     # Resident growth, not the packed tensors' sizes: MKL's buffers are allocated
     # larger than they are filled.
@@ -107,6 +115,7 @@ def load_stage(cfg: Config) -> Loaded:
         micro_batches=w.micro_batches or (1 if w.cpu_lock else 0),
         speculative=w.speculative,
         max_draft_tokens=w.max_draft_tokens,
+        draft=draft,
     )
     stage.model = worker_served_name(cfg)
     stage.warmup()
