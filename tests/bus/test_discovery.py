@@ -79,9 +79,9 @@ def test_only_the_held_key_is_used_and_a_broker_serving_the_model_first() -> Non
 
 
 def test_the_endpoint_prefers_an_address_on_a_local_network() -> None:
-    a = Announcement("a", ("10.1.2.3", "198.18.0.7"), 5556, KEY)
-    assert a.endpoint([ipaddress.ip_network("198.18.0.0/24")]) == "tcp://198.18.0.7:5556"
-    assert a.endpoint([ipaddress.ip_network("192.0.2.0/24")]) == "tcp://10.1.2.3:5556"
+    a = Announcement("a", ("198.18.0.3", "198.18.0.200"), 5556, KEY)
+    assert a.endpoint([ipaddress.ip_network("198.18.0.128/25")]) == "tcp://198.18.0.200:5556"
+    assert a.endpoint([ipaddress.ip_network("198.18.1.0/24")]) == "tcp://198.18.0.3:5556"
 
 
 def test_discovery_needs_a_broker_key_to_check_against(

@@ -326,5 +326,5 @@ def test_auto_layers_and_pins_from_a_status() -> None:
     assert model_pins(status, "m") == {"digest": "d1", "num_layers": "4", "kind": "layers"}
     assert model_pins(status, "unknown") == {}
     assert reachable("tcp://127.0.0.1:5556")[1]  # loopback: a note
-    assert reachable("tcp://*:5556", "10.0.0.7") == ("tcp://10.0.0.7:5556", "")
+    assert reachable("tcp://*:5556", "198.18.0.7") == ("tcp://198.18.0.7:5556", "")
     assert reachable("tcp://*:5556", "fd00::7")[0] == "tcp://[fd00::7]:5556"

@@ -159,14 +159,7 @@ def test_batched_beside_sessions_that_do_not_speculate(
         Req("on-2", plain(22, 7), 28),
     ]
     p = pipeline(shards, 2, itself)
-    p.open(reqs[0])
-    p.open(reqs[1])
-    p.turn()
-    p.open(reqs[2])
-    p.turn()
-    p.open(reqs[3])
-    p.open(reqs[4])
-    p.run_until_idle()
+    p.run_staggered(reqs)
     for r in reqs:
         assert p.tokens[r.session] == expected(generator, r), r.session
     assert p.passes["off-0"] == len(p.tokens["off-0"])

@@ -118,6 +118,18 @@ class SpecPipeline:
                     for s in self.stages:
                         s.close(out.session)
 
+    def run_staggered(self, reqs: list[Req]) -> None:
+        """Five sessions joining over three turns, so speculating and plain rows share
+        forwards at different steps; then everything to the end."""
+        self.open(reqs[0])
+        self.open(reqs[1])
+        self.turn()
+        self.open(reqs[2])
+        self.turn()
+        self.open(reqs[3])
+        self.open(reqs[4])
+        self.run_until_idle()
+
     def run_until_idle(self, max_turns: int = 2000) -> None:
         for _ in range(max_turns):
             if not any(st.has_work() for st in self.stages):
@@ -186,14 +198,7 @@ def test_batched_beside_sessions_that_do_not_speculate(
         Req("on-2", echo(generator, 22), 30, SAMPLED),
     ]
     p = pipeline(shards, 2)
-    p.open(reqs[0])
-    p.open(reqs[1])
-    p.turn()
-    p.open(reqs[2])
-    p.turn()
-    p.open(reqs[3])
-    p.open(reqs[4])
-    p.run_until_idle()
+    p.run_staggered(reqs)
     for r in reqs:
         assert p.tokens[r.session] == expected(generator, r), r.session
     # The sessions that do not speculate took a pass per token.

@@ -166,7 +166,7 @@ def test_ray_up_refuses_remotes_by_name_before_connecting(
     config.write_text(
         '[[stages]]\nlayers = "1/1"\n'
         '[[remotes]]\nurl = "https://user:secret@api.example.com/v1"\nmodel = "gpt-x"\n'
-        '[[remotes]]\nurl = "http://10.0.0.9:8000/v1"\nserved_name = "local-llama"\ncount = 2\n'
+        '[[remotes]]\nurl = "http://198.18.0.9:8000/v1"\nserved_name = "local-llama"\ncount = 2\n'
     )
     assert run("up", "--config", str(config)) == 2
     err = capsys.readouterr().err
@@ -174,4 +174,4 @@ def test_ray_up_refuses_remotes_by_name_before_connecting(
     assert "#2 (served_name local-llama, model -, count 2)" in err
     assert "not served on Ray" in err and "zmqllm worker --remote" in err
     assert "tcp://BROKER_NODE:5556" in err
-    assert "secret" not in err and "10.0.0.9" not in err  # a URL may hold a key
+    assert "secret" not in err and "198.18.0.9" not in err  # a URL may hold a key
