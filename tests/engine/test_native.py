@@ -207,17 +207,24 @@ def test_every_csrc_file_is_built_and_keyed(
 
 @pytest.mark.parametrize(("out", "inp"), [(4, 16), (13, 37), (960, 576), (576, 1536), (1, 8)])
 def test_gemv_matches_f_linear(kernel: ModuleType, out: int, inp: int) -> None:
-    """Row counts off the 4-row blocks and lengths off the 16-wide loop take the tails."""
+    """Row counts off the 4-row blocks and lengths off the 16-wide loop take the tails;
+    1 to GEMV_MAX_ROWS rows of x, each row the same bits as when it is alone (a
+    speculative pass's rows compute what the same steps decoded one by one would)."""
     import torch.nn.functional as F
 
     g = torch.Generator().manual_seed(out * inp)
-    x, w = torch.randn(1, inp, generator=g), torch.randn(out, inp, generator=g)
-    want = F.linear(x, w)
-    torch.testing.assert_close(kernel.gemv(x, w), want, **reorder_tolerance(want, inp))
+    most = kernel.GEMV_MAX_ROWS
+    x, w = torch.randn(most, inp, generator=g), torch.randn(out, inp, generator=g)
+    alone = torch.cat([kernel.gemv(x[i : i + 1], w) for i in range(most)])
+    for rows in range(1, most + 1):
+        want = F.linear(x[:rows], w)
+        got = kernel.gemv(x[:rows], w)
+        torch.testing.assert_close(got, want, **reorder_tolerance(want, inp))
+        assert torch.equal(got, alone[:rows]), rows
     with pytest.raises(RuntimeError, match="gemv"):
-        kernel.gemv(torch.randn(2, inp), w)  # one row only
+        kernel.gemv(torch.randn(most + 1, inp), w)
     with pytest.raises(RuntimeError, match="gemv"):
-        kernel.gemv(x.double(), w.double())
+        kernel.gemv(x[:1].double(), w.double())
 
 
 @pytest.mark.parametrize("head_dim", [16, 64])
@@ -277,3 +284,30 @@ def test_single_stream_fast_path_tracks_the_pytorch_path(
         got = fast(torch.tensor(tokens["fast"][-1:]), [Segment(cf, 1)])
     assert tokens["fast"] == tokens["plain"]
     assert cf.length == 5 + 20 > 8  # past the sliding window
+
+
+@pytest.mark.parametrize("beside", [False, True])
+def test_a_speculative_pass_computes_the_bits_of_steps_decoded_one_by_one(
+    kernel: ModuleType, tiny_model_dir: Path, beside: bool
+) -> None:
+    """A session's token and its proposals as one segment of a few rows (a speculative
+    pass), past the sliding window: every row attends in the decode kernel and goes
+    through the few-row gemv, so its logits are the same bits as the same positions
+    decoded one step at a time (what lets speculation keep greedy text as it is),
+    alone in its forward or beside another session's decode step."""
+    fast = load_shard(tiny_model_dir, 0, 4)
+    assert fast.use_kernel(kernel)
+    (one, spec, other) = _caches(fast, [40, 40, 40])
+    prompt = torch.tensor([5, 17, 99, 3, 250, 8, 1])
+    fast(prompt, [Segment(one, 7)])
+    fast(prompt, [Segment(spec, 7)])
+    fast(prompt[:3], [Segment(other, 3)])
+    steps = [11, 42, 7, 300, 42, 5]  # any tokens: proposals need not be the model's
+    want = torch.cat([fast(torch.tensor([t]), [Segment(one, 1)]) for t in steps])
+    if beside:
+        x = torch.tensor([*steps, 9])
+        got = fast(x, [Segment(spec, 6), Segment(other, 1)], logit_rows=[6, 1])[:6]
+    else:
+        got = fast(torch.tensor(steps), [Segment(spec, 6)], logit_rows=[6])
+    assert spec.length == one.length == 13 > 8  # past the window of 8
+    assert torch.equal(got, want)

@@ -8,8 +8,9 @@ of weight it has (the shape of gpt-fast's quantize.py, which swaps Linear
 modules for quantized ones before the first forward).
 
 - :class:`Linear`: PyTorch's float32 (or bf16, fp16) product, any device.
-- :class:`GemvLinear`: one row through the compiled AVX2/FMA matrix-vector
-  product (engine.native): a single stream's decode step.
+- :class:`GemvLinear`: one row, or a few, through the compiled AVX2/FMA (or
+  AVX-512) matrix-vector product (engine.native): a decode step, or a speculative
+  pass's few rows, at about the cost of one.
 - :class:`PackedLinear`: MKL's packed GEMM for batches of PACK_MIN_ROWS..rows.
 - :class:`QuantLinear`: an int8 or int4 weight (engine.quant) through the compiled
   kernel's products, or dequantized by PyTorch where the kernel is not loaded.
@@ -84,16 +85,19 @@ class _Wrapper(nn.Module):
 
 
 class GemvLinear(_Wrapper):
-    """One row: the compiled matrix-vector product, which streams the weight at
-    close to the read bandwidth where PyTorch's one-row float32 path does not.
-    Its sums run in another order than PyTorch's: equal up to float32 rounding."""
+    """Up to the kernel's GEMV_MAX_ROWS rows: the compiled matrix-vector product, which
+    streams the weight at close to the read bandwidth where PyTorch's one-row float32
+    path does not, and reads it once for all the rows, where PyTorch's reads it again
+    for every few rows from 4 on. Its sums run in another order than PyTorch's: equal
+    up to float32 rounding; a row's result is the same bits alone or with others."""
 
     def __init__(self, inner: nn.Module, kernel: ModuleType) -> None:
         super().__init__(inner)
         self.kernel = kernel
+        self.max_rows = int(getattr(kernel, "GEMV_MAX_ROWS", 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 1:
+        if x.shape[0] <= self.max_rows:
             return self.kernel.gemv(x.contiguous(), self.weight)
         return self.inner(x)
 

@@ -23,12 +23,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zmqllm.config.settings import QUANTS
+from zmqllm.config.settings import MAX_DRAFT_TOKENS, QUANTS
 from zmqllm.engine import linear, quant
 from zmqllm.engine.decoder_layer import LINEAR_NAMES, DecoderLayer, ForwardPlan, RMSNorm, Segment
 from zmqllm.engine.linear import CPU_MM_MAX_ROWS_HEAD, Linear, QuantLinear
 from zmqllm.engine.quant import QuantTensor
 from zmqllm.models.model_args import ModelArgs
+
+# The most rows of one segment that attend in the compiled decode kernel: a decode step
+# with the most proposals a step may carry; longer segments (prompt chunks) take SDPA.
+KERNEL_ROWS = 1 + MAX_DRAFT_TOKENS
 
 __all__ = ["MistralShard"]
 
@@ -83,9 +87,12 @@ class MistralShard(nn.Module):
         self.kernel: ModuleType | None = None  # see use_kernel
         self.packed_rows = 0  # see pack
         # Every layer's two norm weights and four matrices, as the kernel's
-        # decode_layers takes them, when a single stream's decode step runs the
-        # layers in one call.
-        self._single_stream: tuple[list[torch.Tensor], list[object]] | None = None
+        # decode_layers takes them, when a forward of a few decode rows (a single
+        # stream's step, a speculative pass, a few sessions) runs the layers in one call;
+        # up to how many rows (the kernel's gemv rows: past them the Python layers'
+        # batched products are faster).
+        self._decode_layers: tuple[list[torch.Tensor], list[object]] | None = None
+        self._decode_layers_rows = 1
 
     def _cpu_float32(self) -> bool:
         """The compiled kernel and the packed weights exist for float32 on the CPU only."""
@@ -105,7 +112,7 @@ class MistralShard(nn.Module):
         make available (engine.linear.choose)."""
         for owner, name in self._linears():
             setattr(owner, name, linear.choose(getattr(owner, name), self.kernel, self.packed_rows))
-        self._single_stream = None
+        self._decode_layers = None
         kernel = self.kernel
         if kernel is not None and hasattr(kernel, "decode_layers") and hasattr(kernel, "Matrix"):
             norms = [
@@ -118,7 +125,8 @@ class MistralShard(nn.Module):
                 for layer in self.layers
                 for name in LINEAR_NAMES
             ]
-            self._single_stream = (norms, mats)
+            self._decode_layers = (norms, mats)
+            self._decode_layers_rows = int(getattr(kernel, "GEMV_MAX_ROWS", 1))
 
     def pack(self, rows: int) -> bool:
         """Keep an MKL-packed copy of every matmul weight for batches of up to ``rows``
@@ -293,8 +301,12 @@ class MistralShard(nn.Module):
         window = self.args.sliding_window
         spans: list[tuple[int, int, int, int, torch.Tensor | None]] = []
         positions: list[torch.Tensor] = []
-        # Every decode step, a single stream's too, attends in the compiled kernel.
-        batched = self.kernel is not None and any(seg.n == 1 for seg in segments)
+        # Every decode step, a single stream's too, attends in the compiled kernel, and so
+        # does a speculative pass (its token and proposals: a few rows): each row an
+        # entry of its own, the key/value rows of all written before any attends, so row
+        # j sees the rows before it; a row's arithmetic is then that of the same position
+        # decoded alone, and a pass with proposals costs the batch no Python attention.
+        batched = self.kernel is not None and any(seg.n <= KERNEL_ROWS for seg in segments)
         python_segs: list[Segment] = []
         dk: list[torch.Tensor] = []
         dv: list[torch.Tensor] = []
@@ -313,13 +325,14 @@ class MistralShard(nn.Module):
             # First key any query of this segment can see.
             lo = max(0, past + 1 - window) if window else 0
             positions.append(torch.arange(past, past + n, device=self.device))
-            if batched and n == 1:
-                # One token sees [lo, past]: never more than the window, no mask.
-                dk.append(seg.cache.k)
-                dv.append(seg.cache.v)
-                rows.append(off)
-                pasts.append(past)
-                los.append(lo)
+            if batched and n <= KERNEL_ROWS:
+                # Row j sees [lo_j, past + j]: never more than the window, no mask.
+                for j in range(n):
+                    dk.append(seg.cache.k)
+                    dv.append(seg.cache.v)
+                    rows.append(off + j)
+                    pasts.append(past + j)
+                    los.append(max(0, past + j + 1 - window) if window else 0)
                 off += n
                 continue
             mask = None
@@ -377,10 +390,15 @@ class MistralShard(nn.Module):
                 h = F.embedding(ids, self.embed)
         else:
             h = x.to(device=self.device, dtype=self.dtype)
-        if self._single_stream is not None and h.shape[0] == 1 and plan.decode is not None:
+        if (
+            self._decode_layers is not None
+            and plan.decode is not None
+            and not plan.spans
+            and h.shape[0] <= self._decode_layers_rows
+        ):
             assert plan.kernel is not None
             a = self.args
-            norms, mats = self._single_stream
+            norms, mats = self._decode_layers
             h = plan.kernel.decode_layers(  # one call: see csrc/decode_attention.cpp
                 h.contiguous(), plan.decode, norms, mats, a.rms_norm_eps,
                 plan.cos[:, 0], plan.sin[:, 0], a.num_heads, a.num_kv_heads, a.head_dim,

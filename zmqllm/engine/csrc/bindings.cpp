@@ -11,7 +11,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "w * (x * rsqrt(mean(x^2) + eps)) per row");
   m.def("rope_", &rope_, "rotary embedding in place on the first heads of each row");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
-  m.def("gemv", &gemv, "x [1, in] @ w[out, in]^T, float32");
+  m.def("gemv", &gemv, "x [rows, in] @ w[out, in]^T, float32, a few rows");
+  m.attr("GEMV_MAX_ROWS") = kGemvMaxRows;
   pybind11::class_<Matrix>(m, "Matrix")
       .def(pybind11::init<int64_t, torch::Tensor, torch::Tensor, torch::Tensor>())
       .def_readonly("out", &Matrix::out)
@@ -25,5 +26,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("on"), pybind11::arg("vnni") = false);
   m.def("matrix_units", &matrix_units, "the units the products of many rows use now");
   m.def("dequantize", &dequantize, "a Matrix's weight as float32 [out, in]");
-  m.def("decode_layers", &decode_layers, "one decode row through consecutive layers");
+  m.def("decode_layers", &decode_layers, "a few decode rows through consecutive layers");
 }

@@ -303,27 +303,31 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
-// A single stream's decode step through consecutive layers in one call: per
+// A few decode rows through consecutive layers in one call: a single stream's step, a
+// speculative pass's rows, a few sessions' steps, each row an entry of ``batch``. Per
 // layer two norm weights and four matrices (qkv, o, gate_up, down), float32 or
-// quantized. x is [1, hidden]; the session's cache gets the new key/value rows.
+// quantized. x is [T, hidden]; each session's cache gets its new key/value rows.
 torch::Tensor decode_layers(torch::Tensor x, const DecodeBatch& batch,
                             const std::vector<torch::Tensor>& norms,
                             const std::vector<Matrix>& mats, double eps, torch::Tensor cos,
                             torch::Tensor sin, int64_t H, int64_t KVH, int64_t D) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && norms.size() % 2 == 0 &&
-                  mats.size() == 2 * norms.size() && batch.rows.size() == 1,
-              "decode_layers: one row, one session, two norms and four matrices per layer");
+  const int64_t T = x.size(0);
+  TORCH_CHECK(x.dim() == 2 && T >= 1 && T <= kGemvMaxRows && norms.size() % 2 == 0 &&
+                  mats.size() == 2 * norms.size() &&
+                  static_cast<int64_t>(batch.rows.size()) == T,
+              "decode_layers: 1 to ", kGemvMaxRows,
+              " rows, each a decode entry; two norms and four matrices per layer");
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   const int64_t layers = static_cast<int64_t>(norms.size() / 2);
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor* n = norms.data() + 2 * l;
     const Matrix* w = mats.data() + 4 * l;
-    torch::Tensor qkv = matmul(rms_norm(x, n[0], eps), w[0]);  // [1, (H + 2 KVH) * D]
+    torch::Tensor qkv = matmul(rms_norm(x, n[0], eps), w[0]);  // [T, (H + 2 KVH) * D]
     rope_(qkv, cos, sin, H + KVH, D);
-    const torch::Tensor q = qkv.narrow(1, 0, H * D).view({1, H, D});
-    const torch::Tensor k = qkv.narrow(1, H * D, KVH * D).view({1, KVH, D});
-    const torch::Tensor v = qkv.narrow(1, (H + KVH) * D, KVH * D).view({1, KVH, D});
-    torch::Tensor attn = torch::empty({1, H * D}, x.options());
+    const torch::Tensor q = qkv.narrow(1, 0, H * D).view({T, H, D});
+    const torch::Tensor k = qkv.narrow(1, H * D, KVH * D).view({T, KVH, D});
+    const torch::Tensor v = qkv.narrow(1, (H + KVH) * D, KVH * D).view({T, KVH, D});
+    torch::Tensor attn = torch::empty({T, H * D}, x.options());
     decode_attention(attn, q, k, v, batch, l, scale);
     x = x + matmul(attn, w[1]);
     x = x + matmul(silu_mul(matmul(rms_norm(x, n[1], eps), w[2])), w[3]);

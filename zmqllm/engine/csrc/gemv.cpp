@@ -1,10 +1,11 @@
-// One row times a float32 weight matrix, for single-stream decode (CPU).
+// One row (or a few) times a float32 weight matrix, for decode (CPU).
 //
 // At one row a linear layer is a matrix-vector product: every weight is read
 // once and used once, so its speed is the memory read bandwidth. PyTorch's
 // float32 path for one row does not reach it on every CPU; this loop streams
 // four weight rows at a time against x (which stays in L1), in parallel over
 // blocks of output rows.
+#include "gemv.h"
 #include "ops.h"
 #include "simd.h"  // hsum
 
@@ -76,17 +77,23 @@ inline float dot1(const float* w, const float* x, int64_t n) {
 
 }  // namespace
 
-// x [1, in] @ w[out, in]^T -> [1, out], float32, both contiguous.
+// x [rows, in] @ w[out, in]^T -> [rows, out], float32, both contiguous, rows at most
+// kGemvMaxRows. Each block of four weight rows is read from memory once and kept in L1
+// while every row of x goes through it: a few rows (a speculative pass's proposals)
+// cost about what one does. Every row's sums run in one order whatever the row count,
+// so a row's result is the same bits alone or among others.
 torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat,
               "gemv: float32 only");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "gemv: CPU tensors only");
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && w.dim() == 2 && w.size(1) == x.size(1),
-              "gemv: x must be [1, in] and w [out, in]");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kGemvMaxRows && w.dim() == 2 &&
+                  w.size(1) == x.size(1),
+              "gemv: x must be [rows, in] (1 <= rows <= ", kGemvMaxRows, ") and w [out, in]");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "gemv: contiguous tensors only");
+  const int64_t rows = x.size(0);
   const int64_t out = w.size(0);
   const int64_t n = w.size(1);
-  torch::Tensor y = torch::empty({1, out}, x.options());
+  torch::Tensor y = torch::empty({rows, out}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -94,14 +101,24 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w) {
   at::parallel_for(0, blocks, kGrainBlocks, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t r = b * kRowsPerBlock;
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(ZMQLLM_GEMV_AVX512)
       if (r + kRowsPerBlock <= out) {
-        dot4(wp + r * n, xp, n, yp + r);
+        for (int64_t i = 0; i < rows; i += kGemvXRows) {
+          const int64_t take = std::min(kGemvXRows, rows - i);
+          dot4_rows_avx512(wp + r * n, xp + i * n, take, n, yp + i * out + r, out);
+        }
+        continue;
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      if (r + kRowsPerBlock <= out) {
+        for (int64_t i = 0; i < rows; ++i) dot4(wp + r * n, xp + i * n, n, yp + i * out + r);
         continue;
       }
 #endif
       const int64_t end = std::min(r + kRowsPerBlock, out);
-      for (int64_t j = r; j < end; ++j) yp[j] = dot1(wp + j * n, xp, n);
+      for (int64_t i = 0; i < rows; ++i) {
+        for (int64_t j = r; j < end; ++j) yp[i * out + j] = dot1(wp + j * n, xp + i * n, n);
+      }
     }
   });
   return y;

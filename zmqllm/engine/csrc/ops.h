@@ -32,5 +32,8 @@ torch::Tensor decode_layers(torch::Tensor x, const DecodeBatch& batch,
                             const std::vector<Matrix>& mats, double eps, torch::Tensor cos,
                             torch::Tensor sin, int64_t H, int64_t KVH, int64_t D);
 
-// gemv.cpp
+// gemv.cpp. The most rows gemv takes: a speculative pass (a token, up to 7 proposals) or a
+// few sessions' steps; larger batches take the batched products (linear.py). Figures:
+// docs/benchmarks.md, "A pass of a few rows".
+constexpr int64_t kGemvMaxRows = 8;
 torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w);

@@ -280,7 +280,7 @@ std::string matrix_units() {
 }
 
 std::string matmul_choice(const Matrix& w, int64_t rows) {
-  if (w.kind == MatrixKind::kFloat32) return rows == 1 ? "gemv" : "linear";
+  if (w.kind == MatrixKind::kFloat32) return rows <= kGemvMaxRows ? "gemv" : "linear";
   static const char* names[] = {"direct", "chunks", "dequant", "bf16", "vnni", "brgemm"};
   return names[static_cast<int>(choose_path(rows))];
 }
@@ -288,7 +288,7 @@ std::string matmul_choice(const Matrix& w, int64_t rows) {
 torch::Tensor matmul(const torch::Tensor& x_, const Matrix& w) {
   const torch::Tensor x = checked(x_, w);
   if (w.kind == MatrixKind::kFloat32) {
-    return x.size(0) == 1 ? gemv(x, w.q) : torch::linear(x, w.q);
+    return x.size(0) <= kGemvMaxRows ? gemv(x, w.q) : torch::linear(x, w.q);
   }
   return run_path(x, w, choose_path(x.size(0)));
 }
