@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 from tests.engine.test_speculation import Req, SpecPipeline, echo, expected, plain  # noqa: E402
 from zmqllm.bus.sampling_params import SamplingParams  # noqa: E402
 from zmqllm.config.settings import Config  # noqa: E402
+from zmqllm.engine import runner  # noqa: E402
 from zmqllm.engine.draft import DraftModel, DraftModelError, DraftProposer, load_draft  # noqa: E402
 from zmqllm.engine.generator import Generator, load_shard  # noqa: E402
 from zmqllm.engine.model import MistralShard  # noqa: E402
@@ -168,13 +169,37 @@ def test_batched_beside_sessions_that_do_not_speculate(
     assert all(st.stats.max_batch > 1 for st in p.stages)
 
 
+def test_a_busy_forward_drafts_nothing(
+    shards: dict[tuple[int, int], MistralShard], generator: Generator, itself: MistralShard
+) -> None:
+    """More than BUSY_SESSIONS sessions decoding in one forward: no draft forwards and no
+    proposed rows while they do (each would cost every session's step), the same tokens;
+    once few are left, those draft again."""
+    reqs = [Req(f"s{i}", plain(40 + i, 6), 8 if i else 30) for i in range(runner.BUSY_SESSIONS + 2)]
+    p = pipeline(shards, 1, itself, max_draft_tokens=6)
+    for r in reqs:
+        p.open(r)
+    p.turn()  # the prompts: one forward of them all
+    p.turn()  # their first decode pass, still all together: busy
+    spec = p.stages[-1].runner.spec
+    assert spec.proposed == 0
+    p.run_until_idle()
+    for r in reqs:
+        assert p.tokens[r.session] == expected(generator, r), r.session
+    assert spec.proposed > 0 and p.passes["s0"] < len(p.tokens["s0"])  # alone, it drafted
+
+
 @pytest.mark.parametrize("stages", [1, 2])
 def test_stop_ids_and_max_tokens_inside_a_window(
     shards: dict[tuple[int, int], MistralShard],
     generator: Generator,
     itself: MistralShard,
     stages: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # Forty sessions at once would be a busy forward, where the draft proposes nothing
+    # (test_a_busy_forward_drafts_nothing): here every forward drafts.
+    monkeypatch.setattr(runner, "BUSY_SESSIONS", 100)
     base = Req("x", plain(30, 11), 24)
     full = expected(generator, base)
     reqs = [Req(f"stop{t}", base.prompt, 24, stop_ids=frozenset({t})) for t in sorted(set(full))]

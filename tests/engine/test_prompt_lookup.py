@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from zmqllm.engine.prompt_lookup import (
+    BUSY_MIN_NGRAM,
     MISSES_BEFORE_PAUSE,
     PAUSE_MIN,
     DraftLength,
@@ -26,6 +27,17 @@ def test_the_longest_ngram_wins_then_its_most_recent_occurrence() -> None:
     assert lookup.propose(2) == [7, 0]
     shorter = PromptLookup([1, 2, 3, 7, 0, 2, 3, 8, 5, 4, 2, 3])
     assert shorter.propose(2) == [8, 5]  # "4 2 3" never occurred: the latest "2 3"
+
+
+def test_a_busy_forward_proposes_from_longer_matches_only() -> None:
+    assert BUSY_MIN_NGRAM == 3
+    # Only "2 3" occurred before (then 8): a match of 2 tokens.
+    two = [4, 2, 3, 8, 5, 2, 3]
+    assert Proposer.of(two, 4).propose(7, 64, 64) == (8, 5, 2, 3)
+    assert Proposer.of(two, 4).propose(7, 64, 64, busy=True) == ()
+    # "1 2 3" occurred before (then 7): a match of 3, proposed either way.
+    three = [1, 2, 3, 7, 0, 1, 2, 3]
+    assert Proposer.of(three, 2).propose(8, 64, 64, busy=True) == (7, 0)
 
 
 def test_no_proposal_without_an_earlier_ngram() -> None:

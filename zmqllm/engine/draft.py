@@ -144,16 +144,22 @@ class DraftProposer:
         if stats is not None:
             stats.count(proposed, accepted, len(tokens))
 
-    def limit(self, next_step: int, max_tokens: int, room: int) -> int:
+    def limit(self, next_step: int, max_tokens: int, room: int, busy: bool = False) -> int:
         """How many to propose for the pass at ``next_step``: never past the session's
-        last step, its cache's ``room``, nor the draft cache's (k - 1 proposals fed)."""
+        last step, its cache's ``room``, nor the draft cache's (k - 1 proposals fed); none
+        in a ``busy`` forward, where the draft's forwards and the proposed rows cost the
+        other sessions' steps more than a few accepted tokens give back."""
         self.expect = next_step
         self.pending = []
+        if busy:
+            return 0
         own = self.cache.max_len - len(self.tokens) + 1
         return max(0, min(self.length.allowed(), max_tokens - 1 - next_step, room, own))
 
-    def propose(self, next_step: int, max_tokens: int, room: int) -> tuple[int, ...]:
-        self.model.draft([(self, self.limit(next_step, max_tokens, room))])
+    def propose(
+        self, next_step: int, max_tokens: int, room: int, busy: bool = False
+    ) -> tuple[int, ...]:
+        self.model.draft([(self, self.limit(next_step, max_tokens, room, busy))])
         return tuple(self.pending)
 
 
@@ -226,18 +232,21 @@ class DraftModel:
         return [int(t) for t in logits.argmax(dim=-1).tolist()]
 
 
-def propose_all(asks: Sequence[Ask]) -> list[tuple[int, ...]]:
+def propose_all(asks: Sequence[Ask], busy: bool = False) -> list[tuple[int, ...]]:
     """The proposals of each ask, in order: prompt lookup's one by one, the draft's in
-    one batch per draft model."""
+    one batch per draft model; ``busy``: the asks come from a forward of more than
+    BUSY_SESSIONS sessions decoding (engine/prompt_lookup.py)."""
     drafted: dict[int, tuple[DraftModel, list[tuple[DraftProposer, int]]]] = {}
     for spec, next_step, max_tokens, room in asks:
         if isinstance(spec, DraftProposer):
-            k = spec.limit(next_step, max_tokens, room)
+            k = spec.limit(next_step, max_tokens, room, busy)
             drafted.setdefault(id(spec.model), (spec.model, []))[1].append((spec, k))
     for model, batch in drafted.values():
         model.draft(batch)
     return [
-        tuple(spec.pending) if isinstance(spec, DraftProposer) else spec.propose(step, most, room)
+        tuple(spec.pending)
+        if isinstance(spec, DraftProposer)
+        else spec.propose(step, most, room, busy)
         for spec, step, most, room in asks
     ]
 

@@ -31,7 +31,7 @@ from zmqllm.engine.decoder_layer import Segment
 from zmqllm.engine.draft import Ask, propose_all
 from zmqllm.engine.model import MistralShard
 from zmqllm.engine.prefix_cache import PrefixStore
-from zmqllm.engine.prompt_lookup import SpecStats
+from zmqllm.engine.prompt_lookup import BUSY_SESSIONS, SpecStats
 from zmqllm.engine.sampling import logprobs_of, sample
 from zmqllm.log import get_logger
 
@@ -217,7 +217,10 @@ class ModelRunner:
                 outputs += self._verified(w, rows, asks)
             except ValueError as exc:  # e.g. NaN logits: this row's session only
                 refused.append((s.id, s.request_id, f"sampling failed: {exc}"))
-        for (last, _), draft in zip(asks, propose_all([a for _, a in asks]), strict=True):
+        # A busy forward: past a few sessions' steps a proposed row costs them time.
+        busy = sum(1 for w in batch if w.final) > BUSY_SESSIONS
+        proposals = propose_all([a for _, a in asks], busy)
+        for (last, _), draft in zip(asks, proposals, strict=True):
             last.draft = draft
         return outputs
 
