@@ -40,6 +40,10 @@ class FakeBroker:
     def __init__(self, ctx: zmq.asyncio.Context) -> None:
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # A ROUTER drops what it cannot queue: at the default high-water mark (1000) a test
+        # that sends MAX_UNREAD_EVENTS + 1 tokens in one burst lost some on a loaded CI
+        # machine, and the client never saw the overrun it waited for.
+        self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.bind("tcp://127.0.0.1:0")
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.boot = "boot-a"
