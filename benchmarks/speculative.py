@@ -26,7 +26,7 @@ rarely repeat the prompt, so lookup's proposals are seldom accepted there; its f
 show what speculation costs when it fails, not what it gains.
 
     python benchmarks/speculative.py [--model default|PATH] [--tokens 64] [--rounds 3]
-        [--delays 0 5 20] [--streams 1 16] [--max-draft-tokens 4] [--mode lookup|draft]
+        [--delays 0 5 20] [--streams 1 16] [--max-draft-tokens 6] [--mode lookup|draft]
         [--peer off|auto] [--skip-local] [--skip-hosts] [--skip-hf]
 
 Writes benchmarks/results/speculative.json (``--out``). Needs root for the test hosts.
@@ -404,7 +404,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--delays", type=float, nargs="+", default=[0.0, 5.0, 20.0])
-    ap.add_argument("--max-draft-tokens", type=int, default=4)
+    ap.add_argument("--max-draft-tokens", type=int, default=6)
     ap.add_argument("--mode", default="lookup", choices=("lookup", "draft"))
     ap.add_argument("--draft-model", default="", help="with --mode draft (default model)")
     ap.add_argument(

@@ -14,6 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from zmqllm.bus.sampling_params import SamplingParams  # noqa: E402
+from zmqllm.engine import runner  # noqa: E402
+from zmqllm.engine.batching import draft_room  # noqa: E402
 from zmqllm.engine.generator import Generator, load_shard  # noqa: E402
 from zmqllm.engine.model import MistralShard  # noqa: E402
 from zmqllm.engine.stage import BadWork, Stage  # noqa: E402
@@ -210,8 +212,15 @@ def test_batched_beside_sessions_that_do_not_speculate(
 
 @pytest.mark.parametrize("stages", [1, 2])
 def test_stop_ids_and_max_tokens_inside_a_window(
-    shards: dict[tuple[int, int], MistralShard], generator: Generator, stages: int
+    shards: dict[tuple[int, int], MistralShard],
+    generator: Generator,
+    stages: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # Thirty sessions in one forward: busy (runner.BUSY_SESSIONS), where proposals need
+    # longer matches, and past the shard's row steps, where stage 0 cuts them
+    # (batching.draft_room); this test is about windows, not what they cost.
+    monkeypatch.setattr(runner, "BUSY_SESSIONS", 100)
     base = Req("x", echo(generator, 30), 30)
     full = expected(generator, base)
     # Every token of the answer as a stop id, and every budget: most end inside a pass
@@ -219,6 +228,9 @@ def test_stop_ids_and_max_tokens_inside_a_window(
     reqs = [Req(f"stop{t}", base.prompt, 30, stop_ids=frozenset({t})) for t in sorted(set(full))]
     reqs += [Req(f"len{m}", base.prompt, m) for m in range(1, 16)]
     p = pipeline(shards, stages)
+    # Nor does stage 0 cut their proposals for what rows cost (batching.draft_room).
+    p.stages[0].scheduler.row_steps = tuple
+    p.stages[0].scheduler.draft_rows = 16 * len(reqs)
     for r in reqs:
         p.open(r)
     p.run_until_idle()
@@ -253,6 +265,53 @@ def test_a_cap_on_proposed_rows_per_forward_keeps_the_tokens(
     for r in reqs:
         assert p.tokens[r.session] == expected(generator, r), r.session
     assert max(rows) <= 3
+
+
+@pytest.mark.parametrize(
+    ("rows", "steps", "room"),
+    [
+        (1, (8, 32), 7),  # one stream: its proposals stay in the few-row path
+        (4, (8, 32), 4),
+        (8, (8, 32), 0),  # a ninth row would leave it: none
+        (9, (8, 32), 16),  # already past it: up to the next step, at most 16
+        (20, (8, 32), 12),
+        (32, (8, 32), 0),
+        (40, (8, 32), 0),  # past the last step rows cost what they add
+        (40, (), 16),  # a shard that names no steps (a GPU's)
+    ],
+)
+def test_proposed_rows_never_cross_a_step_of_the_forward_s_cost(
+    rows: int, steps: tuple[int, ...], room: int
+) -> None:
+    assert draft_room(rows, steps, 16) == room
+
+
+def test_stage_0_cuts_proposals_that_would_cross_a_row_step(
+    shards: dict[tuple[int, int], MistralShard], generator: Generator
+) -> None:
+    """Stage 0 gives a forward's proposals only the rows left before the shard's next
+    row step: with 3 sessions decoding and a step at 4 rows, one proposed row a forward;
+    the tokens are the same."""
+    reqs = [Req(f"c{i}", echo(generator, 50 + i), 24) for i in range(3)]
+    p = pipeline(shards, 1, max_draft_tokens=6)  # one stage: one forward of all three
+    p.stages[0].scheduler.row_steps = lambda: (4, 32)
+    drafts: list[tuple[int, int]] = []
+    run = p.stages[0].runner.run
+
+    def counting(batch, refused):  # type: ignore[no-untyped-def]
+        decoding = [w for w in batch if w.final and w.step]
+        drafts.append((len(decoding), sum(w.draft for w in batch)))
+        return run(batch, refused)
+
+    p.stages[0].runner.run = counting  # type: ignore[method-assign]
+    for r in reqs:
+        p.open(r)
+    p.run_until_idle()
+    for r in reqs:
+        assert p.tokens[r.session] == expected(generator, r), r.session
+    assert all(n + d <= 4 for n, d in drafts if n == 3)
+    assert any(d == 1 for n, d in drafts if n == 3)  # proposals did run, one a forward
+    assert any(d > 1 for n, d in drafts if n == 1)  # alone, a session proposes more
     assert p.stages[-1].runner.spec.accepted > 0
 
 

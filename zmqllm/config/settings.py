@@ -299,7 +299,7 @@ class WorkerSettings:
         choices=SPECULATIVE_CHOICES,
     )
     max_draft_tokens: int = setting(
-        4, f"the most tokens a session proposes per pass (1 to {MAX_DRAFT_TOKENS})"
+        6, f"the most tokens a session proposes per pass (1 to {MAX_DRAFT_TOKENS})"
     )
     draft_model: str = setting(
         DEFAULT_MODEL,

@@ -128,6 +128,20 @@ class MistralShard(nn.Module):
             self._decode_layers = (norms, mats)
             self._decode_layers_rows = int(getattr(kernel, "GEMV_MAX_ROWS", 1))
 
+    def row_steps(self) -> tuple[int, ...]:
+        """The row counts past which a forward of this shard costs a step more (where
+        speculation stops adding rows: engine/batching.py's draft_room): the rows of the
+        one-call decode path, then, for float32 on the CPU, the most rows whose products run
+        as ``W @ xᵀ`` (linear.CPU_MM_MAX_ROWS). None on other devices."""
+        if self.device.type != "cpu":
+            return ()
+        steps = []
+        if self._decode_layers is not None and self._decode_layers_rows > 1:
+            steps.append(self._decode_layers_rows)
+        if self._cpu_float32():
+            steps.append(linear.CPU_MM_MAX_ROWS)
+        return tuple(steps)
+
     def pack(self, rows: int) -> bool:
         """Keep an MKL-packed copy of every matmul weight for batches of up to ``rows``
         rows (from PACK_MIN_ROWS): about a second copy of the weights in memory for

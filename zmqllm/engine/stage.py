@@ -72,7 +72,7 @@ class Stage:
         grammar_tokenizer: GrammarTokenizer | None = None,
         micro_batches: int = 0,
         speculative: str = "off",
-        max_draft_tokens: int = 4,
+        max_draft_tokens: int = 6,
         draft: MistralShard | None = None,
     ) -> None:
         """``draft``: the draft model, for ``speculative="draft"`` (engine/draft.py)."""
@@ -98,7 +98,11 @@ class Stage:
         self.sessions: dict[SessionKey, SessionState] = {}
         # micro_batches: groups of sessions in flight per route (0: one per stage).
         self.scheduler = Scheduler(
-            self.sessions, prefill_chunk, shard.is_first, MicroBatches(micro_batches)
+            self.sessions,
+            prefill_chunk,
+            shard.is_first,
+            MicroBatches(micro_batches),
+            row_steps=lambda: self.shard.row_steps(),
         )
         self.runner = ModelRunner(shard, self.pool, self.prefixes)
         # Sessions whose work was refused before or after a forward; the socket side
