@@ -286,16 +286,17 @@ def test_single_stream_fast_path_tracks_the_pytorch_path(
     assert cf.length == 5 + 20 > 8  # past the sliding window
 
 
+@pytest.mark.parametrize("quant", ["none", "int8", "int4"])
 @pytest.mark.parametrize("beside", [False, True])
 def test_a_speculative_pass_computes_the_bits_of_steps_decoded_one_by_one(
-    kernel: ModuleType, tiny_model_dir: Path, beside: bool
+    kernel: ModuleType, tiny_model_dir: Path, beside: bool, quant: str
 ) -> None:
     """A session's token and its proposals as one segment of a few rows (a speculative
     pass), past the sliding window: every row attends in the decode kernel and goes
     through the few-row gemv, so its logits are the same bits as the same positions
     decoded one step at a time (what lets speculation keep greedy text as it is),
     alone in its forward or beside another session's decode step."""
-    fast = load_shard(tiny_model_dir, 0, 4)
+    fast = load_shard(tiny_model_dir, 0, 4, quant=quant)  # int8/int4: the kernel's products
     assert fast.use_kernel(kernel)
     (one, spec, other) = _caches(fast, [40, 40, 40])
     prompt = torch.tensor([5, 17, 99, 3, 250, 8, 1])

@@ -80,6 +80,19 @@ def test_draft_length_grows_while_all_are_accepted_and_shrinks_on_misses() -> No
     assert length.allowed() == 2  # as many as were accepted, and one more
 
 
+def test_where_rows_are_free_the_window_stays_full_but_misses_still_pause() -> None:
+    """A pass whose round trip dwarfs its forward (links: LINK_BOUND) keeps the whole
+    window after a partial acceptance; proposals that all fail still pause it."""
+    length = DraftLength(most=6)
+    length.passed(6, 1, 2, free=True)
+    assert length.allowed() == 6
+    length.passed(6, 1, 2)
+    assert length.allowed() == 2  # not free: as many as were accepted, and one more
+    for _ in range(MISSES_BEFORE_PAUSE):
+        length.passed(length.allowed(), 0, 1, free=True)
+    assert length.allowed() == 0
+
+
 def test_draft_length_pauses_after_misses_and_pauses_longer_each_time() -> None:
     length = DraftLength(most=4)
     for _ in range(MISSES_BEFORE_PAUSE):

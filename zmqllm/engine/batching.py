@@ -105,6 +105,7 @@ class SessionState:
     # dropped), and on a last stage that speculates for it, its proposer.
     window: int = 0
     spec: Speculator | None = None
+    spec_sent: float = 0.0  # last stage: when its last pass's tokens left (monotonic)
 
     def prompt_waiting(self) -> bool:
         """Stage 0: prompt tokens are left and no later stage's word is awaited."""

@@ -133,8 +133,11 @@ class DraftProposer:
     pending: list[int] = field(default_factory=list)
     expect: int = 0
 
-    def kept(self, tokens: Sequence[int], proposed: int, stats: SpecStats | None) -> None:
-        """A pass kept ``tokens`` (its accepted proposals, then its own next token)."""
+    def kept(
+        self, tokens: Sequence[int], proposed: int, stats: SpecStats | None, free: bool = False
+    ) -> None:
+        """A pass kept ``tokens`` (its accepted proposals, then its own next token).
+        ``free`` is not used: each proposal costs a forward of the draft model."""
         accepted = len(tokens) - 1
         # The cache holds the proposals fed after the history (all but the last one):
         # those past the accepted ones were not the text, and are written over next.

@@ -31,7 +31,7 @@ from zmqllm.engine.decoder_layer import Segment
 from zmqllm.engine.draft import Ask, propose_all
 from zmqllm.engine.model import MistralShard
 from zmqllm.engine.prefix_cache import PrefixStore
-from zmqllm.engine.prompt_lookup import BUSY_SESSIONS, SpecStats
+from zmqllm.engine.prompt_lookup import BUSY_SESSIONS, LINK_BOUND, SpecStats
 from zmqllm.engine.sampling import logprobs_of, sample
 from zmqllm.log import get_logger
 
@@ -178,11 +178,12 @@ class ModelRunner:
             for seg, length in zip(segs, lengths, strict=True):
                 seg.cache.length = length
             raise BatchFailed([w.session.id for w in batch], exc) from exc
-        self.stats.record(len(batch), int(x.shape[0]), time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        self.stats.record(len(batch), int(x.shape[0]), elapsed)
         self._keep_prefixes(batch)
         if not self.shard.is_last:
             return self._hidden_outputs(batch, segs, out)
-        return self._sampled_outputs(batch, out, refused)
+        return self._sampled_outputs(batch, out, refused, elapsed)
 
     @staticmethod
     def _hidden_outputs(batch: list[Work], segs: list[Segment], out: torch.Tensor) -> list[Output]:
@@ -197,10 +198,10 @@ class ModelRunner:
         return outputs
 
     def _sampled_outputs(
-        self, batch: list[Work], out: torch.Tensor, refused: list[Refusal]
+        self, batch: list[Work], out: torch.Tensor, refused: list[Refusal], elapsed: float
     ) -> list[Output]:
         """The tokens of each session whose step is final, from ``out``: logits
-        [rows, vocab], 1 + Work.draft rows per work."""
+        [rows, vocab], 1 + Work.draft rows per work; ``elapsed``: the forward's seconds."""
         logits = out.numpy()  # [rows, vocab] float32
         outputs: list[Output] = []
         # The passes that go on, and what their sessions are asked to propose next: all
@@ -214,7 +215,7 @@ class ModelRunner:
                 continue  # a prompt chunk that is not the last: nothing to sample yet
             s = w.session
             try:
-                outputs += self._verified(w, rows, asks)
+                outputs += self._verified(w, rows, asks, elapsed)
             except ValueError as exc:  # e.g. NaN logits: this row's session only
                 refused.append((s.id, s.request_id, f"sampling failed: {exc}"))
         # A busy forward: past a few sessions' steps a proposed row costs them time.
@@ -224,7 +225,9 @@ class ModelRunner:
             last.draft = draft
         return outputs
 
-    def _verified(self, w: Work, rows: np.ndarray, asks: list[tuple[Output, Ask]]) -> list[Output]:
+    def _verified(
+        self, w: Work, rows: np.ndarray, asks: list[tuple[Output, Ask]], elapsed: float
+    ) -> list[Output]:
         """The tokens one work keeps: its step's, then, while the token picked at each
         row is the proposal there, the next row's; none past a finish. A session that
         speculates and goes on then asks for proposals for its next pass (``asks``)."""
@@ -254,7 +257,12 @@ class ModelRunner:
         last = outputs[-1]
         if s.spec is not None:
             kept = [o.token for o in outputs if o.token is not None]
-            s.spec.kept(kept, w.draft, self.spec if w.step else None)
+            # The pass's round trip (from this stage's last tokens to this pass's rows)
+            # against the forward: rows are nearly free where links dominate it.
+            trip = w.ready_at - s.spec_sent if s.spec_sent else 0.0
+            free = trip > LINK_BOUND * elapsed
+            s.spec.kept(kept, w.draft, self.spec if w.step else None, free)
+            s.spec_sent = time.monotonic()
             if last.finish is None:
                 # Where the next pass starts: after this pass's kept rows.
                 start = s.cache.length - (w.draft + 1 - len(kept))
