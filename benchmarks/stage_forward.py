@@ -2,7 +2,7 @@
 
 Each stage of the split "k/n" gives (``--stages``, default 1 and 2) is loaded as a worker
 loads it (compiled kernels on, packed weights for float32 as ``packed_rows`` 16 keeps
-them), on one thread; then, for each row count m (``--rows``), m sessions of a
+them), on one thread (``--threads``); then, for each row count m (``--rows``), m sessions of a
 ``--context``-token prompt each take decode steps together, one forward of m rows each.
 Printed per stage and m: the median forward time over ``--reps`` forwards and its
 min-max, and the time per row.
@@ -14,6 +14,7 @@ adds nothing; where the time per row is flat (int8 here, compute-bound), K stage
 cores give up to K times the aggregate.
 
     python benchmarks/stage_forward.py [--quant int8] [--stages 1 2] [--rows 1 4 8 16 32]
+        [--threads 1]
 
 Writes benchmarks/results/stage_forward[_QUANT].json.
 """
@@ -87,13 +88,14 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     ap.add_argument("--context", type=int, default=64, help="prompt tokens of each session")
     ap.add_argument("--reps", type=int, default=12, help="timed forwards per row count")
+    ap.add_argument("--threads", type=int, default=1, help="threads of the forward")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(a.threads)
     model_dir = a.model or prepare_default_model(default_model_dir())
     args = ModelArgs.from_dir(model_dir)
     results: dict[str, dict[int, dict[str, float]]] = {}
-    print(f"{model_dir.name}, quant {a.quant}, one thread, {a.context}-token contexts")
+    print(f"{model_dir.name}, quant {a.quant}, {a.threads} thread(s), {a.context}-token contexts")
     print(cpu_name())
     print(f"{'stage':>8} {'rows':>5} {'ms/forward':>10} {'(min-max)':>15} {'ms/row':>7}")
     for k in a.stages:
@@ -110,6 +112,7 @@ def main() -> None:
                 print(f"{span:>8} {m:5d} {med:10.1f} {spread:>15} {med / m:7.2f}")
             del shard, pool
     meta = {"model": str(model_dir), "quant": a.quant, "context": a.context, "reps": a.reps}
+    meta["threads"] = a.threads
     meta["cpu"] = cpu_name()
     suffix = "" if a.quant == "none" else f"_{a.quant}"
     out = a.out or Path(f"benchmarks/results/stage_forward{suffix}.json")
