@@ -231,9 +231,15 @@ def local_place(model_dir: Path, a: argparse.Namespace) -> Iterator[Place]:
     with tempfile.TemporaryDirectory() as tmp:
         # cpu_lock: what `zmqllm up` gives the workers of one machine.
         c = Cluster(Path(tmp), model_dir, threads=a.threads, cpu_lock=True)
-        c.worker_flags = spec_flags(a)
         try:
-            c.start_all(stages(model_dir))
+            # The flags on the last stage only: a draft model runs where the tokens are
+            # sampled, and a stage that is not the last refuses one.
+            first, last = stages(model_dir)
+            c.start_broker()
+            c.start_worker(first)
+            c.start_worker(last, flags=spec_flags(a))
+            c.start_gateway()
+            c.wait_ready()
 
             def request(messages: list, tokens: int, extra: dict) -> RequestInput:
                 return RequestInput(
@@ -418,6 +424,10 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true", help="HF runs on the default model only")
     ap.add_argument("--out", default="benchmarks/results/speculative.json")
     a = ap.parse_args()
+    if a.mode == "draft" and not a.skip_hosts:
+        # The test hosts' workers share one set of flags, and a stage that is not the
+        # last refuses a draft model.
+        ap.error("--mode draft runs on one host: add --skip-hosts")
     torch.set_num_threads(a.threads)
     default = a.model == "default"
     model_dir = prepare_default_model(default_model_dir()) if default else Path(a.model)
