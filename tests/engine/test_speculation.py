@@ -72,6 +72,21 @@ class SpecPipeline:
     ended_inside: set[str] = field(default_factory=set)
     _inside: dict[str, int] = field(default_factory=dict)
 
+    def watch_stage_0(self) -> list[tuple[int, int]]:
+        """From now on, for each forward of stage 0: (its decode steps, its proposed
+        rows), appended to the list returned."""
+        forwards: list[tuple[int, int]] = []
+        runner = self.stages[0].runner
+        run = runner.run
+
+        def counting(batch, refused):  # type: ignore[no-untyped-def]
+            steps = sum(1 for w in batch if w.final and w.step)
+            forwards.append((steps, sum(w.draft for w in batch)))
+            return run(batch, refused)
+
+        runner.run = counting  # type: ignore[method-assign]
+        return forwards
+
     def open(self, req: Req) -> None:
         n = len(self.stages)
         ids = np.asarray(req.prompt, np.int32)
@@ -251,20 +266,13 @@ def test_a_cap_on_proposed_rows_per_forward_keeps_the_tokens(
     reqs = [Req(f"c{i}", echo(generator, 40 + i), 30) for i in range(4)]
     p = pipeline(shards, 2, max_draft_tokens=8)
     p.stages[0].scheduler.draft_rows = 3  # fewer than one session would propose
-    rows: list[int] = []
-    run = p.stages[0].runner.run
-
-    def counting(batch, refused):  # type: ignore[no-untyped-def]
-        rows.append(sum(w.draft for w in batch))
-        return run(batch, refused)
-
-    p.stages[0].runner.run = counting  # type: ignore[method-assign]
+    forwards = p.watch_stage_0()
     for r in reqs:
         p.open(r)
     p.run_until_idle()
     for r in reqs:
         assert p.tokens[r.session] == expected(generator, r), r.session
-    assert max(rows) <= 3
+    assert max(d for _, d in forwards) <= 3
 
 
 @pytest.mark.parametrize(
@@ -295,15 +303,7 @@ def test_stage_0_cuts_proposals_that_would_cross_a_row_step(
     reqs = [Req(f"c{i}", echo(generator, 50 + i), 24) for i in range(3)]
     p = pipeline(shards, 1, max_draft_tokens=6)  # one stage: one forward of all three
     p.stages[0].scheduler.row_steps = lambda: (4, 32)
-    drafts: list[tuple[int, int]] = []
-    run = p.stages[0].runner.run
-
-    def counting(batch, refused):  # type: ignore[no-untyped-def]
-        decoding = [w for w in batch if w.final and w.step]
-        drafts.append((len(decoding), sum(w.draft for w in batch)))
-        return run(batch, refused)
-
-    p.stages[0].runner.run = counting  # type: ignore[method-assign]
+    drafts = p.watch_stage_0()
     for r in reqs:
         p.open(r)
     p.run_until_idle()
