@@ -312,3 +312,29 @@ def test_a_speculative_pass_computes_the_bits_of_steps_decoded_one_by_one(
         got = fast(torch.tensor(steps), [Segment(spec, 6)], logit_rows=[6])
     assert spec.length == one.length == 13 > 8  # past the window of 8
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "quant", "with_kernel", "proposes"),
+    [
+        ("float32", "none", True, True),
+        ("float32", "int4", True, True),
+        ("float32", "none", False, False),  # ZMQLLM_NATIVE=0, no compiler
+        ("bfloat16", "none", True, False),  # no kernel in bfloat16
+    ],
+)
+def test_speculative_auto_proposes_only_where_a_pass_keeps_each_row_s_bits(
+    kernel: ModuleType, tiny_model_dir: Path, dtype: str, quant: str, with_kernel: bool,
+    proposes: bool,
+) -> None:  # fmt: skip
+    """The default, speculative = "auto", is lookup exactly where the test above holds."""
+    from zmqllm.engine.stage import Stage
+
+    shard = load_shard(tiny_model_dir, 2, 4, dtype=dtype, quant=quant)
+    shard.use_kernel(kernel if with_kernel else None)
+    assert shard.exact_rows() is proposes
+    stage = Stage(shard, speculative="auto")
+    assert stage.proposes is proposes
+    assert stage.speculation.mode == ("lookup" if proposes else "off")
+    first = Stage(load_shard(tiny_model_dir, 0, 2), speculative="auto")
+    assert not first.proposes  # only a last stage proposes

@@ -10,6 +10,7 @@ from zmqllm.engine.prompt_lookup import (
     PromptLookup,
     Proposer,
     SpecStats,
+    resolved_mode,
 )
 
 
@@ -128,3 +129,10 @@ def test_proposer_counts_and_bounds_its_proposals() -> None:
     p.kept([1], proposed=0, stats=None)  # the prompt's pass is not counted
     assert stats.passes == 1
     assert stats.figures()["spec_tokens_per_pass"] == 3.0
+
+
+def test_auto_is_lookup_only_where_a_pass_keeps_each_row_s_bits() -> None:
+    assert resolved_mode("auto", exact_rows=True) == "lookup"
+    assert resolved_mode("auto", exact_rows=False) == "off"
+    for mode in ("off", "lookup", "draft"):  # said explicitly: as said
+        assert resolved_mode(mode, exact_rows=False) == mode == resolved_mode(mode, True)

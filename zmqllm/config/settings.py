@@ -42,7 +42,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 QUANTS = ("none", "int8", "int4")  # engine/quant.py
 WIRE_DTYPE_CHOICES = ("auto", *DTYPES)  # "auto": activations travel in the model's dtype
 # engine/prompt_lookup.py (lookup) and engine/draft.py (a draft model).
-SPECULATIVE_CHOICES = ("off", "lookup", "draft")
+SPECULATIVE_CHOICES = ("auto", "off", "lookup", "draft")
 MAX_DRAFT_TOKENS = 16  # bus/messages.py's, the most proposals a STEP carries
 DEFAULT_MODEL = "default"
 TINY_MODEL = "tiny"
@@ -287,11 +287,14 @@ class WorkerSettings:
         "takes activations of any of float32, bfloat16 and float16 and casts them to its own",
         choices=WIRE_DTYPE_CHOICES,
     )
-    # Fewer passes per token: across machines a pass costs a crossing of every link. Off by
-    # default until it measures as a gain with no loss (docs/configuration.md).
+    # Fewer passes per token: across machines a pass costs a crossing of every link. "auto"
+    # turns lookup on only where it measures as a gain that cannot change greedy text
+    # (docs/configuration.md).
     speculative: str = setting(
-        "off",
-        "speculative decoding, on the last stage: lookup = propose the tokens that followed "
+        "auto",
+        "speculative decoding, on the last stage: auto = lookup where a pass of a few rows "
+        "gives each row the bits it gets alone (the compiled kernel on the CPU: float32, "
+        "int8, int4), else off; lookup = propose the tokens that followed "
         "the latest occurrence of the text's last tokens in its prompt and output, verified "
         "in the next pass (the same tokens, fewer passes when text repeats); draft = a "
         "draft model (draft_model) on this stage, which must be the last, proposes its "

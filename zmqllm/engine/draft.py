@@ -255,10 +255,11 @@ def propose_all(asks: Sequence[Ask], busy: bool = False) -> list[tuple[int, ...]
 
 
 class Speculation:
-    """A stage's speculative decoding: its mode (SPECULATIVE_MODES), the most tokens a
-    session proposes per pass, and with "draft" the draft model. Only a last stage
-    proposes; the others run what comes, whatever their mode, but a draft model is
-    refused anywhere else (it would be loaded for nothing)."""
+    """A stage's speculative decoding: its mode (off, lookup or draft; "auto" is resolved
+    before, by prompt_lookup.resolved_mode), the most tokens a session proposes per pass,
+    and with "draft" the draft model. Only a last stage proposes; the others run what
+    comes, whatever their mode, but a draft model is refused anywhere else (it would be
+    loaded for nothing)."""
 
     def __init__(
         self,
@@ -269,8 +270,9 @@ class Speculation:
         max_sessions: int = 64,
         max_tokens: int = 65536,
     ) -> None:
-        if mode not in SPECULATIVE_MODES:
-            raise ValueError(f"speculative {mode!r} is not one of {', '.join(SPECULATIVE_MODES)}")
+        if mode not in SPECULATIVE_MODES or mode == "auto":  # auto: resolved_mode first
+            modes = ", ".join(m for m in SPECULATIVE_MODES if m != "auto")
+            raise ValueError(f"speculative {mode!r} is not one of {modes}")
         if not 1 <= most <= MAX_DRAFT_TOKENS:
             raise ValueError(f"max_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}]")
         if mode == "draft" and draft is None:

@@ -142,6 +142,14 @@ class MistralShard(nn.Module):
             steps.append(linear.CPU_MM_MAX_ROWS)
         return tuple(steps)
 
+    def exact_rows(self) -> bool:
+        """A decode forward of up to the first of row_steps() rows gives each row the
+        bits it gets in a forward of its own: the compiled one-call decode path (float32,
+        int8, int4 on the CPU: tests/engine/test_native.py). Elsewhere (bfloat16, a GPU,
+        no kernel) a few rows sum in other orders than one (where speculative = "auto"
+        does not propose)."""
+        return self._decode_layers is not None and self._decode_layers_rows > 1
+
     def pack(self, rows: int) -> bool:
         """Keep an MKL-packed copy of every matmul weight for batches of up to ``rows``
         rows (from PACK_MIN_ROWS): about a second copy of the weights in memory for

@@ -29,10 +29,22 @@ __all__ = [
     "Proposer",
     "SpecStats",
     "Speculator",
+    "resolved_mode",
 ]
 
-# [worker] speculative: off, lookup (this module) or draft (a draft model, engine/draft.py).
+# [worker] speculative: auto, off, lookup (this module) or draft (a draft model,
+# engine/draft.py).
 SPECULATIVE_MODES = SPECULATIVE_CHOICES
+
+
+def resolved_mode(mode: str, exact_rows: bool) -> str:
+    """The mode a stage runs: "auto" is lookup where a pass of a few rows gives each row
+    the bits it gets alone (``exact_rows``: MistralShard.exact_rows), so proposals cannot
+    move greedy text at a near tie, and off elsewhere; other modes as they are."""
+    if mode != "auto":
+        return mode
+    return "lookup" if exact_rows else "off"
+
 
 # The n-grams looked up, longest first: a 1-gram matches common tokens of any text and
 # its proposals mostly fail, which costs rows of every forward for nothing.

@@ -47,6 +47,7 @@ from zmqllm.engine.frames import ACTIVATION_DTYPES
 from zmqllm.engine.micro_batches import MicroBatches
 from zmqllm.engine.model import MistralShard
 from zmqllm.engine.prefix_cache import PrefixStore
+from zmqllm.engine.prompt_lookup import resolved_mode
 from zmqllm.engine.rules import GrammarTokenizer, SessionRules
 from zmqllm.engine.runner import ModelRunner, Output, StageStats
 from zmqllm.log import get_logger
@@ -77,7 +78,12 @@ class Stage:
     ) -> None:
         """``draft``: the draft model, for ``speculative="draft"`` (engine/draft.py)."""
         self.speculation = Speculation(
-            speculative, max_draft_tokens, shard.is_last, draft, max_sessions, max_kv_tokens
+            resolved_mode(speculative, shard.exact_rows()),
+            max_draft_tokens,
+            shard.is_last,
+            draft,
+            max_sessions,
+            max_kv_tokens,
         )
         self.pool = CachePool(
             shard.args,

@@ -139,6 +139,7 @@ def load_stage(cfg: Config) -> Loaded:
         batched_decode_attention="compiled kernel" if kernel else "pytorch",
         matrix_units=units or "off",
         packed_weights_mib=packed_mib,
+        speculative=stage.speculation.mode if stage.proposes else "off",
     )
     fp = model_fingerprint(directory, args, cfg.model.dtype)
     return Loaded(stage, fp, start, end, args.num_layers, args.max_position_embeddings, units)
