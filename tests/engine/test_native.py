@@ -287,30 +287,34 @@ def test_single_stream_fast_path_tracks_the_pytorch_path(
 
 
 @pytest.mark.parametrize("quant", ["none", "int8", "int4"])
-@pytest.mark.parametrize("beside", [False, True])
+@pytest.mark.parametrize(("beside", "most"), [(False, False), (True, False), (True, True)])
 def test_a_speculative_pass_computes_the_bits_of_steps_decoded_one_by_one(
-    kernel: ModuleType, tiny_model_dir: Path, beside: bool, quant: str
+    kernel: ModuleType, tiny_model_dir: Path, beside: bool, most: bool, quant: str
 ) -> None:
     """A session's token and its proposals as one segment of a few rows (a speculative
     pass), past the sliding window: every row attends in the decode kernel and goes
     through the few-row gemv, so its logits are the same bits as the same positions
     decoded one step at a time (what lets speculation keep greedy text as it is),
-    alone in its forward or beside another session's decode step."""
+    alone in its forward or beside another session's decode step; ``most``: the pass
+    and that step fill the kernel's GEMV_MAX_ROWS rows."""
     fast = load_shard(tiny_model_dir, 0, 4, quant=quant)  # int8/int4: the kernel's products
     assert fast.use_kernel(kernel)
-    (one, spec, other) = _caches(fast, [40, 40, 40])
+    (one, spec, other) = _caches(fast, [60, 60, 60])
     prompt = torch.tensor([5, 17, 99, 3, 250, 8, 1])
     fast(prompt, [Segment(one, 7)])
     fast(prompt, [Segment(spec, 7)])
     fast(prompt[:3], [Segment(other, 3)])
     steps = [11, 42, 7, 300, 42, 5]  # any tokens: proposals need not be the model's
+    if most:
+        steps = [(7 * i + 11) % 300 for i in range(kernel.GEMV_MAX_ROWS - 1)]
+    n = len(steps)
     want = torch.cat([fast(torch.tensor([t]), [Segment(one, 1)]) for t in steps])
     if beside:
         x = torch.tensor([*steps, 9])
-        got = fast(x, [Segment(spec, 6), Segment(other, 1)], logit_rows=[6, 1])[:6]
+        got = fast(x, [Segment(spec, n), Segment(other, 1)], logit_rows=[n, 1])[:n]
     else:
-        got = fast(torch.tensor(steps), [Segment(spec, 6)], logit_rows=[6])
-    assert spec.length == one.length == 13 > 8  # past the window of 8
+        got = fast(torch.tensor(steps), [Segment(spec, n)], logit_rows=[n])
+    assert spec.length == one.length == 7 + n > 8  # past the window of 8
     assert torch.equal(got, want)
 
 
@@ -338,3 +342,18 @@ def test_speculative_auto_proposes_only_where_a_pass_keeps_each_row_s_bits(
     assert stage.speculation.mode == ("lookup" if proposes else "off")
     first = Stage(load_shard(tiny_model_dir, 0, 2), speculative="auto")
     assert not first.proposes  # only a last stage proposes
+
+
+def test_speculation_stops_at_8_rows_where_the_few_row_path_takes_more(
+    kernel: ModuleType, tiny_model_dir: Path
+) -> None:
+    """The steps of a forward's cost that proposals do not cross (MistralShard.row_steps):
+    8 rows, the few-row path's own (16 on AVX2 builds), then 32 for float32."""
+    shard = load_shard(tiny_model_dir, 0, 4)
+    assert shard.row_steps() == (32,)  # no kernel: only the W @ xᵀ band's end
+    shard.use_kernel(kernel)
+    few = kernel.GEMV_MAX_ROWS
+    assert few in (8, 16)  # 8 on AVX-512 builds, 16 on AVX2 (csrc/ops.h)
+    assert shard.row_steps() == ((8, 32) if few == 8 else (8, 16, 32))
+    int4 = load_shard(tiny_model_dir, 0, 4, quant="int4")  # computes in float32
+    assert int4.use_kernel(kernel) and int4.row_steps() == shard.row_steps()

@@ -55,8 +55,8 @@ DRAFT_ROWS_PER_FORWARD = 16
 def draft_room(rows: int, steps: tuple[int, ...], most: int) -> int:
     """How many proposed rows a forward of ``rows`` other rows may take: at most
     ``most``, and never past the next of ``steps``, the row counts past which the shard's
-    forward costs a step more (MistralShard.row_steps; on 2 AVX2 cores a ninth row costs
-    the default model's forward 2.6x: docs/benchmarks.md, "What decides the figures"),
+    forward costs a step more (MistralShard.row_steps; on 2 AVX2 cores a 17th row costs
+    the default model's forward 1.9x: docs/benchmarks.md, "A pass of a few rows"),
     where a proposal costs the whole batch more than it saves. None past the last step;
     ``most`` where the shard names none."""
     if not steps:

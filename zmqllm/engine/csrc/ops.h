@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "gemv.h"    // ZMQLLM_GEMV_AVX512
 #include "matrix.h"  // Matrix, matmul, dequantize (quant.cpp)
 
 // The decode sessions of one forward, built once and used by every layer.
@@ -32,8 +33,16 @@ torch::Tensor decode_layers(torch::Tensor x, const DecodeBatch& batch,
                             const std::vector<Matrix>& mats, double eps, torch::Tensor cos,
                             torch::Tensor sin, int64_t H, int64_t KVH, int64_t D);
 
-// gemv.cpp. The most rows gemv takes: a speculative pass (a token, up to 7 proposals) or a
-// few sessions' steps; larger batches take the batched products (linear.py). Figures:
-// docs/benchmarks.md, "A pass of a few rows".
+// gemv.cpp. The most rows gemv (and decode_layers, in one call) takes: a speculative pass
+// or a few sessions' steps; larger batches take the batched products (linear.py). On
+// AVX2 machines 16: there the batched path's packed GEMM and per-layer calls cost 2.6x a
+// forward of 8 rows from the ninth row on, while through gemv each row past 8 adds ~6 %
+// (the default model on 2 cores: 51 ms at 8 rows, 77 at 16, 143 at 17); on AVX-512
+// builds 8, as measured there. Figures: docs/benchmarks.md, "A pass of a few
+// rows".
+#if defined(ZMQLLM_GEMV_AVX512)
 constexpr int64_t kGemvMaxRows = 8;
+#else
+constexpr int64_t kGemvMaxRows = 16;
+#endif
 torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w);
