@@ -18,8 +18,9 @@ less one: the prefill is the same pass either way and is left out), the ratio wi
 per round, tokens per pass from the last stage's ``spec_tokens`` / ``spec_passes``
 deltas, and the texts with and without compared (they must be identical; a difference is
 printed as MISMATCH). Peers on the same prompts: HF ``generate`` with and without
-``prompt_lookup_num_tokens`` in this process (default model); llama.cpp's lookup decoding
-where llama-cpp-python is installed.
+``prompt_lookup_num_tokens`` in this process (default model), and llama.cpp's lookup
+decoding on the GGUF the default model came from where llama-cpp-python is installed
+(benchmarks/llama_lookup.py; ``--skip-hf`` skips both).
 
 With ``--model`` the 7B-shaped model (random weights): its answers are not text and
 rarely repeat the prompt, so lookup's proposals are seldom accepted there; its figures
@@ -41,7 +42,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # see benchmarks/_
 
 import argparse
 import contextlib
-import importlib.util
 import re
 import tempfile
 import time
@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import llama_lookup
 from benchmarks.http_client import RequestInput, RequestOutput, netns_socket, run, run_all
 from benchmarks.links import across_hosts
 from benchmarks.paired import alternate, compare, describe
@@ -57,6 +58,7 @@ from benchmarks.report import cpu_name, write_json
 from benchmarks.stats import median, ms
 from testbed.cluster import Cluster
 from zmqllm.config.paths import default_model_dir
+from zmqllm.engine.gguf_weights import gguf_source
 from zmqllm.models.model_args import ModelArgs
 from zmqllm.models.prepare import prepare_default_model
 from zmqllm.models.tokenizer import Tokenizer
@@ -360,6 +362,21 @@ def bench_hf(model_dir: Path, a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def bench_llama_peer(model_dir: Path, a: argparse.Namespace) -> dict[str, Any] | str:
+    """llama.cpp's lookup decoding on the GGUF behind the default model (llama_lookup.py)."""
+    gguf = gguf_source(model_dir, "int4")
+    if not llama_lookup.available() or gguf is None:
+        why = "not installed (pip install llama-cpp-python)" if gguf else "no GGUF"
+        print(f"\nllama.cpp: {why}: not measured")
+        return why
+    tok = Tokenizer.from_dir(model_dir)
+    classes = {
+        cls: [tok.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+        for cls, prompts in CLASSES.items()
+    }
+    return llama_lookup.bench_llama(gguf, classes, a)
+
+
 def amx_flags() -> list[str]:
     with contextlib.suppress(OSError):
         return sorted(set(re.findall(r"\bamx\w*", Path("/proc/cpuinfo").read_text())))
@@ -421,7 +438,11 @@ def main() -> None:
     )
     ap.add_argument("--skip-local", action="store_true")
     ap.add_argument("--skip-hosts", action="store_true")
-    ap.add_argument("--skip-hf", action="store_true", help="HF runs on the default model only")
+    ap.add_argument(
+        "--skip-hf",
+        action="store_true",
+        help="no HF or llama.cpp peer (they run on the default model only)",
+    )
     ap.add_argument("--out", default="benchmarks/results/speculative.json")
     a = ap.parse_args()
     if a.mode == "draft" and not a.skip_hosts:
@@ -441,9 +462,8 @@ def main() -> None:
     texts: dict[str, Any] = {}
     if default and not a.skip_hf:
         results["peers"]["hf_generate"] = bench_hf(model_dir, a)
-    if importlib.util.find_spec("llama_cpp") is None:
-        print("\nllama.cpp: not installed (pip install llama-cpp-python): not measured")
-        results["peers"]["llama.cpp"] = "not installed"
+    if default and not a.skip_hf:
+        results["peers"]["llama.cpp"] = bench_llama_peer(model_dir, a)
     n_layers = ModelArgs.from_dir(model_dir).num_layers
     if not a.skip_local:
         with local_place(model_dir, a) as place:
