@@ -42,9 +42,9 @@ Tensors: TypeAlias = (
 
 
 # Where the few-row path takes more than 8 rows (16 on AVX2 builds: csrc/ops.h) speculation
-# still stops at 8: a row past 8 costs a forward as much as one before it (~3.5 ms of the
-# default model's 47 ms at 8 rows on 2 AVX2 cores), and proposals in such busy forwards
-# mostly fail; letting them run to 16 rows cost 8 streams ~8 % of their tokens/s.
+# still stops at 8: a row past 8 costs a forward about what one before it does (~3.3 ms
+# of the default model's 51 ms at 8 rows on 2 AVX2 cores), and proposals in such busy
+# forwards mostly fail; letting them run to 16 rows cost 8 streams ~8 % of their tokens/s.
 SPEC_ROW_STEP = 8
 
 
@@ -153,8 +153,8 @@ class MistralShard(nn.Module):
         return tuple(steps)
 
     def exact_rows(self) -> bool:
-        """A decode forward of up to the first of row_steps() rows gives each row the
-        bits it gets in a forward of its own: the compiled one-call decode path (float32,
+        """A decode forward of up to the few-row path's rows (the kernel's GEMV_MAX_ROWS)
+        gives each row the bits it gets in a forward of its own: that path (float32,
         int8, int4 on the CPU: tests/engine/test_native.py). Elsewhere (bfloat16, a GPU,
         no kernel) a few rows sum in other orders than one (where speculative = "auto"
         does not propose)."""

@@ -38,8 +38,7 @@ torch::Tensor decode_layers(torch::Tensor x, const DecodeBatch& batch,
 // AVX2 machines 16: there the batched path's packed GEMM and per-layer calls cost 2.6x a
 // forward of 8 rows from the ninth row on, while through gemv each row past 8 adds ~6 %
 // (the default model on 2 cores: 51 ms at 8 rows, 77 at 16, 143 at 17); on AVX-512
-// builds 8, as measured there. Figures: docs/benchmarks.md, "A pass of a few
-// rows".
+// builds 8, as measured there. Figures: docs/benchmarks.md, "A pass of a few rows".
 #if defined(ZMQLLM_GEMV_AVX512)
 constexpr int64_t kGemvMaxRows = 8;
 #else
