@@ -208,8 +208,8 @@ def discover_broker(trusted: bytes, model: str = "", timeout: float = DISCOVER_T
         raise DiscoveryError(
             f"--discover: no broker with this worker's broker key announced itself on the "
             f"local network within {timeout:g}s ({len(seen)} seen{said}). Start the broker "
-            "with --announce, check that multicast (224.0.0.251, UDP 5353) passes between "
-            "the machines, or give --broker ADDR"
+            "with --announce, check that mDNS (link-local multicast, UDP 5353: "
+            "docs/add-a-machine.md) passes between the machines, or give --broker ADDR"
         )
     endpoint = chosen.endpoint(_local_networks())
     log.info("broker discovered", broker=chosen.name, endpoint=endpoint, models=chosen.models)
