@@ -94,12 +94,14 @@ def test_discovery_needs_a_broker_key_to_check_against(
     issued = add_key(folder, "worker", "w1")
     seen: list[tuple[bytes, str]] = []
 
-    def found(trusted: bytes, model: str = "", timeout: float = 0.0) -> str:
+    def found(trusted: bytes, model: str, timeout: float) -> str:
         seen.append((trusted, model))
+        assert timeout == 2.5
         return "tcp://198.18.0.1:5556"
 
     monkeypatch.setattr("zmqllm.bus.discovery.discover_broker", found)
     cfg = with_overrides(Config(), "security", {"keys": str(issued)})
+    cfg = with_overrides(cfg, "worker", {"discover_timeout": 2.5})
     got = discovered_config(cfg, "m")
     assert got.worker.broker == "tcp://198.18.0.1:5556"
     broker_public = (folder / "broker.key").read_text()

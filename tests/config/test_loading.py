@@ -233,6 +233,7 @@ def test_section_must_be_a_table(tmp_path: Path) -> None:
         ("[broker]\nqueue_size = 0\n", "queue_size"),
         ('[broker]\nfrontend = "127.0.0.1:5555"\n', "frontend"),
         ("[worker]\nthreads = -1\n", "threads"),
+        ("[worker]\ndiscover_timeout = 0\n", "discover_timeout"),
         ("[worker]\nprefill_chunk = 0\n", "prefill_chunk"),
         ('[worker]\nwire_dtype = "int8"\n', "wire_dtype"),
         ('[worker]\nspeculative = "ngram"\n', "speculative"),

@@ -48,9 +48,10 @@ def hosts(tmp_path_factory: pytest.TempPathFactory, e2e_model: Path) -> Iterator
         bed.close()
 
 
-def discovering(c: HostCluster, index: int, keys: Path) -> list[str]:
+def discovering(c: HostCluster, index: int, keys: Path, wait_s: int) -> list[str]:
     """`zmqllm worker` on host ``index`` with --discover and no --broker."""
-    args = ["worker", "--discover", "--model", str(c.model_dir), "--layers", "0:4"]
+    args = ["worker", "--discover", "--discover-timeout", str(wait_s)]
+    args += ["--model", str(c.model_dir), "--layers", "0:4"]
     args += ["--threads", "1", "--name", f"host-{index}", *c.beats()]
     return [*zmqllm_command(), *args, "--keys", str(keys), "--log-format", "json"]
 
@@ -63,7 +64,8 @@ def test_a_worker_finds_the_announced_broker_and_skips_another_key(c: HostCluste
         [sys.executable, "-m", "testbed.fake_announce", "--backend", fake_backend],
     )
     c.wait_for(lambda: "announced" in fake.text(), 30, "the fake announcement")
-    worker = c._start(c.bed.host(2), "worker-discover", discovering(c, 2, c.folder(2) / "keys"))
+    # 40 s: under CI's load the default 10 s once passed before the broker's answer came.
+    worker = c._start(c.bed.host(2), "worker-discover", discovering(c, 2, c.folder(2) / "keys", 40))
     c.wait_for(lambda: len(c.status()["workers"]) == 1, 120, "the discovering worker")
     text = worker.text()
     assert "broker discovered" in text and c.backend in text  # host 1's backend
@@ -76,7 +78,7 @@ def test_a_worker_holding_another_broker_key_finds_none(c: HostCluster) -> None:
     c._cli(c.head, "keys", "init", str(other))
     c._cli(c.head, "keys", "add", "worker", "stray", "--keys", str(other))
     before = len(c.status()["workers"])
-    done = c.bed.host(3).run(*discovering(c, 3, other / "issued" / "stray"), timeout=120)
+    done = c.bed.host(3).run(*discovering(c, 3, other / "issued" / "stray", 20), timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "no broker with this worker's broker key" in done.stderr
     assert "announced another public key, ignored" in done.stderr

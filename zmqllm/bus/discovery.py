@@ -32,7 +32,6 @@ from zmqllm.config.settings import Config, ConfigError
 from zmqllm.log import get_logger
 
 __all__ = [
-    "DISCOVER_TIMEOUT_S",
     "SERVICE_TYPE",
     "Announcement",
     "DiscoveryError",
@@ -47,7 +46,6 @@ log = get_logger("zmqllm.discovery")
 
 SERVICE_TYPE = "_zmqllm._tcp.local."
 TXT_VERSION = "1"
-DISCOVER_TIMEOUT_S = 10.0
 # After the first announcement with the right key, how long to wait for one that already
 # serves the worker's model (brokers answer a query within a second or so).
 PREFER_WAIT_S = 2.0
@@ -180,7 +178,7 @@ def _browse(until: Callable[[list[Announcement]], bool], timeout: float) -> list
         zc.close()
 
 
-def discover_broker(trusted: bytes, model: str = "", timeout: float = DISCOVER_TIMEOUT_S) -> str:
+def discover_broker(trusted: bytes, model: str, timeout: float) -> str:
     """The backend endpoint of a broker announcing the ``trusted`` key on the local
     network; DiscoveryError naming what was seen when there is none."""
     first_ok: list[float] = []
@@ -229,4 +227,5 @@ def discovered_config(cfg: Config, model: str = "") -> Config:
         trusted = load_peer_keys(folder, "worker").server
     except KeysError as exc:
         raise DiscoveryError(f"--discover: {exc}") from exc
-    return with_overrides(cfg, "worker", {"broker": discover_broker(trusted, model)})
+    endpoint = discover_broker(trusted, model, cfg.worker.discover_timeout)
+    return with_overrides(cfg, "worker", {"broker": endpoint})

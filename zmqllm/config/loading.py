@@ -203,7 +203,7 @@ def _check_worker(s: WorkerSettings, where: str) -> WorkerSettings:
             f"remote {where} must be an http(s) URL like 'http://host:8000/v1', or @FILE "
             "holding one"
         )
-    _check_positive(s, ("remote_stall_timeout",), where)
+    _check_positive(s, ("remote_stall_timeout", "discover_timeout"), where)
     _check_positive(s, ("remote_retries",), where, minimum=0)
     for key in ("served_name", "remote_model"):
         value = getattr(s, key)

@@ -190,6 +190,9 @@ class WorkerSettings:
         "of --broker; an announcement is used only when its public key is the broker key of "
         "this worker's --keys or ticket (prefers a broker already serving --model)",
     )
+    discover_timeout: float = setting(
+        10.0, "seconds --discover waits for an announcement with the trusted key before exiting 2"
+    )
     # Activations and next steps then go from worker to worker: the broker forwards only
     # the tokens.
     peer: str = setting(
