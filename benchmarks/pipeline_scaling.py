@@ -10,10 +10,13 @@ with ``--micro-batches 1`` (every session in one group, the behaviour before
 micro-batches), and 2 stages across test hosts (network namespaces, a link of
 ``--link-rate`` and ``--link-delay-ms`` one way per worker host; needs root), with their
 peer link and with every hop through the broker (the testbed delays only the links to
-the broker). Rounds
-repeat every configuration in turn; ratios to the 1-stage run are taken round by round.
+the broker). ``--measured-split`` adds 2 stages cut where `zmqllm plan` puts them by
+this machine's figures (what ``layers = "auto"`` gives), ``--cuts N ...`` 2 stages cut at
+each layer N. Rounds repeat every configuration in turn; ratios to the 1-stage run are
+taken round by round.
 
     python benchmarks/pipeline_scaling.py [--levels 1 4 16 32] [--new-tokens 64] [--rounds 2]
+        [--measured-split] [--cuts 17 15]
 
 Writes benchmarks/results/pipeline_scaling.json (or --out) and a PNG beside it.
 """
@@ -28,8 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # see benchmarks/_
 import argparse
 import contextlib
 import functools
+import json
 import os
 import socket
+import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -39,7 +44,9 @@ from benchmarks.report import cpu_name, write_json, write_plot
 from benchmarks.stats import spread
 from benchmarks.throughput import ClusterLike, burst
 from testbed.cluster import Cluster
+from testbed.hosts import zmqllm_command
 from zmqllm.config.paths import default_model_dir
+from zmqllm.config.weighted_split import Figures, weighted_split
 from zmqllm.models.model_args import ModelArgs
 from zmqllm.models.prepare import prepare_default_model
 
@@ -122,31 +129,50 @@ def host_cluster(
         yield c, lambda: netns_socket(c.http(timeout=600))
 
 
-Config = tuple[str, int, int, Callable[..., Any]]  # name, stages, micro_batches, cluster
+# name, stages, micro_batches, cluster, the 2-stage boundary (0: what "k/n" gives)
+Config = tuple[str, int, int, Callable[..., Any], int]
 
 
 def configs(a: argparse.Namespace, num_layers: int) -> list[Config]:
     cores = len(os.sched_getaffinity(0))
-    out: list[Config] = [("1 stage", 1, 0, local_cluster)]
+    out: list[Config] = [("1 stage", 1, 0, local_cluster, 0)]
     for k in a.stages:
         if k > cores or k > num_layers:
             print(f"  {k} stages left out: {cores} cores, {num_layers} layers")
             continue
-        out.append((f"{k} stages", k, 0, local_cluster))
+        out.append((f"{k} stages", k, 0, local_cluster, 0))
+    for cut in a.cuts if cores >= 2 else ():
+        out.append((f"2 stages, 0:{cut} {cut}:{num_layers}", 2, 0, local_cluster, cut))
+    if cores >= 2 and a.measured_split:
+        cut = measured_cut(a, num_layers)
+        out.append((f"2 stages, measured 0:{cut}", 2, 0, local_cluster, cut))
     if cores >= 2 and not a.no_one_group:
-        out.append(("2 stages, one group", 2, 1, local_cluster))
+        out.append(("2 stages, one group", 2, 1, local_cluster, 0))
     if cores >= 2 and not a.no_hosts:
-        out.append(("2 stages across hosts", 2, 0, host_cluster))
+        out.append(("2 stages across hosts", 2, 0, host_cluster, 0))
         via_broker = functools.partial(host_cluster, peer=False)
-        out.append(("2 hosts, through the broker", 2, 0, via_broker))
+        out.append(("2 hosts, through the broker", 2, 0, via_broker, 0))
     return out
+
+
+def measured_cut(a: argparse.Namespace, num_layers: int) -> int:
+    """Where `zmqllm plan` cuts 2 stages of this machine's figures (`zmqllm measure` on
+    one thread, as each worker runs): the split `layers = "auto"` gives."""
+    cmd = [*zmqllm_command(), "measure", "--json", "--threads", "1", "--quant", a.quant]
+    if a.model:
+        cmd += ["--model", str(a.model)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True)
+    f = Figures.from_dict(json.loads(done.stdout))
+    (_, cut), _ = weighted_split(num_layers, [f, f])
+    print(f"  measured: {f.ms_16:.2f} ms a layer, head {f.head_ms():.2f} ms at 16 rows: 0:{cut}")
+    return cut
 
 
 def run_config(
     model_dir: Path, args: ModelArgs, cfg: Config, a: argparse.Namespace
 ) -> dict[int, dict[str, Any]]:
-    name, k, micro, make = cfg
-    layers = args.stage_ranges(k)  # what "k/n" gives
+    name, k, micro, make, cut = cfg
+    layers = [(0, cut), (cut, args.num_layers)] if cut else args.stage_ranges(k)
     rows: dict[int, dict[str, Any]] = {}
     with make(model_dir, layers, a, micro) as (c, connect):
         cores = pin_cluster(c, None if a.front_end_core < 0 else a.front_end_core)
@@ -235,6 +261,18 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 3], help="split in K stages")
+    ap.add_argument(
+        "--cuts",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also 2 stages split at each of these layers (beside what 2/2 gives)",
+    )
+    ap.add_argument(
+        "--measured-split",
+        action="store_true",
+        help="also 2 stages split where `zmqllm plan` puts them by this machine's figures",
+    )
     ap.add_argument("--no-one-group", action="store_true", help="leave out --micro-batches 1")
     ap.add_argument("--no-hosts", action="store_true", help="leave out the test hosts")
     ap.add_argument("--link-rate", default="100mbit")

@@ -23,6 +23,8 @@ def figures(ms_16: float = 1.0, memory: int = 64 * GIB, head: float = 0.0, **kw:
         runtime_bytes=int(kw.get("runtime", 1 << 30)),
         head_cost=head,
         rtt_ms=kw.get("rtt", 0.0),
+        head_ms_1=kw.get("head_1", 0.0),
+        head_ms_16=kw.get("head_16", 0.0),
     )
 
 
@@ -62,12 +64,34 @@ def test_expected_figures_compare_the_splits() -> None:
     assert equal.ms_per_token == pytest.approx(15 * 0.25 + 15 * 0.5 + 1.0)
 
 
+def test_a_measured_head_replaces_the_weights_estimate() -> None:
+    # Not measured (figures of an older worker): head_cost layers at each row count.
+    assert figures(2.0, head=8.0).stage_ms(10, last=True) == pytest.approx(2.0 * 18)
+    assert figures(2.0, head=8.0).stage_ms(10, last=True, rows=1) == pytest.approx(0.5 * 18)
+    # Measured: the 16-row head of 4 layers' time moves 2 layers from stage 0 to the last
+    # stage of an equal-speed pair (19:30 by weights, 17:30 with the head as measured).
+    measured = figures(2.0, head=8.0, head_1=4.0, head_16=8.0)
+    assert measured.stage_ms(10, last=True) == pytest.approx(2.0 * 10 + 8.0)
+    assert measured.stage_ms(10, last=True, rows=1) == pytest.approx(0.5 * 10 + 4.0)
+    assert measured.stage_ms(10, last=False) == pytest.approx(2.0 * 10)
+    assert weighted_split(30, [figures(2.0, head=8.0)] * 2) == [(0, 19), (19, 30)]
+    assert weighted_split(30, [measured] * 2) == [(0, 17), (17, 30)]
+    e = expected([(0, 17), (17, 30)], [measured] * 2, 30)
+    assert e.bottleneck_ms == pytest.approx(34.0)
+    assert e.ms_per_token == pytest.approx(0.5 * 30 + 4.0)
+
+
 def test_figures_from_json_are_checked() -> None:
     raw = figures().to_dict()
     assert Figures.from_dict({**raw, "num_layers": 30}) == figures()
     for bad in ({"ms_16": 0}, {"ms_1": -1.0}, {"memory_bytes": "lots"}, {"ms_1": float("nan")}):
         with pytest.raises(ConfigError):
             Figures.from_dict({**raw, **bad})
+    # An older worker's figures have no head times: estimated from head_cost then.
+    older = {k: v for k, v in raw.items() if not k.startswith("head_ms")}
+    assert Figures.from_dict(older).head_ms_16 == 0.0
+    with pytest.raises(ConfigError):
+        Figures.from_dict({**raw, "head_ms_16": -1.0})
     with pytest.raises(ConfigError, match="lack 'layer_bytes'"):
         Figures.from_dict({k: v for k, v in raw.items() if k != "layer_bytes"})
 

@@ -79,3 +79,4 @@ def test_the_probe_measures_the_models_shape(tiny_model_dir: Path) -> None:
     assert f.ms_1 > 0 and f.ms_16 > 0
     assert f.memory_bytes == 2048 << 20 and f.layer_bytes > 0 and f.runtime_bytes > 0
     assert f.last_bytes > 0 and f.head_cost > 0
+    assert f.head_ms_1 > 0 and f.head_ms_16 > 0  # the head timed on its own

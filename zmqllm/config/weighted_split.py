@@ -5,10 +5,11 @@ with, the milliseconds one decoder layer takes at 1 and at 16 rows, the memory i
 and the bytes a layer, the embedding and the head need there (``Figures``). Given such
 figures for each stage of a pipeline, ``weighted_split`` chooses the contiguous ranges
 that make the slowest stage as fast as it can be: each stage's share of the compute is
-proportional to its rate, the output layer's cost (ModelArgs.head_cost, in layers) counts
-on the last stage, and memory is a hard limit (``max_layers``). ``expected`` says what a
-split should give: ms per token for one stream, and tokens/s at 16 streams when the
-stages overlap (the slowest stage's forward of 16 rows bounds it).
+proportional to its rate, the output layer's cost (measured by the probe, else
+ModelArgs.head_cost layers' worth) counts on the last stage, and memory is a hard limit
+(``max_layers``). ``expected`` says what a split should give: ms per token for one
+stream, and tokens/s at 16 streams when the stages overlap (the slowest stage's forward
+of 16 rows bounds it).
 
 Torch-free: the launcher, `zmqllm plan`, the broker's placement and `ray up` use it.
 """
@@ -49,6 +50,10 @@ class Figures:
     runtime_bytes: int  # the process itself: interpreter, torch, activations
     head_cost: float = 0.0  # the head's matmul work in layers (ModelArgs.head_cost)
     rtt_ms: float = 0.0  # to the broker, where it was measured
+    # The final norm and head at 1 and 16 rows (0: not measured, as in figures of older
+    # versions: head_cost layers' worth then).
+    head_ms_1: float = 0.0
+    head_ms_16: float = 0.0
 
     def to_dict(self) -> dict[str, float | int]:
         return asdict(self)
@@ -59,7 +64,7 @@ class Figures:
         values: dict[str, Any] = {}
         for name in FIGURE_FIELDS:
             if name not in raw:
-                if name in ("head_cost", "rtt_ms"):
+                if name in OPTIONAL_FIELDS:
                     continue
                 raise ConfigError(f"measured figures lack {name!r}")
             value = raw[name]
@@ -77,10 +82,18 @@ class Figures:
     def stage_ms(self, layers: int, last: bool, rows: int = ROWS) -> float:
         """A forward of ``rows`` rows through ``layers`` layers (and the head if last)."""
         per = self.ms_1 if rows == 1 else self.ms_16
-        return per * (layers + (self.head_cost if last else 0.0))
+        return per * layers + (self.head_ms(rows) if last else 0.0)
+
+    def head_ms(self, rows: int = ROWS) -> float:
+        """The final norm and head at 1 row or at ``ROWS``: measured, else estimated."""
+        measured = self.head_ms_1 if rows == 1 else self.head_ms_16
+        if measured > 0:
+            return measured
+        return (self.ms_1 if rows == 1 else self.ms_16) * self.head_cost
 
 
 FIGURE_FIELDS = tuple(Figures.__dataclass_fields__)
+OPTIONAL_FIELDS = ("head_cost", "rtt_ms", "head_ms_1", "head_ms_16")
 
 
 def fits(f: Figures, start: int, end: int, num_layers: int) -> bool:

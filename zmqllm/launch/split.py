@@ -153,11 +153,14 @@ def cmd_plan(ns: argparse.Namespace) -> int:
             )
         )
         return 0
-    print(f"{num_layers} layers, {k} stages; per stage, ms per layer at 1 / 16 rows:")
+    print(
+        f"{num_layers} layers, {k} stages; per stage, ms per layer (and the head) at 1 / 16 rows:"
+    )
     for i, f in enumerate(figures, 1):
         print(
-            f"  stage {i}: {f.ms_1:.3f} / {f.ms_16:.3f} ms, memory {f.memory_bytes >> 20} MiB"
-            f", round trip {f.rtt_ms:.2f} ms"
+            f"  stage {i}: {f.ms_1:.3f} / {f.ms_16:.3f} ms, head {f.head_ms(1):.2f} / "
+            f"{f.head_ms():.2f} ms, memory {f.memory_bytes >> 20} MiB, round trip "
+            f"{f.rtt_ms:.2f} ms"
         )
     print(f"\n{'split':<9} {'layers':<28} {'slowest ms':>10} {'ms/token':>11} {'tokens/s':>9}")
     print(_row("equal", equal, e_equal))

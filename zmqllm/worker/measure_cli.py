@@ -41,7 +41,8 @@ def cmd_measure(ns: argparse.Namespace) -> int:
     else:
         print(
             f"{out['num_layers']} layers; one layer: {figures.ms_1:.3f} ms at 1 row, "
-            f"{figures.ms_16:.3f} ms at 16; memory {figures.memory_bytes >> 20} MiB"
+            f"{figures.ms_16:.3f} ms at 16; the head: {figures.head_ms_1:.3f} / "
+            f"{figures.head_ms_16:.3f} ms; memory {figures.memory_bytes >> 20} MiB"
         )
     return 0
 

@@ -3,21 +3,25 @@
 The probe builds decoder layers of the model's shape with random weights, in the dtype
 and quant the worker serves with, through the same paths a loaded stage takes (compiled
 kernel, packed weights), and times decode forwards of 1 and 16 rows against a short
-context: the milliseconds one layer costs there. Random weights cost what real ones do
+context: the milliseconds one layer costs there, then the final norm and output layer
+alone at the same row counts (what the last stage adds). Random weights cost what real ones do
 (the work is the same shapes), and the probe reads nothing of the checkpoint but its
 config. With the memory the stage may use and what a layer, the embedding and the head
 need (engine/memory_plan.py), these are the figures (config/weighted_split.Figures) the
 broker places a worker by, `zmqllm plan` splits by, and `zmqllm status` shows.
 
 ``zmqllm measure`` prints them as JSON, for `zmqllm plan --figures` on another machine.
-Kept short: about 2 s (a 1 s window per row count), a few more on a 7B-shaped layer.
+Kept short: about 4 s (a 1 s window per row count, layer and head), a few more on a
+7B-shaped layer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -35,7 +39,7 @@ from zmqllm.engine.model import MistralShard
 from zmqllm.engine.quant import QuantTensor
 from zmqllm.models.model_args import ModelArgs
 
-__all__ = ["measure", "measure_dir", "probe_ms"]
+__all__ = ["measure", "measure_dir", "probe_head_ms", "probe_ms"]
 
 CONTEXT = 32  # tokens each probe session holds before its timed steps
 WARM = 2  # untimed forwards per row count (the kernels' paths for that many rows)
@@ -72,6 +76,40 @@ def _random_layer(args: ModelArgs, index: int) -> dict[str, torch.Tensor | Quant
     return out
 
 
+def _timed_ms(run: Callable[[], object], most: int) -> float:
+    """The mean milliseconds of ``run()`` over a window of WINDOW_S (at least MIN_REPS,
+    at most ``most`` calls), after WARM untimed calls (the paths for that many rows)."""
+    for _ in range(WARM):
+        run()
+    count, t0 = 0, time.perf_counter()
+    while count < MIN_REPS or (time.perf_counter() - t0 < WINDOW_S and count < most):
+        run()
+        count += 1
+    return (time.perf_counter() - t0) * 1000 / count
+
+
+def _probe_shard(cfg: Config, args: ModelArgs, layers: int, last: bool) -> MistralShard:
+    """Layers 1..layers of random weights (and the final norm and head when ``last``),
+    on the paths a loaded stage takes."""
+    m, w = cfg.model, cfg.worker
+    # Middle layers of a deeper model of this shape: no embedding, and a head only when
+    # asked for.
+    deep = dataclasses.replace(args, num_layers=layers + (1 if last else 2))
+    shard = MistralShard(deep, 1, 1 + layers, torch_dtype(m.dtype), m.device, m.quant)
+    for index in range(1, 1 + layers):
+        shard.load(_random_layer(args, index), strict=False)
+    if last:
+        vocab = torch.randn(args.vocab_size, args.hidden_size) * 0.02
+        ends = {"model.norm.weight": torch.ones(args.hidden_size)}
+        ends["model.embed_tokens.weight" if args.tie_word_embeddings else "lm_head.weight"] = vocab
+        shard.load(ends, strict=False)
+    if w.native_attention:
+        shard.use_kernel(native.load())
+    if w.packed_rows >= PACK_MIN_ROWS:
+        shard.pack(w.packed_rows)
+    return shard
+
+
 def probe_ms(cfg: Config, args: ModelArgs) -> tuple[float, float]:
     """Milliseconds one decoder layer's decode forward takes at 1 and at 16 rows here."""
     m, w = cfg.model, cfg.worker
@@ -79,16 +117,8 @@ def probe_ms(cfg: Config, args: ModelArgs) -> tuple[float, float]:
         torch.set_num_threads(w.threads)
     itemsize = 4 if m.dtype == "float32" else 2
     layers = 1 if args.layer_params * itemsize > ONE_LAYER_BYTES else 2
-    # Middle layers of a deeper model of this shape: neither embedding nor head.
-    deep = dataclasses.replace(args, num_layers=layers + 2)
-    shard = MistralShard(deep, 1, 1 + layers, torch_dtype(m.dtype), m.device, m.quant)
-    for index in range(1, 1 + layers):
-        shard.load(_random_layer(args, index), strict=False)
-    if w.native_attention:
-        shard.use_kernel(native.load())
-    if w.packed_rows >= PACK_MIN_ROWS:
-        shard.pack(w.packed_rows)
-    pool = CachePool(deep, layers, shard.dtype, m.device, max_sessions=ROWS)
+    shard = _probe_shard(cfg, args, layers, last=False)
+    pool = CachePool(shard.args, layers, shard.dtype, m.device, max_sessions=ROWS)
     names = [f"probe-{i}" for i in range(ROWS)]
     room = min(args.max_position_embeddings, CONTEXT + 2 * (WARM + MAX_REPS))
     most = max(MIN_REPS, (room - CONTEXT) // 2 - WARM)  # forwards per row count
@@ -101,13 +131,27 @@ def probe_ms(cfg: Config, args: ModelArgs) -> tuple[float, float]:
         for rows in (1, ROWS):
             x = torch.randn(rows, h, dtype=shard.dtype, device=m.device)
             segments = [Segment(pool.get(n), 1) for n in names[:rows]]
-            for _ in range(WARM):
-                shard(x, segments)
-            count, t0 = 0, time.perf_counter()
-            while count < MIN_REPS or (time.perf_counter() - t0 < WINDOW_S and count < most):
-                shard(x, segments)
-                count += 1
-            timed[rows] = (time.perf_counter() - t0) * 1000 / count / layers
+            timed[rows] = _timed_ms(functools.partial(shard, x, segments), most) / layers
+    return timed[1], timed[ROWS]
+
+
+def probe_head_ms(cfg: Config, args: ModelArgs) -> tuple[float, float]:
+    """Milliseconds the final norm and output layer take at 1 and at 16 rows here: what
+    the last stage adds to its layers. Timed, not taken from the weights' size: at 16
+    rows the head's one large product runs nearer the CPU's peak than a layer's small ones
+    and its attention (the default model's float32 head costs what 4-6 of its layers do
+    there on 2 AVX2 cores, not the 8 its weights make), and it stays int8 under int4
+    layers."""
+    if cfg.worker.threads:
+        torch.set_num_threads(cfg.worker.threads)
+    shard = _probe_shard(cfg, args, 1, last=True)
+    assert shard.norm is not None and shard.head is not None
+    norm, head = shard.norm, shard.head
+    timed: dict[int, float] = {}
+    with torch.inference_mode():
+        for rows in (1, ROWS):
+            x = torch.randn(rows, args.hidden_size, dtype=shard.dtype, device=cfg.model.device)
+            timed[rows] = _timed_ms(lambda x=x: head(norm(x)), MAX_REPS)
     return timed[1], timed[ROWS]
 
 
@@ -116,6 +160,7 @@ def measure(cfg: Config, directory: Path) -> Figures:
     m, w = cfg.model, cfg.worker
     args = ModelArgs.from_dir(directory)
     ms_1, ms_16 = probe_ms(cfg, args)
+    head_1, head_16 = probe_head_ms(cfg, args)
     if w.max_memory_mb:
         memory = w.max_memory_mb << 20
     elif m.device.startswith("cuda"):
@@ -133,6 +178,8 @@ def measure(cfg: Config, directory: Path) -> Figures:
         last_bytes=last,
         runtime_bytes=runtime,
         head_cost=args.head_cost,
+        head_ms_1=round(head_1, 4),
+        head_ms_16=round(head_16, 4),
     )
 
 
