@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from zmqllm.config.machine import memory_available
 from zmqllm.config.settings import Config
@@ -100,7 +101,9 @@ def _probe_shard(cfg: Config, args: ModelArgs, layers: int, last: bool) -> Mistr
         shard.load(_random_layer(args, index), strict=False)
     if last:
         vocab = torch.randn(args.vocab_size, args.hidden_size) * 0.02
-        ends = {"model.norm.weight": torch.ones(args.hidden_size)}
+        ends: dict[str, torch.Tensor | QuantTensor] = {
+            "model.norm.weight": torch.ones(args.hidden_size)
+        }
         ends["model.embed_tokens.weight" if args.tie_word_embeddings else "lm_head.weight"] = vocab
         shard.load(ends, strict=False)
     if w.native_attention:
@@ -146,12 +149,12 @@ def probe_head_ms(cfg: Config, args: ModelArgs) -> tuple[float, float]:
         torch.set_num_threads(cfg.worker.threads)
     shard = _probe_shard(cfg, args, 1, last=True)
     assert shard.norm is not None and shard.head is not None
-    norm, head = shard.norm, shard.head
+    last = nn.Sequential(shard.norm, shard.head)
     timed: dict[int, float] = {}
     with torch.inference_mode():
         for rows in (1, ROWS):
             x = torch.randn(rows, args.hidden_size, dtype=shard.dtype, device=cfg.model.device)
-            timed[rows] = _timed_ms(lambda x=x: head(norm(x)), MAX_REPS)
+            timed[rows] = _timed_ms(functools.partial(last, x), MAX_REPS)
     return timed[1], timed[ROWS]
 
 
