@@ -4,8 +4,8 @@ The probe builds decoder layers of the model's shape with random weights, in the
 and quant the worker serves with, through the same paths a loaded stage takes (compiled
 kernel, packed weights), and times decode forwards of 1 and 16 rows against a short
 context: the milliseconds one layer costs there, then the final norm and output layer
-alone at the same row counts (what the last stage adds). Random weights cost what real ones do
-(the work is the same shapes), and the probe reads nothing of the checkpoint but its
+alone at the same row counts (what the last stage adds). Random weights cost what real
+ones do (the work is the same shapes), and the probe reads nothing of the checkpoint but its
 config. With the memory the stage may use and what a layer, the embedding and the head
 need (engine/memory_plan.py), these are the figures (config/weighted_split.Figures) the
 broker places a worker by, `zmqllm plan` splits by, and `zmqllm status` shows.
@@ -77,16 +77,22 @@ def _random_layer(args: ModelArgs, index: int) -> dict[str, torch.Tensor | Quant
     return out
 
 
-def _timed_ms(run: Callable[[], object], most: int) -> float:
+def _timed_ms(run: Callable[[], object], most: int, device: str) -> float:
     """The mean milliseconds of ``run()`` over a window of WINDOW_S (at least MIN_REPS,
     at most ``most`` calls), after WARM untimed calls (the paths for that many rows)."""
+
+    def now() -> float:
+        if device.startswith("cuda"):  # a GPU's work is queued: time what ran, not the queue
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
     for _ in range(WARM):
         run()
-    count, t0 = 0, time.perf_counter()
-    while count < MIN_REPS or (time.perf_counter() - t0 < WINDOW_S and count < most):
+    count, t0 = 0, now()
+    while count < MIN_REPS or (now() - t0 < WINDOW_S and count < most):
         run()
         count += 1
-    return (time.perf_counter() - t0) * 1000 / count
+    return (now() - t0) * 1000 / count
 
 
 def _probe_shard(cfg: Config, args: ModelArgs, layers: int, last: bool) -> MistralShard:
@@ -134,7 +140,9 @@ def probe_ms(cfg: Config, args: ModelArgs) -> tuple[float, float]:
         for rows in (1, ROWS):
             x = torch.randn(rows, h, dtype=shard.dtype, device=m.device)
             segments = [Segment(pool.get(n), 1) for n in names[:rows]]
-            timed[rows] = _timed_ms(functools.partial(shard, x, segments), most) / layers
+            timed[rows] = (
+                _timed_ms(functools.partial(shard.forward, x, segments), most, m.device) / layers
+            )
     return timed[1], timed[ROWS]
 
 
@@ -154,7 +162,7 @@ def probe_head_ms(cfg: Config, args: ModelArgs) -> tuple[float, float]:
     with torch.inference_mode():
         for rows in (1, ROWS):
             x = torch.randn(rows, args.hidden_size, dtype=shard.dtype, device=cfg.model.device)
-            timed[rows] = _timed_ms(functools.partial(last, x), MAX_REPS)
+            timed[rows] = _timed_ms(functools.partial(last, x), MAX_REPS, cfg.model.device)
     return timed[1], timed[ROWS]
 
 
