@@ -2,7 +2,8 @@
 
 Shared: ``http_client`` (the one streaming HTTP client and its per-request record),
 ``stats`` (percentiles, medians and ranges, tokens/s), ``paired`` (alternating rounds),
-``report`` (JSON and PNG), ``links`` (a cluster across test hosts), ``process_cpu``.
+``report`` (JSON and PNG), ``links`` (a cluster across test hosts), ``process_cpu``,
+``floor`` (the read bandwidth and GEMM rates a figure is held against).
 
 Each script runs as ``python benchmarks/NAME.py`` or ``python -m benchmarks.NAME``.
 Its first statement puts the checkout's root first on ``sys.path``: run as a file, only

@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import torch
 
+from benchmarks.floor import read_bandwidth
 from benchmarks.report import write_json, write_plot
 from benchmarks.stats import median, spread
 from zmqllm.config.paths import default_model_dir
@@ -37,8 +38,6 @@ from zmqllm.engine.generator import Generator
 from zmqllm.engine.gguf_weights import gguf_source
 from zmqllm.models.prepare import prepare_default_model
 from zmqllm.models.tokenizer import Tokenizer
-
-FLOOR_BYTES = 512 << 20
 
 TEXT = (
     "ZeroMQ is a high-performance asynchronous messaging library aimed at use in distributed "
@@ -51,13 +50,6 @@ def seconds(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
-
-
-def floor_seconds_per_byte(buf: torch.Tensor) -> float:
-    """The memory floor's rate: seconds per byte of a sum over a filled buffer larger
-    than every cache, with the threads torch was given."""
-    buf.sum()
-    return min(seconds(buf.sum) for _ in range(3)) / (buf.numel() * buf.element_size())
 
 
 def llama_cpp_run(gguf: Path, ids: list[int], n: int, threads: int) -> Callable[[int], list[int]]:
@@ -181,7 +173,6 @@ def main() -> None:
     int4_bytes = 0
     if "int4" in quantized:  # the same floor at the int4 shard's bytes (its head is tied)
         int4_bytes = quantized["int4"].shards[0].weight_bytes()
-    buf = torch.ones(FLOOR_BYTES // 4, dtype=torch.float32)
 
     # Alternating rounds (the order flipped each round): this machine's speed drifts.
     floors = ["floor", "floor_int4"] if int4_bytes else ["floor"]
@@ -195,7 +186,7 @@ def main() -> None:
             tn = seconds(lambda run=run: run(n))
             prefill[name].append(t1 * 1e3)
             decode[name].append((tn - t1) / (n - 1) * 1e3)
-        rate = floor_seconds_per_byte(buf)
+        rate = 1 / read_bandwidth(a.threads)  # seconds a byte
         decode["floor"].append(rate * weight_bytes * 1e3)
         if int4_bytes:
             decode["floor_int4"].append(rate * int4_bytes * 1e3)

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from benchmarks.floor import read_bandwidth
 from benchmarks.report import write_json
 from benchmarks.stats import median
 from zmqllm.config.paths import default_model_dir
@@ -37,19 +38,12 @@ from zmqllm.engine import native, quant
 from zmqllm.engine.generator import load_shard
 from zmqllm.models.prepare import prepare_default_model
 
-FLOOR_BYTES = 512 << 20
-
 
 def timed(fn: Callable[[], object], inner: int) -> float:
     t0 = time.perf_counter()
     for _ in range(inner):
         fn()
     return (time.perf_counter() - t0) / inner
-
-
-def floor_seconds_per_byte(buf: torch.Tensor) -> float:
-    """Seconds per byte of a streaming read (a sum) over a buffer beyond every cache."""
-    return timed(buf.sum, 3) / (buf.numel() * buf.element_size())
 
 
 def torch_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,7 +125,6 @@ def main() -> None:
             for x, (p, _), s in zip(xd, q4, sz, strict=True)
         ]
         sizes[f"torch int4pack {label} x"] = nbytes // 8
-    buf = torch.ones(FLOOR_BYTES // 4)
     times: dict[str, list[float]] = {name: [] for name in [*candidates, "floor"]}
     for fn in candidates.values():
         fn()  # warm-up
@@ -141,7 +134,7 @@ def main() -> None:
             order.reverse()
         for name, fn in order:
             times[name].append(timed(fn, a.inner) * 1e3)
-        times["floor"].append(floor_seconds_per_byte(buf) * nbytes * 1e3)
+        times["floor"].append(nbytes / read_bandwidth(a.threads) * 1e3)
 
     floor = median(times["floor"])
     print(

@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.floor import read_bandwidth
 from benchmarks.report import write_json, write_plot
 from benchmarks.stats import median, spread
 
@@ -63,7 +64,6 @@ TEXT = (
     "or concurrent applications. It provides a message queue, but unlike message-oriented "
     "middleware, a ZeroMQ system can run without a dedicated message broker. "
 )
-FLOOR_BYTES = 512 << 20
 GIB = 1 << 30
 
 
@@ -179,23 +179,6 @@ def child(a: argparse.Namespace) -> None:
 
 
 # -- the parent: rounds, floor, table ------------------------------------------------------
-
-
-def read_bandwidth(threads: int) -> float:
-    """Bytes per second of a sum over a filled buffer larger than every cache."""
-    import torch
-
-    torch.set_num_threads(threads)
-    buf = torch.ones(FLOOR_BYTES // 4, dtype=torch.float32)
-    buf.sum()
-    best = min(_timed(buf.sum) for _ in range(3))
-    return FLOOR_BYTES / best
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def bytes_per_token(model: Path) -> dict[str, int]:

@@ -36,12 +36,14 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
+from benchmarks import floor
 from benchmarks.http_client import RequestInput, RequestOutput, run_all, stream
 from benchmarks.many_rows import cpu_name
 from benchmarks.peer_servers import Server, default_vllm_venv, vllm_server, zmqllm_server
 from benchmarks.report import write_json, write_plot
 from benchmarks.stats import median, ms, pct, spread, tokens_per_s
 from benchmarks.throughput import PROMPTS
+from zmqllm.models.model_args import ModelArgs
 
 # Plain prose to cut the long prompt from: no chat template, so token counts are the
 # tokenizer's alone.
@@ -92,6 +94,7 @@ def burst(server: Server, level: int, n: int) -> dict[str, float]:
         "ttft_ms_p99": ms(pct(ttfts, 99)),
         "completion_tokens": sum(o.completion_tokens for o in outs),
         "token_events": sum(o.generated_tokens for o in outs),
+        "prompt_tokens": median(o.prompt_tokens for o in outs),
     }
 
 
@@ -245,6 +248,45 @@ def table(runs: dict[str, list[dict[str, Any]]], a: argparse.Namespace) -> dict[
     return summary
 
 
+def weights_of(name: str, a: argparse.Namespace) -> str:
+    """How a runtime of the table holds its weights (a floor.BYTES_PER_WEIGHT key)."""
+    if name.startswith("zmqllm"):
+        return a.quant if a.quant != "none" else a.zmqllm_dtype or "float32"
+    return "bfloat16"  # peer_servers starts vLLM with --dtype bfloat16
+
+
+def floor_table(
+    runs: dict[str, list[dict[str, Any]]],
+    machines: list[floor.Machine],
+    args: ModelArgs,
+    a: argparse.Namespace,
+) -> dict[str, Any]:
+    """The floor of each runtime's weights (floor.py) from the median of the rounds'
+    measurements, and each runtime's median figure over it: how much of the machine it
+    uses. A stream's cache holds its prompt and, on average, half its new tokens."""
+    rates = {d: median(m.flops_per_s[d] for m in machines) for d in machines[0].flops_per_s}
+    machine = floor.Machine(median(m.read_bytes_per_s for m in machines), rates)
+    prompt = median(r["levels"][lv]["prompt_tokens"] for rs in runs.values() for r in rs
+                    for lv in a.levels)  # fmt: skip
+    context = round(prompt) + a.new_tokens // 2
+    held = {n: weights_of(n, a) for n in runs}
+    f = floor.floors(machine, args, tuple(sorted(set(held.values()))), a.levels, context,
+                     a.prefill_tokens)  # fmt: skip
+    print(floor.describe(f))
+    print(f"\n{'share of the floor':26}" + "".join(f"{n:>24}" for n in runs))
+    shares: dict[str, dict[str, float]] = {n: {} for n in runs}
+    for lv in a.levels:
+        for n, rs in runs.items():
+            got = median(r["levels"][lv]["decode_tokens_per_s"] for r in rs)
+            shares[n][f"c={lv} decode"] = got / f["decode_tokens_per_s"][held[n]][lv]
+    for n, rs in runs.items():
+        got = median(r["prefill"]["prefill_tokens_per_s"] for r in rs)
+        shares[n]["prefill"] = got / f["prefill_tokens_per_s"]
+    for label in shares[next(iter(runs))]:
+        print(f"{label:26}" + "".join(f"{shares[n][label]:>24.2f}" for n in runs))
+    return {**f, "weights": held, "share": shares}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, help="a Mistral HF checkpoint (default: the default)")
@@ -288,6 +330,8 @@ def main() -> None:
     print(f"serving peers — {model_dir.name} on {cpu}, {os.cpu_count()} cores, zmqllm {a.quant}")
     runs: dict[str, list[dict[str, Any]]] = {}
     settings: dict[str, Any] = {}
+    args = ModelArgs.from_dir(model_dir)
+    machines: list[floor.Machine] = []
     # vLLM's logs outlive the run (a few MB): where a server failed mid-run, they say why.
     logs = Path(tempfile.mkdtemp(prefix="serving-peers-logs-"))
     print(f"vLLM logs in {logs}")
@@ -295,12 +339,15 @@ def main() -> None:
         order = list(runtimes(model_dir, a, logs))
         if rnd % 2:
             order.reverse()  # alternate who goes first: drift falls on both
+        # The floor's measurements each round, with no server up: the machine drifts.
+        machines.append(floor.measure(args, a.threads or os.cpu_count() or 1))
         for name, start in order:
             print(f"round {rnd + 1}/{a.rounds}: {name}", flush=True)
             with start() as server:
                 runs.setdefault(name, []).append(measure(server, a, text))
                 settings[name] = server.settings
     summary = table(runs, a)
+    summary["floor"] = floor_table(runs, machines, args, a)
     meta = {
         "model": str(model_dir),
         "cpu": cpu,
@@ -321,6 +368,8 @@ def main() -> None:
             p50 = [median(r["levels"][lv]["ttft_ms_p50"] for r in rs) for lv in a.levels]
             ax1.plot(a.levels, dec, "o-", label=name)
             ax2.plot(a.levels, p50, "o-", label=name)
+        for w, per_level in summary["floor"]["decode_tokens_per_s"].items():
+            ax1.plot(a.levels, [per_level[lv] for lv in a.levels], "--", label=f"floor, {w}")
         for ax, what in ((ax1, "decode tokens/s"), (ax2, "TTFT p50, ms")):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("concurrent streams")
