@@ -18,7 +18,7 @@ from zmqllm.engine import native  # noqa: E402
 from zmqllm.engine.cache import KVCache  # noqa: E402
 from zmqllm.engine.decoder_layer import Segment  # noqa: E402
 from zmqllm.engine.generator import load_shard  # noqa: E402
-from zmqllm.engine.model import MistralShard  # noqa: E402
+from zmqllm.engine.model import SPEC_ROW_STEP, MistralShard  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -286,27 +286,46 @@ def test_single_stream_fast_path_tracks_the_pytorch_path(
     assert cf.length == 5 + 20 > 8  # past the sliding window
 
 
+@pytest.mark.parametrize("units", [True, False])
 @pytest.mark.parametrize("quant", ["none", "int8", "int4"])
 @pytest.mark.parametrize(("beside", "most"), [(False, False), (True, False), (True, True)])
 def test_a_speculative_pass_computes_the_bits_of_steps_decoded_one_by_one(
-    kernel: ModuleType, tiny_model_dir: Path, beside: bool, most: bool, quant: str
+    kernel: ModuleType, tiny_model_dir: Path, beside: bool, most: bool, quant: str, units: bool
 ) -> None:
     """A session's token and its proposals as one segment of a few rows (a speculative
     pass), past the sliding window: every row attends in the decode kernel and goes
     through the few-row gemv, so its logits are the same bits as the same positions
     decoded one step at a time (what lets speculation keep greedy text as it is),
     alone in its forward or beside another session's decode step; ``most``: the pass
-    and that step fill the kernel's GEMV_MAX_ROWS rows."""
+    and that step fill the rows speculation may take (exact_row_count: the kernel's
+    GEMV_MAX_ROWS, fewer for int8/int4 where the matrix units, on with ``units``, take
+    the products in bfloat16 from fewer rows)."""
+    kernel.set_matrix_units(units)
+    try:
+        _speculative_pass_bits(kernel, tiny_model_dir, beside, most, quant)
+    finally:
+        kernel.set_matrix_units(True)
+
+
+def _speculative_pass_bits(
+    kernel: ModuleType, tiny_model_dir: Path, beside: bool, most: bool, quant: str
+) -> None:
     fast = load_shard(tiny_model_dir, 0, 4, quant=quant)  # int8/int4: the kernel's products
     assert fast.use_kernel(kernel)
+    assert fast.row_steps()[0] == min(SPEC_ROW_STEP, fast.exact_row_count())
     (one, spec, other) = _caches(fast, [60, 60, 60])
     prompt = torch.tensor([5, 17, 99, 3, 250, 8, 1])
     fast(prompt, [Segment(one, 7)])
     fast(prompt, [Segment(spec, 7)])
     fast(prompt[:3], [Segment(other, 3)])
-    steps = [11, 42, 7, 300, 42, 5]  # any tokens: proposals need not be the model's
+    exact = fast.exact_row_count()
+    mat = fast._decode_layers[1][0] if fast._decode_layers else None
+    if quant != "none" and mat is not None and exact < kernel.GEMV_MAX_ROWS:
+        assert kernel.matrix_units() and kernel.matmul_choice(mat, exact + 1) != "direct"
+    # any tokens: proposals need not be the model's
+    steps = [11, 42, 7, 300, 42, 5][: exact - int(beside)]
     if most:
-        steps = [(7 * i + 11) % 300 for i in range(kernel.GEMV_MAX_ROWS - 1)]
+        steps = [(7 * i + 11) % 300 for i in range(fast.exact_row_count() - 1)]
     n = len(steps)
     want = torch.cat([fast(torch.tensor([t]), [Segment(one, 1)]) for t in steps])
     if beside:
@@ -348,7 +367,8 @@ def test_speculation_stops_at_8_rows_where_the_few_row_path_takes_more(
     kernel: ModuleType, tiny_model_dir: Path
 ) -> None:
     """The steps of a forward's cost that proposals do not cross (MistralShard.row_steps):
-    8 rows, the few-row path's own (16 on AVX2 builds), then 32 for float32."""
+    8 rows, the few-row path's own (16 on AVX2 builds), then 32 for float32; for
+    int8/int4 with the matrix units on, the last row before they take over."""
     shard = load_shard(tiny_model_dir, 0, 4)
     assert shard.row_steps() == (32,)  # no kernel: only the W @ xᵀ band's end
     shard.use_kernel(kernel)
@@ -356,4 +376,14 @@ def test_speculation_stops_at_8_rows_where_the_few_row_path_takes_more(
     assert few in (8, 16)  # 8 on AVX-512 builds, 16 on AVX2 (csrc/ops.h)
     assert shard.row_steps() == ((8, 32) if few == 8 else (8, 16, 32))
     int4 = load_shard(tiny_model_dir, 0, 4, quant="int4")  # computes in float32
-    assert int4.use_kernel(kernel) and int4.row_steps() == shard.row_steps()
+    assert int4.use_kernel(kernel)
+    kernel.set_matrix_units(False)
+    try:
+        assert int4.row_steps() == shard.row_steps()
+    finally:
+        kernel.set_matrix_units(True)
+    if kernel.matrix_units():  # bfloat16 from fewer rows than the few-row path: stop there
+        assert int4.row_steps() == (min(8, int4.exact_row_count()),)
+        assert int4.exact_row_count() < few
+    else:
+        assert int4.row_steps() == shard.row_steps()

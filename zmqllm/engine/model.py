@@ -138,27 +138,47 @@ class MistralShard(nn.Module):
     def row_steps(self) -> tuple[int, ...]:
         """The row counts past which a forward of this shard costs a step more (where
         speculation stops adding rows: engine/batching.py's draft_room): SPEC_ROW_STEP and
-        the rows of the one-call decode path (8, or 8 and 16 on AVX2 builds), then, for
+        the rows of the one-call decode path (8, or 8 and 16 on AVX2 builds; for int8/int4
+        with the matrix units on, only the rows before they take over), then, for
         float32 on the CPU, the most rows whose products run as ``W @ xᵀ``
         (linear.CPU_MM_MAX_ROWS). None on other devices."""
         if self.device.type != "cpu":
             return ()
         steps = []
-        if self._decode_layers is not None and self._decode_layers_rows > 1:
-            steps.append(min(SPEC_ROW_STEP, self._decode_layers_rows))
-            if self._decode_layers_rows > SPEC_ROW_STEP:
-                steps.append(self._decode_layers_rows)
+        exact = self.exact_row_count()
+        if exact > 1:
+            steps.append(min(SPEC_ROW_STEP, exact))
+            if exact > SPEC_ROW_STEP:
+                steps.append(exact)
+            if exact < self._decode_layers_rows:  # the matrix units' rows: none past them
+                return tuple(steps)
         if self._cpu_float32():
             steps.append(linear.CPU_MM_MAX_ROWS)
         return tuple(steps)
 
+    def exact_row_count(self) -> int:
+        """The most rows of a decode forward whose every row gets the bits of a forward of
+        its own: the few-row path's rows, fewer for int8/int4 where the matrix units take
+        the products from fewer rows (native.use_matrix_units: in bfloat16 from 8 rows on
+        AVX512_BF16, 6 on AMX tiles; asked each time, as the units may be switched after
+        load). 1 where there is no few-row path."""
+        if self._decode_layers is None or self.kernel is None:
+            return 1
+        one_row_paths = ("direct", "gemv")  # the widening loop, float32's gemv
+        layer_mats = self._decode_layers[1][: len(LINEAR_NAMES)]
+        rows = 1
+        while rows < self._decode_layers_rows and all(
+            self.kernel.matmul_choice(m, rows + 1) in one_row_paths for m in layer_mats
+        ):
+            rows += 1
+        return rows
+
     def exact_rows(self) -> bool:
-        """A decode forward of up to the few-row path's rows (the kernel's GEMV_MAX_ROWS)
-        gives each row the bits it gets in a forward of its own: that path (float32,
-        int8, int4 on the CPU: tests/engine/test_native.py). Elsewhere (bfloat16, a GPU,
-        no kernel) a few rows sum in other orders than one (where speculative = "auto"
-        does not propose)."""
-        return self._decode_layers is not None and self._decode_layers_rows > 1
+        """A decode forward of a few rows (up to exact_row_count) gives each row the bits
+        it gets in a forward of its own: the few-row path (float32, int8, int4 on the CPU:
+        tests/engine/test_native.py). Elsewhere (bfloat16, a GPU, no kernel) a few rows
+        sum in other orders than one (where speculative = "auto" does not propose)."""
+        return self.exact_row_count() > 1
 
     def pack(self, rows: int) -> bool:
         """Keep an MKL-packed copy of every matmul weight for batches of up to ``rows``
