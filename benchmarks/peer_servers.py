@@ -148,13 +148,16 @@ def zmqllm_server(
     dtype: str = "",
     ready_timeout: float = 300.0,
     int8_activations: bool = False,
+    worker_flags: tuple[str, ...] = (),
 ) -> Iterator[Server]:
     """A broker, one worker with every layer (``quant``, ``threads`` for one stream and for
-    a batch alike, 8-bit activations if asked) and the gateway, on free loopback ports."""
+    a batch alike, 8-bit activations if asked, then ``worker_flags``) and the gateway, on
+    free loopback ports."""
     layers = ModelArgs.from_dir(model_dir).num_layers
     flags = ("--dtype", dtype) if dtype else ()
     if int8_activations:
         flags += ("--int8-activations",)
+    flags += worker_flags
     with tempfile.TemporaryDirectory(prefix="serving-peers-") as tmp:
         c = Cluster(
             Path(tmp),
@@ -173,6 +176,8 @@ def zmqllm_server(
             settings: dict[str, str | int] = {"quant": quant, "threads": threads}
             settings["dtype"] = dtype or "the worker's default"
             settings["int8_activations"] = str(int8_activations).lower()
+            if worker_flags:
+                settings["worker_flags"] = " ".join(worker_flags)
             name = f"zmqllm[{quant}, int8 act]" if int8_activations else f"zmqllm[{quant}]"
             yield Server(name, c.url, settings)
         finally:

@@ -5,9 +5,11 @@ cores), each driven over HTTP by the same client (benchmarks/http_client.py) wit
 same prompts: streamed chat completions with ``ignore_eos``, so every stream asks for
 the same number of tokens. Per concurrency level: decode tokens/s counted while every
 stream is past its prompt, wall tokens/s, TTFT p50/p99. Beside them: the prefill rate
-of a 512-token prompt on an idle server (prompt tokens / TTFT), and the TTFT of one
-request arriving while 16 streams decode. Every prompt starts with a number of its own,
-so neither runtime's prefix cache serves one request from another's prompt.
+of a 512-token prompt on an idle server (prompt tokens / TTFT), the TTFT of one
+request arriving while 16 streams decode, and of a 2000-token prompt arriving while they
+do, with the longest wait it causes them between two tokens (chunked prefill). Every
+prompt starts with a number of its own, so neither runtime's prefix cache serves one
+request from another's prompt.
 
     python benchmarks/serving_peers.py [--model DIR] [--quant int4|int8|none]
         [--levels 1 4 16 64] [--new-tokens 64] [--rounds 3] [--vllm-threads 0 2]
@@ -53,6 +55,9 @@ PROSE = (
     "salt. Children ran between the stalls while the old men argued about the weather. "
 )
 _nonce = itertools.count(1)
+# Tokens each loading stream has had before a probe is sent: all are decoding, and their
+# gaps before it are known.
+WARM = 3
 
 
 def chat(server: Server, content: str, max_tokens: int) -> RequestInput:
@@ -110,19 +115,22 @@ def prefill(server: Server, text: str) -> dict[str, float]:
     }
 
 
-def ttft_under_load(server: Server, streams: int, n: int) -> dict[str, float]:
-    """The TTFT of one chat request sent once ``streams`` others have each had a token;
-    ``still_decoding`` says how many of them were still streaming when it ended. The
-    others are then dropped (both servers cancel a request whose client went), so
-    ``n`` may be generous at no cost."""
+def under_load(server: Server, streams: int, probe: RequestInput, n: int) -> dict[str, float]:
+    """``probe`` sent once ``streams`` chat streams have each had WARM tokens: its TTFT, how
+    many of them were still streaming when it ended (``still_decoding``), their median
+    gap between tokens before it was sent, and ``stall_ms``: the longest gap of any of
+    them that overlapped the probe's prefill (from its send to its first token), what a
+    prompt entering a busy server costs the streams already decoding. The others are
+    then dropped (both servers cancel a request whose client went), so ``n`` may be
+    generous at no cost."""
+    loading: dict[int, RequestOutput] = {}
 
     async def go() -> tuple[RequestOutput, int]:
         started = asyncio.Event()
-        seen: set[int] = set()
 
         def first(out: RequestOutput) -> None:
-            seen.add(id(out))
-            if len(seen) == streams:
+            loading[id(out)] = out
+            if len(loading) == streams and all(len(o.stamps) >= WARM for o in loading.values()):
                 started.set()
 
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(streams)]
@@ -132,20 +140,42 @@ def ttft_under_load(server: Server, streams: int, n: int) -> dict[str, float]:
             await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
             if ended := [t.result() for t in tasks if t.done()]:  # no load left to probe
                 raise RuntimeError(f"a loading stream ended early: {ended[0].error or 'ok'}")
-            probe = await stream(chat(server, PROMPTS[-1], 4))
-            return probe, sum(1 for t in tasks if not t.done())
+            out = await stream(probe)
+            return out, sum(1 for t in tasks if not t.done())
         finally:
             for t in [waiter, *tasks]:
                 t.cancel()
             await asyncio.gather(waiter, *tasks, return_exceptions=True)
 
-    probe, decoding = asyncio.run(go())
-    if not probe.ok:
-        raise RuntimeError(f"the stream failed: {probe.error}")
-    return {"ttft_ms": ms(probe.ttft), "streams": streams, "still_decoding": decoding}
+    out, decoding = asyncio.run(go())
+    if not out.ok or not out.stamps:
+        raise RuntimeError(f"the stream failed: {out.error or 'no token'}")
+    sent, first_token = out.start, out.stamps[0]
+    before: list[float] = []
+    stall = 0.0
+    for o in loading.values():
+        for t0, t1 in itertools.pairwise(o.stamps):
+            if t1 <= sent:
+                before.append(t1 - t0)
+            elif t0 < first_token:
+                stall = max(stall, t1 - t0)
+    return {
+        "ttft_ms": ms(out.ttft),
+        "streams": streams,
+        "still_decoding": decoding,
+        "itl_before_ms": ms(median(before)) if before else float("nan"),
+        "stall_ms": ms(stall),
+    }
 
 
-def measure(server: Server, a: argparse.Namespace, text: Callable[[], str]) -> dict[str, Any]:
+def long_prompt_probe(server: Server, text: str) -> RequestInput:
+    url = f"{server.url}/v1/completions"
+    return RequestInput(url, prompt=text, max_tokens=2, ignore_eos=True, temperature=0)
+
+
+def measure(
+    server: Server, a: argparse.Namespace, text: Callable[[], str], long_text: Callable[[], str]
+) -> dict[str, Any]:
     run_all([chat(server, PROMPTS[0], 4)])  # warm-up: first-call costs stay out of the figures
     prefill(server, text())
     out: dict[str, Any] = {"levels": {}}
@@ -158,10 +188,17 @@ def measure(server: Server, a: argparse.Namespace, text: Callable[[], str]) -> d
             flush=True,
         )
     out["prefill"] = prefill(server, text())
-    out["ttft_under_load"] = ttft_under_load(server, a.load_streams, max(4 * a.new_tokens, 256))
+    load = max(4 * a.new_tokens, 256)
+    out["ttft_under_load"] = under_load(server, a.load_streams, chat(server, PROMPTS[-1], 4), load)
+    out["long_under_load"] = under_load(
+        server, a.load_streams, long_prompt_probe(server, long_text()), max(load, 1024)
+    )
+    lu = out["long_under_load"]
     print(
         f"  {server.name}: prefill {out['prefill']['prefill_tokens_per_s']:.0f} tok/s, "
-        f"TTFT under {a.load_streams} streams {out['ttft_under_load']['ttft_ms']:.0f} ms",
+        f"TTFT under {a.load_streams} streams {out['ttft_under_load']['ttft_ms']:.0f} ms; "
+        f"a {a.long_prompt_tokens}-token prompt under them: TTFT {lu['ttft_ms']:.0f} ms, "
+        f"their longest gap {lu['stall_ms']:.0f} ms (median {lu['itl_before_ms']:.0f} before)",
         flush=True,
     )
     return out
@@ -223,6 +260,9 @@ def rows(a: argparse.Namespace) -> list[Row]:
     out.append(
         (f"TTFT, {a.load_streams} streams ms", lambda r: r["ttft_under_load"]["ttft_ms"], False)
     )
+    long = f"{a.long_prompt_tokens}-token prompt"
+    out.append((f"{long} TTFT ms", lambda r: r["long_under_load"]["ttft_ms"], False))
+    out.append(("  streams' longest gap ms", lambda r: r["long_under_load"]["stall_ms"], False))
     return out
 
 
@@ -297,6 +337,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prefill-tokens", type=int, default=512)
     ap.add_argument("--load-streams", type=int, default=16)
+    ap.add_argument(
+        "--long-prompt-tokens",
+        type=int,
+        default=2000,
+        help="the prompt sent while --load-streams streams decode (its TTFT, their stall)",
+    )
     ap.add_argument("--rounds", type=int, default=3, help="each runtime started this often")
     ap.add_argument(
         "--vllm-threads",
@@ -326,6 +372,7 @@ def main() -> None:
         a.model = prepare_default_model(default_model_dir())
     model_dir = a.model.resolve()
     text = long_prompt(model_dir, a.prefill_tokens)
+    long_text = long_prompt(model_dir, a.long_prompt_tokens)
     cpu = cpu_name()
     print(f"serving peers — {model_dir.name} on {cpu}, {os.cpu_count()} cores, zmqllm {a.quant}")
     runs: dict[str, list[dict[str, Any]]] = {}
@@ -344,7 +391,7 @@ def main() -> None:
         for name, start in order:
             print(f"round {rnd + 1}/{a.rounds}: {name}", flush=True)
             with start() as server:
-                runs.setdefault(name, []).append(measure(server, a, text))
+                runs.setdefault(name, []).append(measure(server, a, text, long_text))
                 settings[name] = server.settings
     summary = table(runs, a)
     summary["floor"] = floor_table(runs, machines, args, a)
@@ -356,6 +403,7 @@ def main() -> None:
         "new_tokens": a.new_tokens,
         "prefill_tokens": a.prefill_tokens,
         "load_streams": a.load_streams,
+        "long_prompt_tokens": a.long_prompt_tokens,
         "rounds": a.rounds,
         "settings": settings,
     }

@@ -235,6 +235,7 @@ def test_section_must_be_a_table(tmp_path: Path) -> None:
         ("[worker]\nthreads = -1\n", "threads"),
         ("[worker]\ndiscover_timeout = 0\n", "discover_timeout"),
         ("[worker]\nprefill_chunk = 0\n", "prefill_chunk"),
+        ("[worker]\nbusy_prefill_chunk = 0\n", "busy_prefill_chunk"),
         ('[worker]\nwire_dtype = "int8"\n', "wire_dtype"),
         ('[worker]\nspeculative = "ngram"\n', "speculative"),
         ('[worker]\nspeculative = "draft"\ndraft_model = ""\n', "draft_model"),

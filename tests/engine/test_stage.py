@@ -249,6 +249,35 @@ def test_chunked_prefill_next_to_running_decodes(
     assert p.stages[0].stats.max_batch > 1
 
 
+def test_a_prompt_entering_while_others_decode_goes_in_busy_chunks(
+    shards: dict[tuple[int, int], MistralShard], generator: Generator
+) -> None:
+    # None decoding: a prompt takes the whole prefill_chunk, in one forward.
+    alone = two_stages(shards, prefill_chunk=16, busy_prefill_chunk=4)
+    solo = Req("solo", prompt(14, 10), 3)
+    alone.open(solo)
+    alone.run_until_idle()
+    assert alone.finals["solo"] == [True]
+    assert alone.tokens["solo"] == reference(generator, solo.prompt, solo.max_tokens)
+    # A session decoding: the same prompt goes 4 tokens a forward (4, 4, 4, 2), each
+    # forward also carrying the decoding session's step (one group: micro-batches would
+    # give the two their own forwards), so neither waits on the other.
+    p = two_stages(shards, prefill_chunk=16, busy_prefill_chunk=4, micro_batches=1)
+    short, long = Req("short", prompt(3, 11), 12), Req("long", prompt(14, 10), 3)
+    p.open(short)
+    p.turn()
+    assert len(p.tokens["short"]) == 1
+    p.open(long)
+    for n in range(4):
+        p.turn()
+        assert p.stages[0].stats.last_batch == 2  # the step and a chunk
+        assert len(p.tokens["short"]) == 2 + n
+    assert p.finals["long"] == [False, False, False, True]
+    p.run_until_idle()
+    for r in (short, long):
+        assert p.tokens[r.session] == reference(generator, r.prompt, r.max_tokens), r.session
+
+
 def test_a_batch_holds_several_sessions(shards: dict[tuple[int, int], MistralShard]) -> None:
     stage = Stage(shards[(0, 4)])
     for i in range(3):

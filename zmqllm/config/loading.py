@@ -185,7 +185,7 @@ def _check_worker(s: WorkerSettings, where: str) -> WorkerSettings:
         where,
         minimum=0,
     )
-    _check_positive(s, ("max_sessions", "prefill_chunk"), where)
+    _check_positive(s, ("max_sessions", "prefill_chunk", "busy_prefill_chunk"), where)
     _check_positive(s, ("max_kv_tokens",), where, minimum=0)
     if s.peer not in ("auto", "off") and not s.peer.startswith("tcp://"):
         raise _fail("peer", where, "auto, off or tcp://HOST:PORT", s.peer)

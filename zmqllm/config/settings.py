@@ -272,9 +272,15 @@ class WorkerSettings:
         "written) plus that session's would pass it; 0 = what the machine (or cgroup, or "
         "GPU) has free at start",
     )
-    # As llama.cpp's server: a burst of short prompts prefills in one forward, while a long
-    # prompt stalls the other sessions' decode steps only one chunk at a time.
+    # As llama.cpp's server: a burst of short prompts prefills in one forward.
     prefill_chunk: int = setting(2048, "prompt tokens per forward", metavar="TOKENS")
+    # As vLLM's and SGLang's chunked prefill: while sessions decode, each of their steps
+    # waits on the forward, so a long prompt goes in chunks that keep those steps coming.
+    busy_prefill_chunk: int = setting(
+        256,
+        "prompt tokens per forward while other sessions are decoding (at most prefill_chunk)",
+        metavar="TOKENS",
+    )
     # Multi-turn chat resends the conversation each turn: kept, its KV is not recomputed.
     prefix_cache: bool = setting(
         True,

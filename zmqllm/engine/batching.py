@@ -140,7 +140,8 @@ class Scheduler:
     ``sessions`` is the stage's own table (shared, not copied): prompts are cut from
     the sessions in it, in the order they opened. ``prefill_chunk`` is the token budget
     of the prompt chunks in one forward. ``first``: stage 0, which forms the routes'
-    micro-batches by ``micro``'s policy."""
+    micro-batches by ``micro``'s policy; ``busy_chunk`` (0: ``prefill_chunk``) is its
+    budget while any of its sessions decodes."""
 
     def __init__(
         self,
@@ -150,11 +151,13 @@ class Scheduler:
         micro: MicroBatches | None = None,
         draft_rows: int = DRAFT_ROWS_PER_FORWARD,
         row_steps: Callable[[], tuple[int, ...]] = tuple,
+        busy_chunk: int = 0,
     ) -> None:
         self.sessions = sessions
         self.draft_rows = draft_rows
         self.row_steps = row_steps  # the shard's, asked each forward: see draft_room
         self.prefill_chunk = prefill_chunk
+        self.busy_chunk = min(busy_chunk or prefill_chunk, prefill_chunk)
         self.ready: deque[Work] = deque()
         self.first = first
         self.micro = micro or MicroBatches()
@@ -248,6 +251,17 @@ class Scheduler:
         return self.arrivals.wait(now) or self.plan(now)[1]
 
     # -- batches --------------------------------------------------------------------
+    def prefill_budget(self) -> int:
+        """The prompt tokens the next forward may take: ``prefill_chunk``, or on stage 0
+        ``busy_chunk`` while a session has its prompt behind it. Each of its steps waits
+        on the forward, which a whole chunk of a long prompt would hold for seconds;
+        cut smaller, the prompt still moves every forward (decode work goes first, the
+        prompt takes the rest), so neither starves the other. A burst of prompts
+        arriving at once, with none decoding yet, still goes in one forward."""
+        if self.first and any(s.next_step > 0 for s in self.sessions.values()):
+            return self.busy_chunk
+        return self.prefill_chunk
+
     def take_batch(self, refused: list[Refusal], now: float | None = None) -> list[Work]:
         """The next forward's work: decode work first, then prefill chunks within the
         token budget; at most one segment per session (a cache advances once per
@@ -257,7 +271,7 @@ class Scheduler:
         batch: list[Work] = []
         seen: set[SessionKey] = set()
         later: deque[Work] = deque()
-        budget = self.prefill_chunk
+        budget = self.prefill_budget()
         while self.ready:
             w = self.ready.popleft()
             n = w.rows

@@ -75,8 +75,11 @@ class Stage:
         speculative: str = "off",
         max_draft_tokens: int = 6,
         draft: MistralShard | None = None,
+        busy_prefill_chunk: int = 0,
     ) -> None:
-        """``draft``: the draft model, for ``speculative="draft"`` (engine/draft.py)."""
+        """``draft``: the draft model, for ``speculative="draft"`` (engine/draft.py);
+        ``busy_prefill_chunk``: stage 0's prompt tokens a forward while sessions decode
+        (0: ``prefill_chunk``)."""
         self.speculation = Speculation(
             resolved_mode(speculative, shard.exact_rows()),
             max_draft_tokens,
@@ -109,6 +112,7 @@ class Stage:
             shard.is_first,
             MicroBatches(micro_batches),
             row_steps=lambda: self.shard.row_steps(),
+            busy_chunk=busy_prefill_chunk,
         )
         self.runner = ModelRunner(shard, self.pool, self.prefixes)
         # Sessions whose work was refused before or after a forward; the socket side

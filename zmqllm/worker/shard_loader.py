@@ -116,6 +116,7 @@ def load_stage(cfg: Config) -> Loaded:
         speculative=w.speculative,
         max_draft_tokens=w.max_draft_tokens,
         draft=draft,
+        busy_prefill_chunk=w.busy_prefill_chunk,
     )
     stage.model = worker_served_name(cfg)
     stage.warmup()
