@@ -31,7 +31,7 @@ from benchmarks.http_client import run_all
 from benchmarks.peer_servers import zmqllm_server
 from benchmarks.report import cpu_name, write_json
 from benchmarks.serving_peers import chat, long_prompt, long_prompt_probe, under_load
-from benchmarks.stats import spread
+from benchmarks.stats import spread, spread_text
 from benchmarks.throughput import PROMPTS
 
 FIGURES = (
@@ -93,9 +93,8 @@ def main() -> None:
     print(f"\n{'busy_prefill_chunk':>18}" + "".join(f"{label:>32}" for _, label in FIGURES))
     for chunk, got in runs.items():
         summary[chunk] = {k: spread([g[k] for g in got]) for k, _ in FIGURES}
-        cells = [summary[chunk][k] for k, _ in FIGURES]
-        text_cells = [f"{c['median']:.0f} ({c['min']:.0f}-{c['max']:.0f})" for c in cells]
-        print(f"{chunk:>18}" + "".join(t.rjust(32) for t in text_cells))
+        cells = [spread_text([g[k] for g in got], 0) for k, _ in FIGURES]
+        print(f"{chunk:>18}" + "".join(t.rjust(32) for t in cells))
     meta = {
         "model": str(model_dir),
         "quant": a.quant,

@@ -299,7 +299,7 @@ class Scheduler:
                 batch.append(self._prompt_chunk(s, budget))
                 seen.add(s.id)
                 budget -= batch[-1].rows
-        if self.first:
+        if self.first and any(w.draft for w in batch):  # row_steps asks the kernel
             rows = sum(w.rows - w.draft for w in batch)
             drafts = draft_room(rows, self.row_steps(), self.draft_rows)
             for w in batch:
