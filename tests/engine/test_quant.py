@@ -11,7 +11,7 @@ import pytest
 pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch")
 
-from tests.float_tolerance import reorder_tolerance  # noqa: E402
+from tests.float_tolerance import FLOAT32_EPS, reorder_tolerance  # noqa: E402
 from zmqllm.engine import native, quant  # noqa: E402
 from zmqllm.engine.generator import Generator, load_shard  # noqa: E402
 from zmqllm.engine.linear import QuantLinear  # noqa: E402
@@ -33,6 +33,23 @@ def bf16_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The matrix-unit path's reference: both operands rounded to bfloat16 (nearest even),
     the products summed in float32 (in float64 here, then rounded)."""
     return (x.bfloat16().double() @ w.bfloat16().double().T).float()
+
+
+def codes_product(
+    x: torch.Tensor, t: QuantTensor, w: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The codes path's reference: activations rounded to bfloat16 (nearest even), the
+    dequantized weight as it is (float64, then rounded); and its tolerance. The kernel
+    sums each block's (128 + q) * x in float32 (16 steps of two products), scales it by d,
+    adds (m - 128 d) * sum(x) and sums the blocks: its error is at most that many float32
+    roundings of the largest such terms, not of the weight's own size."""
+    xb = x.bfloat16().double()
+    want = (xb @ w.double().T).float()
+    d = t.d.double().repeat_interleave(32, dim=1)
+    m = t.m.double().repeat_interleave(32, dim=1)
+    terms = xb.abs() @ (143 * d.abs() + (m - 128 * d).abs()).T  # [rows, out]
+    steps = 16 + 2 + w.shape[1] // 32
+    return want, {"rtol": 0.0, "atol": steps * FLOAT32_EPS * float(terms.max())}
 
 
 def int8_activations(x: torch.Tensor) -> torch.Tensor:
@@ -65,12 +82,16 @@ def path_reference(
     path: str, x: torch.Tensor, w: torch.Tensor, t: QuantTensor | None = None
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """What a named path of the kernel's product must equal, and how closely: the
-    bfloat16 and VNNI paths their own rounding up to the order of their float32 sums
-    (VNNI needs the quantized weight ``t`` whose dequantized form is ``w``); the others
+    bfloat16, codes and VNNI paths their own rounding up to the order of their float32
+    sums (codes and VNNI need the quantized weight ``t`` whose dequantized form is
+    ``w``); the others
     the float32 product up to their 16-bit activations (product_tolerance)."""
     if path in ("bf16", "brgemm"):
         want = bf16_product(x, w)
         return want, reorder_tolerance(want, w.shape[1])
+    if path == "codes":
+        assert t is not None, "the codes reference needs the quantized weight"
+        return codes_product(x, t, w)
     if path == "vnni":
         assert t is not None, "the VNNI reference needs the quantized weight"
         want = vnni_product(x, w, t.m, t.d if t.kind == "int4" else None)
@@ -79,10 +100,13 @@ def path_reference(
     return want, product_tolerance(w, x, want)
 
 
-def built_paths(kernel: ModuleType) -> list[str]:
+def built_paths(kernel: ModuleType, kind: str = "int8") -> list[str]:
     """The paths this CPU's build has beside the portable ones: on AVX512_BF16, bf16
-    (our AMX tiles where granted) and brgemm (oneDNN's, the same numbers); VNNI."""
+    (our AMX tiles where granted) and brgemm (oneDNN's, the same numbers), and for int4
+    codes; VNNI."""
     bf16 = ["bf16", "brgemm"] if kernel.bf16_built() else []
+    if bf16 and kind == "int4":
+        bf16.append("codes")
     return bf16 + (["vnni"] if kernel.vnni_built() else [])
 
 
@@ -175,7 +199,7 @@ def test_kernel_product_matches_pytorch_on_the_dequantized_weight(
     want, tol = path_reference(kernel.matmul_choice(matrix, rows), x, w, t)
     torch.testing.assert_close(kernel.matmul(x, matrix), want, **tol)
     paths = ["chunks", "dequant"] + (["direct"] if rows <= 16 else [])
-    for path in paths + built_paths(kernel):
+    for path in paths + built_paths(kernel, kind):
         want, tol = path_reference(path, x, w, t)
         torch.testing.assert_close(kernel.matmul_path(x, matrix, path), want, **tol, msg=path)
     torch.testing.assert_close(kernel.dequantize(matrix), quant.dequantize(t))
@@ -190,7 +214,7 @@ def test_bf16_path_widens_float16_scales_as_dequantize_does(kernel: ModuleType, 
     matrix = kernel.Matrix(2, half.q, half.d, half.m)
     w = quant.dequantize(QuantTensor("int4", t.q, half.d.float(), half.m.float()))
     x = torch.randn(rows, 2112, generator=g)
-    for path in ["chunks", "dequant", *built_paths(kernel)]:
+    for path in ["chunks", "dequant", *built_paths(kernel, "int4")]:
         want, tol = path_reference(
             path, x, w, QuantTensor("int4", t.q, half.d.float(), half.m.float())
         )
@@ -199,7 +223,8 @@ def test_bf16_path_widens_float16_scales_as_dequantize_does(kernel: ModuleType, 
 
 def test_matrix_units_can_be_turned_off(kernel: ModuleType) -> None:
     """Off: the 16-bit widening loop, in chunks of 16 rows, then dequantize + GEMM. On:
-    the widening loop up to 7 rows (5 with AMX tiles), then bfloat16 where built. With
+    the widening loop up to 7 rows (5 with AMX tiles), then bfloat16 where built (int4
+    without AMX: the codes path from 8 to 63 rows). With
     int8 activations too: VNNI from 5 rows, bfloat16 from 12 rows on AMX tiles."""
     t = quant.quantize(torch.randn(40, 64), "int4")
     matrix = kernel.Matrix(2, t.q, t.d, t.m)
@@ -219,8 +244,15 @@ def test_matrix_units_can_be_turned_off(kernel: ModuleType) -> None:
         assert units == (["amx" if amx else "avx512_bf16"] if kernel.bf16_built() else [])
         choices = [kernel.matmul_choice(matrix, n) for n in rows]
         if kernel.bf16_built():
+            # int4 without AMX: the codes path up to 63 rows, then oneDNN's.
             first = 6 if amx else 8
-            assert choices == ["bf16" if n >= first else "direct" for n in rows]
+            many = ["bf16" if amx or n >= 64 else "codes" for n in rows]
+            assert choices == [
+                m if n >= first else "direct" for n, m in zip(rows, many, strict=True)
+            ]
+            int8 = quant.quantize(torch.randn(40, 64), "int8")
+            int8_matrix = kernel.Matrix(1, int8.q, int8.d, int8.m)
+            assert kernel.matmul_choice(int8_matrix, 12) == "bf16"
         kernel.set_matrix_units(True, vnni=True)
         if kernel.vnni_built():
             assert kernel.matrix_units().split(",")[0] == "avx512_vnni"
@@ -236,6 +268,24 @@ def test_matrix_units_can_be_turned_off(kernel: ModuleType) -> None:
         kernel.matmul_path(torch.randn(17, 64), matrix, "direct")
     with pytest.raises(ValueError, match="unknown path"):
         kernel.matmul_path(torch.randn(2, 64), matrix, "amx")
+
+
+def test_codes_path_gives_a_row_the_same_bits_in_any_batch(kernel: ModuleType) -> None:
+    """Rows are the vector lanes of the codes path: a row's products do not depend on the
+    other rows of the call, their number, or its place among them."""
+    if not kernel.bf16_built():
+        pytest.skip("no AVX512_BF16 build")
+    g = torch.Generator().manual_seed(7)
+    t = quant.quantize(torch.randn(40, 1024, generator=g), "int4")
+    matrix = kernel.Matrix(2, t.q, t.d, t.m)
+    x = torch.randn(37, 1024, generator=g)
+    whole = kernel.matmul_path(x, matrix, "codes")
+    for i in (0, 15, 16, 36):
+        assert torch.equal(kernel.matmul_path(x[i : i + 1], matrix, "codes")[0], whole[i])
+    assert torch.equal(kernel.matmul_path(x[5:21], matrix, "codes"), whole[5:21])
+    with pytest.raises(RuntimeError, match="int4"):
+        int8 = quant.quantize(torch.randn(8, 64), "int8")
+        kernel.matmul_path(torch.randn(2, 64), kernel.Matrix(1, int8.q, int8.d, int8.m), "codes")
 
 
 @pytest.mark.parametrize("rows", [1, 5, 12])
@@ -314,6 +364,8 @@ def round_as_the_kernel(gen: Generator, kernel: ModuleType) -> None:
                 path = kernel.matmul_choice(matrix, x.shape[0])
                 if path == "bf16":
                     return bf16_product(x, w)
+                if path == "codes":
+                    return codes_product(x, lin.tensor, w)[0]
                 if path == "vnni":
                     return vnni_product(x, w, lin.m, lin.d if lin.kind == "int4" else None)
                 return x @ w.T

@@ -109,6 +109,11 @@ constexpr int64_t kVnniRows = 5;
 // repacking plus a few VNNI rows, their products next to nothing); without AMX, VNNI for
 // every row count.
 constexpr int64_t kAmxRows = 12;
+// Below this many rows int4 products on AVX512_BF16 without AMX take the codes path
+// (quant_codes.cpp: no weight widened to its value, 16 rows a vector), from it oneDNN's
+// micro-kernel, whose widening costs less per row once many rows share it
+// (docs/scale.md).
+constexpr int64_t kCodesRows = 64;
 // Weight rows per dequantized slice.
 constexpr int64_t kSliceRows = 256;
 
@@ -173,7 +178,7 @@ Matrix::Matrix(int64_t kind_, torch::Tensor q_, torch::Tensor d_, torch::Tensor 
 // runs a named one, for the benchmarks and the tests that hold each to its reference).
 // kBf16 runs on AMX tiles with quant_amx.cpp's micro-kernel where it can, else oneDNN's
 // (kBrgemm, which the tests and benchmarks also name to hold it on AMX machines).
-enum class Path { kDirect, kChunks, kDequant, kBf16, kVnni, kBrgemm };
+enum class Path { kDirect, kChunks, kDequant, kBf16, kVnni, kBrgemm, kCodes };
 
 bool bf16_built() {
 #if defined(ZMQLLM_QUANT_BF16)
@@ -203,11 +208,14 @@ bool amx_tiles() {
   return granted;
 }
 
-Path choose_path(int64_t rows) {
+Path choose_path(int64_t rows, MatrixKind kind) {
   if (g_vnni && rows >= kVnniRows) {
     return g_bf16 && rows >= kAmxRows && amx_tiles() ? Path::kBf16 : Path::kVnni;
   }
-  if (g_bf16 && rows >= (amx_tiles() ? kBf16AmxRows : kBf16Rows)) return Path::kBf16;
+  if (g_bf16 && rows >= (amx_tiles() ? kBf16AmxRows : kBf16Rows)) {
+    const bool codes = kind == MatrixKind::kInt4 && !amx_tiles() && rows < kCodesRows;
+    return codes ? Path::kCodes : Path::kBf16;
+  }
   if (rows <= kDirectRows) return Path::kDirect;
   return rows < kGemmRows ? Path::kChunks : Path::kDequant;
 }
@@ -235,6 +243,14 @@ torch::Tensor run_path(const torch::Tensor& x, const Matrix& w, Path path) {
     case Path::kBrgemm:
 #if defined(ZMQLLM_QUANT_BF16)
       quant::matmul_rows_bf16(quant::View(w), x.data_ptr<float>(), rows, y.data_ptr<float>());
+      return y;
+#else
+      TORCH_CHECK(false, "matmul: this build has no bfloat16 matrix-unit path");
+#endif
+    case Path::kCodes:
+#if defined(ZMQLLM_QUANT_BF16)
+      TORCH_CHECK(w.kind == MatrixKind::kInt4, "matmul: the codes path takes int4 weights");
+      quant::matmul_rows_codes(quant::View(w), x.data_ptr<float>(), rows, y.data_ptr<float>());
       return y;
 #else
       TORCH_CHECK(false, "matmul: this build has no bfloat16 matrix-unit path");
@@ -281,8 +297,8 @@ std::string matrix_units() {
 
 std::string matmul_choice(const Matrix& w, int64_t rows) {
   if (w.kind == MatrixKind::kFloat32) return rows <= kGemvMaxRows ? "gemv" : "linear";
-  static const char* names[] = {"direct", "chunks", "dequant", "bf16", "vnni", "brgemm"};
-  return names[static_cast<int>(choose_path(rows))];
+  static const char* names[] = {"direct", "chunks", "dequant", "bf16", "vnni", "brgemm", "codes"};
+  return names[static_cast<int>(choose_path(rows, w.kind))];
 }
 
 torch::Tensor matmul(const torch::Tensor& x_, const Matrix& w) {
@@ -290,7 +306,7 @@ torch::Tensor matmul(const torch::Tensor& x_, const Matrix& w) {
   if (w.kind == MatrixKind::kFloat32) {
     return x.size(0) <= kGemvMaxRows ? gemv(x, w.q) : torch::linear(x, w.q);
   }
-  return run_path(x, w, choose_path(x.size(0)));
+  return run_path(x, w, choose_path(x.size(0), w.kind));
 }
 
 torch::Tensor matmul_path(const torch::Tensor& x_, const Matrix& w, const std::string& name) {
@@ -302,6 +318,7 @@ torch::Tensor matmul_path(const torch::Tensor& x_, const Matrix& w, const std::s
                     : name == "bf16"    ? Path::kBf16
                     : name == "vnni"    ? Path::kVnni
                     : name == "brgemm"  ? Path::kBrgemm
+                    : name == "codes"   ? Path::kCodes
                                         : throw std::invalid_argument("matmul_path: unknown path");
   TORCH_CHECK(path != Path::kDirect || x.size(0) <= kDirectRows, "matmul_path: direct takes up to ",
               kDirectRows, " rows");
