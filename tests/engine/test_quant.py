@@ -224,7 +224,7 @@ def test_bf16_path_widens_float16_scales_as_dequantize_does(kernel: ModuleType, 
 def test_matrix_units_can_be_turned_off(kernel: ModuleType) -> None:
     """Off: the 16-bit widening loop, in chunks of 16 rows, then dequantize + GEMM. On:
     the widening loop up to 7 rows (5 with AMX tiles), then bfloat16 where built (int4
-    without AMX: the codes path from 8 to 63 rows). With
+    without AMX: the codes path from 8 to 95 rows). With
     int8 activations too: VNNI from 5 rows, bfloat16 from 12 rows on AMX tiles."""
     t = quant.quantize(torch.randn(40, 64), "int4")
     matrix = kernel.Matrix(2, t.q, t.d, t.m)
@@ -244,9 +244,9 @@ def test_matrix_units_can_be_turned_off(kernel: ModuleType) -> None:
         assert units == (["amx" if amx else "avx512_bf16"] if kernel.bf16_built() else [])
         choices = [kernel.matmul_choice(matrix, n) for n in rows]
         if kernel.bf16_built():
-            # int4 without AMX: the codes path up to 63 rows, then oneDNN's.
+            # int4 without AMX: the codes path up to 95 rows, then oneDNN's.
             first = 6 if amx else 8
-            many = ["bf16" if amx or n >= 64 else "codes" for n in rows]
+            many = ["bf16" if amx or n >= 96 else "codes" for n in rows]
             assert choices == [
                 m if n >= first else "direct" for n, m in zip(rows, many, strict=True)
             ]

@@ -113,7 +113,7 @@ constexpr int64_t kAmxRows = 12;
 // (quant_codes.cpp: no weight widened to its value, 16 rows a vector), from it oneDNN's
 // micro-kernel, whose widening costs less per row once many rows share it
 // (docs/scale.md).
-constexpr int64_t kCodesRows = 64;
+constexpr int64_t kCodesRows = 96;
 // Weight rows per dequantized slice.
 constexpr int64_t kSliceRows = 256;
 
