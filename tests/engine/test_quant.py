@@ -84,8 +84,8 @@ def path_reference(
     """What a named path of the kernel's product must equal, and how closely: the
     bfloat16, codes and VNNI paths their own rounding up to the order of their float32
     sums (codes and VNNI need the quantized weight ``t`` whose dequantized form is
-    ``w``); the others
-    the float32 product up to their 16-bit activations (product_tolerance)."""
+    ``w``); the others the float32 product up to their 16-bit activations
+    (product_tolerance)."""
     if path in ("bf16", "brgemm"):
         want = bf16_product(x, w)
         return want, reorder_tolerance(want, w.shape[1])

@@ -89,10 +89,9 @@ def test_int4_batched_on_the_matrix_units_greedy_equals_hf_float32(
 ) -> None:
     """Twelve sessions decoding in one forward (12 rows: the matrix units where built, on
     AMX tiles in bfloat16, on AVX512_BF16 alone the codes path, else the 16-bit path),
-    in one process split in two
-    stages: each session's greedy tokens equal HF float32's on the same weights (the Q4_1
-    file's), and its first logits stay within 2.5 % of the largest logit of HF's
-    (measured: under 1 %)."""
+    in one process split in two stages: each session's greedy tokens equal HF float32's
+    on the same weights (the Q4_1 file's), and its first logits stay within 2.5 % of the
+    largest logit of HF's (measured: under 1 %)."""
     from zmqllm.models.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(default_model_dir)

@@ -63,7 +63,8 @@ inline __m512i code_pairs(const uint8_t* block) {
 // values, [group][groups][16] float32.
 void lay_rows(const float* x, int64_t rows, int64_t in, uint32_t* pairs, float* sums) {
   const int64_t half = in / 2, groups = in / kGroup;
-  std::vector<uint16_t> rounded(kLanes * in);
+  thread_local std::vector<uint16_t> rounded;  // a decode step makes ~100 of these calls
+  rounded.resize(kLanes * in);
   for (int64_t g = 0; g * kLanes < rows; ++g) {
     const int64_t live = std::min<int64_t>(kLanes, rows - g * kLanes);
     round_rows(x + g * kLanes * in, live * in, rounded.data());
@@ -90,13 +91,13 @@ void lay_rows(const float* x, int64_t rows, int64_t in, uint32_t* pairs, float* 
   }
 }
 
-// Blocks b0..b1 of weight rows n0..n0 + 16 (past w.out: zeros), two panels of kCols:
-// their scales d and their offsets less 128 d (m - 128 d: 128 d is exact, so one
-// rounding, as the two steps give), [block][16] each from block 0.
-void panel_scales(const View& w, int64_t n0, int64_t b0, int64_t b1, float* d, float* m) {
-  scales16(w, n0, b0, b1, d + b0 * 16, m + b0 * 16);
+// Weight rows n0..n0 + 16 (past w.out: zeros), two panels of kCols: their scales d and
+// their offsets less 128 d (m - 128 d: 128 d is exact, so one rounding, as the two steps
+// give), [block][16] each.
+void panel_scales(const View& w, int64_t n0, float* d, float* m) {
+  scales16(w, n0, 0, w.groups, d, m);
   const __m512 k128 = _mm512_set1_ps(128.0f);
-  for (int64_t b = b0; b < b1; ++b) {
+  for (int64_t b = 0; b < w.groups; ++b) {
     const __m512 db = _mm512_loadu_ps(d + b * 16);
     _mm512_storeu_ps(m + b * 16, _mm512_fnmadd_ps(k128, db, _mm512_loadu_ps(m + b * 16)));
   }
@@ -187,8 +188,13 @@ void group_panel(const View& w, const uint32_t* xg, const float* sg, const float
 void matmul_rows_codes(const View& w, const float* xp, int64_t rows, float* yp) {
   const int64_t half = w.in / 2, groups = w.groups;
   const int64_t row_groups = (rows + kLanes - 1) / kLanes;
-  std::vector<uint32_t> pairs(row_groups * half * kLanes);
-  std::vector<float> sums(row_groups * groups * kLanes);
+  // Kept per calling thread, as the other kernels' activation buffers: a decode step
+  // makes ~100 of these calls. The tasks below take pointers, not the thread_local names
+  // (which there would name the pool threads' own buffers).
+  thread_local std::vector<uint32_t> pairs;
+  thread_local std::vector<float> sums;
+  pairs.resize(row_groups * half * kLanes);
+  sums.resize(row_groups * groups * kLanes);
   lay_rows(xp, rows, w.in, pairs.data(), sums.data());
   const uint32_t* xpairs = pairs.data();
   const float* xsums = sums.data();
@@ -196,7 +202,7 @@ void matmul_rows_codes(const View& w, const float* xp, int64_t rows, float* yp) 
   at::parallel_for(0, (w.out + 15) / 16, 1, [&](int64_t p0, int64_t p1) {
     std::vector<float> d(groups * 16), m(groups * 16);
     for (int64_t p = p0; p < p1; ++p) {
-      panel_scales(w, p * 16, 0, groups, d.data(), m.data());
+      panel_scales(w, p * 16, d.data(), m.data());
       const NextScales next = p + 1 < p1 ? NextScales(w, (p + 1) * 16) : NextScales();
       for (int64_t n0 = p * 16; n0 < std::min(p * 16 + 16, w.out); n0 += kCols) {
         const int64_t c0 = n0 - p * 16;  // the panel's first column among the 16
