@@ -124,21 +124,24 @@ def test_streams_nobody_reads_free_their_slots(
         status, chunks, _ = post_chat(cluster, "Why is the sky blue?", "max_tokens=24")
         assert status == 200
         assert b"".join(c for _, c in chunks).decode() == reference.body("Why is the sky blue?", 24)
-        for sock in stalled:
-            assert ended_by_server(sock, SLACK), "a stalled stream's connection stayed open"
-        st = wait_clean(cluster, SLACK)
-        assert leftovers(st) == {}
-        # The gateway's own slots too.
+        # Every slot freed before the stalled sockets are read: the normal request goes
+        # as soon as the first stream is cut, and reading a stream not yet cut would make
+        # its client a reader that keeps up (it would then run to its end, never cut).
         deadline = time.monotonic() + SLACK
         while in_flight(cluster):
             assert time.monotonic() < deadline, in_flight(cluster)
             time.sleep(0.1)
+        for sock in stalled:
+            assert ended_by_server(sock, SLACK), "a stalled stream's connection stayed open"
+        st = wait_clean(cluster, SLACK)
+        assert leftovers(st) == {}
     finally:
         for sock in stalled:
             with contextlib.suppress(OSError):
                 sock.close()
     found = gateway_log(cluster, ids)
-    assert {line["request_id"] for line in found["cut"]} == ids, found["cut"]
+    uncut = ids - {line["request_id"] for line in found["cut"]}
+    assert not uncut, [line for line in found["finished"] if line["request_id"] in uncut]
     assert all(line["unread_bytes"] > line["required_bytes"] for line in found["cut"])
     assert len(found["finished"]) == 8
     for line in found["finished"]:
