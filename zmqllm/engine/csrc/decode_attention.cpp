@@ -35,12 +35,15 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// exp(x) for x <= 0 (scores minus their max), branch-free so the compiler
-// vectorizes the softmax loop. Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2,
-// a degree-6 polynomial for exp(r), then 2^n built in the exponent bits; about
-// 1 ulp, like the vectorized exp PyTorch's attention kernel uses.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);  // below, exp is under 2^-125: nothing next to the max's 1
+// exp(x), branch-free so the compiler vectorizes the loops that call it (the softmax's,
+// silu's). Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial for
+// exp(r), then 2^n built in the exponent bits; about 1 ulp, like the vectorized exp
+// PyTorch's kernels use. x is held to [-87, 88]: below, exp is under 2^-125 (nothing
+// next to a softmax's largest 1, or to silu's 1 + exp); above, 2^n would overflow the
+// exponent (silu(x) = x / (1 + exp(-x)) below x = -88 is then x * 6e-39 where it is
+// smaller still: under 1e-36 either way).
+inline float exp_bounded(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
   const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -197,7 +200,7 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_new, t
           s[j] = dot(qr, kc + (first + j) * D, D) * fscale;
           mx = std::max(mx, s[j]);
         }
-        for (int64_t j = 0; j < len; ++j) s[j] = exp_nonpositive(s[j] - mx);
+        for (int64_t j = 0; j < len; ++j) s[j] = exp_bounded(s[j] - mx);
         float sum = 0.f;
         for (int64_t j = 0; j < len; ++j) sum += s[j];
         const float inv = 1.f / sum;
@@ -297,7 +300,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
       const float* g = gp + t * 2 * I;
       const float* u = g + I;
       float* o = op + t * I;
-      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + exp_bounded(-g[i])) * u[i];
     }
   });
   return out;
