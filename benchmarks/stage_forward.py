@@ -15,7 +15,7 @@ cores give up to K times the aggregate.
 
 ``--parts`` times, inside the same forwards, where each one's time goes: every layer's
 four products, the decode attention, the head, the few-row path's one call (up to its
-rows it runs every layer), and the rest (norms, rope, Python).
+rows it runs every layer), and the rest (norms, rope, silu, residual adds, Python).
 
     python benchmarks/stage_forward.py [--quant int8] [--stages 1 2] [--rows 1 4 8 16 32]
         [--threads 1] [--parts]
@@ -54,7 +54,12 @@ def load(model_dir: Path, start: int, end: int, quant: str) -> tuple[Any, Any]:
 
 
 def time_rows(
-    shard: Any, pool: Any, m: int, context: int, reps: int, before_timed: Callable[[], Any] = list
+    shard: Any,
+    pool: Any,
+    m: int,
+    context: int,
+    reps: int,
+    before_timed: Callable[[], None] | None = None,
 ) -> list[float]:
     """Seconds per decode forward of m sessions, each ``context`` tokens in (``reps`` of
     them, after two that warm the kernels' paths for this m and a call of ``before_timed``)."""
@@ -74,7 +79,8 @@ def time_rows(
         segments = [Segment(pool.get(name), 1) for name in names]
         for _ in range(2):
             shard(x, segments)
-        before_timed()
+        if before_timed is not None:
+            before_timed()
         times = []
         for _ in range(reps):
             t = time.perf_counter()
