@@ -5,8 +5,9 @@ rows through the same weights. This times one 7B layer's four products (qkv 4096
 o 4096->4096, gate+up 4096->28672, down 14336->4096; random weights) at each row count
 with every candidate, in alternating rounds: zmqllm's own int4 and int8 products as
 chosen for the row count (from 8 rows, 12 on AMX, the bfloat16 matrix-unit path where
-the build has it; int4 on AVX512_BF16 without AMX from 8 to 95 rows the codes path),
-int4 through oneDNN's bfloat16 micro-kernel at every row count, without the matrix
+the build has it; on AVX512_BF16 without AMX the codes path, int4 from 8 to 95 rows and
+int8 from 8 to 32), int4 and int8 through oneDNN's bfloat16 micro-kernel at every row
+count (the path before the codes path), without the matrix
 units (16-bit activations in passes of 16 rows, dequantize + float32 GEMM from 128
 rows) and with int8 activations (VNNI from 5 rows, bfloat16 from 48 on AMX), PyTorch's
 float32 and bfloat16 GEMMs (oneDNN: AVX512_BF16 or AMX where the CPU has them),
@@ -79,10 +80,14 @@ def candidates(weights: dict[str, torch.Tensor]) -> dict[str, Callable[[torch.Te
         found["zmqllm int4"] = lambda xs: [kernel.matmul(x, m) for x, m in zip(xs, m4, strict=True)]
         found["zmqllm int8"] = lambda xs: [kernel.matmul(x, m) for x, m in zip(xs, m8, strict=True)]
         if kernel.bf16_built():  # the same products without the matrix units: the paths before
-            # int4 through oneDNN's bfloat16 micro-kernel at every row count (the codes
-            # path takes 8-95 rows on AVX512_BF16 without AMX): the path before it there.
+            # int4 and int8 through oneDNN's bfloat16 micro-kernel at every row count (the
+            # codes path takes 8-95 and 8-32 rows on AVX512_BF16 without AMX): the path
+            # before it there.
             found["zmqllm int4, brgemm"] = lambda xs: [
                 kernel.matmul_path(x, m, "brgemm") for x, m in zip(xs, m4, strict=True)
+            ]
+            found["zmqllm int8, brgemm"] = lambda xs: [
+                kernel.matmul_path(x, m, "brgemm") for x, m in zip(xs, m8, strict=True)
             ]
             found["zmqllm int4, no matrix units"] = with_units(kernel, m4, False, False)
             found["zmqllm int8, no matrix units"] = with_units(kernel, m8, False, False)

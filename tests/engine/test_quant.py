@@ -40,14 +40,18 @@ def codes_product(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The codes path's reference: activations rounded to bfloat16 (nearest even), the
     dequantized weight as it is (float64, then rounded); and its tolerance. The kernel
-    sums each block's (128 + q) * x in float32 (16 steps of two products), scales it by d,
-    adds (m - 128 d) * sum(x) and sums the blocks: its error is at most that many float32
+    sums each block's codes times x in float32 (16 steps of two products; int4's codes
+    as 128 + q, int8's as q), scales it by d, adds the offset (int4: m - 128 d; int8: m,
+    if any) times sum(x) and sums the blocks: its error is at most that many float32
     roundings of the largest such terms, not of the weight's own size."""
     xb = x.bfloat16().double()
     want = (xb @ w.double().T).float()
     d = t.d.double().repeat_interleave(32, dim=1)
-    m = t.m.double().repeat_interleave(32, dim=1)
-    terms = xb.abs() @ (143 * d.abs() + (m - 128 * d).abs()).T  # [rows, out]
+    m = t.m.double().repeat_interleave(32, dim=1) if t.m.numel() else torch.zeros_like(d)
+    if t.kind == "int4":
+        terms = xb.abs() @ (143 * d.abs() + (m - 128 * d).abs()).T  # [rows, out]
+    else:
+        terms = xb.abs() @ (128 * d.abs() + m.abs()).T
     steps = 16 + 2 + w.shape[1] // 32
     return want, {"rtol": 0.0, "atol": steps * FLOAT32_EPS * float(terms.max())}
 
@@ -100,13 +104,11 @@ def path_reference(
     return want, product_tolerance(w, x, want)
 
 
-def built_paths(kernel: ModuleType, kind: str = "int8") -> list[str]:
+def built_paths(kernel: ModuleType) -> list[str]:
     """The paths this CPU's build has beside the portable ones: on AVX512_BF16, bf16
-    (our AMX tiles where granted) and brgemm (oneDNN's, the same numbers), and for int4
-    codes; VNNI."""
-    bf16 = ["bf16", "brgemm"] if kernel.bf16_built() else []
-    if bf16 and kind == "int4":
-        bf16.append("codes")
+    (our AMX tiles where granted), brgemm (oneDNN's, the same numbers) and codes; VNNI.
+    Every path takes int8 and int4 weights."""
+    bf16 = ["bf16", "brgemm", "codes"] if kernel.bf16_built() else []
     return bf16 + (["vnni"] if kernel.vnni_built() else [])
 
 
@@ -199,7 +201,7 @@ def test_kernel_product_matches_pytorch_on_the_dequantized_weight(
     want, tol = path_reference(kernel.matmul_choice(matrix, rows), x, w, t)
     torch.testing.assert_close(kernel.matmul(x, matrix), want, **tol)
     paths = ["chunks", "dequant"] + (["direct"] if rows <= 16 else [])
-    for path in paths + built_paths(kernel, kind):
+    for path in paths + built_paths(kernel):
         want, tol = path_reference(path, x, w, t)
         torch.testing.assert_close(kernel.matmul_path(x, matrix, path), want, **tol, msg=path)
     torch.testing.assert_close(kernel.dequantize(matrix), quant.dequantize(t))
@@ -214,7 +216,7 @@ def test_bf16_path_widens_float16_scales_as_dequantize_does(kernel: ModuleType, 
     matrix = kernel.Matrix(2, half.q, half.d, half.m)
     w = quant.dequantize(QuantTensor("int4", t.q, half.d.float(), half.m.float()))
     x = torch.randn(rows, 2112, generator=g)
-    for path in ["chunks", "dequant", *built_paths(kernel, "int4")]:
+    for path in ["chunks", "dequant", *built_paths(kernel)]:
         want, tol = path_reference(
             path, x, w, QuantTensor("int4", t.q, half.d.float(), half.m.float())
         )
@@ -223,8 +225,8 @@ def test_bf16_path_widens_float16_scales_as_dequantize_does(kernel: ModuleType, 
 
 def test_matrix_units_can_be_turned_off(kernel: ModuleType) -> None:
     """Off: the 16-bit widening loop, in chunks of 16 rows, then dequantize + GEMM. On:
-    the widening loop up to 7 rows (5 with AMX tiles), then bfloat16 where built (int4
-    without AMX: the codes path from 8 to 95 rows). With
+    the widening loop up to 7 rows (5 with AMX tiles), then bfloat16 where built (without
+    AMX the codes path from 8 rows: int4 to 95 rows, int8 to 32). With
     int8 activations too: VNNI from 5 rows, bfloat16 from 12 rows on AMX tiles."""
     t = quant.quantize(torch.randn(40, 64), "int4")
     matrix = kernel.Matrix(2, t.q, t.d, t.m)
@@ -250,9 +252,12 @@ def test_matrix_units_can_be_turned_off(kernel: ModuleType) -> None:
             assert choices == [
                 m if n >= first else "direct" for n, m in zip(rows, many, strict=True)
             ]
+            # int8 without AMX: the codes path up to 32 rows.
             int8 = quant.quantize(torch.randn(40, 64), "int8")
             int8_matrix = kernel.Matrix(1, int8.q, int8.d, int8.m)
-            assert kernel.matmul_choice(int8_matrix, 12) == "bf16"
+            assert [kernel.matmul_choice(int8_matrix, n) for n in (12, 32, 33)] == (
+                ["bf16"] * 3 if amx else ["codes", "codes", "bf16"]
+            )
         kernel.set_matrix_units(True, vnni=True)
         if kernel.vnni_built():
             assert kernel.matrix_units().split(",")[0] == "avx512_vnni"
@@ -270,13 +275,14 @@ def test_matrix_units_can_be_turned_off(kernel: ModuleType) -> None:
         kernel.matmul_path(torch.randn(2, 64), matrix, "amx")
 
 
-def test_codes_path_gives_a_row_the_same_bits_in_any_batch(kernel: ModuleType) -> None:
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_codes_path_gives_a_row_the_same_bits_in_any_batch(kernel: ModuleType, kind: str) -> None:
     """Rows are the vector lanes of the codes path: a row's products do not depend on the
     other rows of the call, their number, or its place among them. A build without
     AVX512_BF16 has no such path and says so."""
     g = torch.Generator().manual_seed(7)
-    t = quant.quantize(torch.randn(40, 1024, generator=g), "int4")
-    matrix = kernel.Matrix(2, t.q, t.d, t.m)
+    t = quant.quantize(torch.randn(40, 1024, generator=g), kind)
+    matrix = kernel.Matrix(quant.KIND[kind], t.q, t.d, t.m)
     x = torch.randn(37, 1024, generator=g)
     if not kernel.bf16_built():
         with pytest.raises(RuntimeError, match="no bfloat16 matrix-unit path"):
@@ -286,9 +292,6 @@ def test_codes_path_gives_a_row_the_same_bits_in_any_batch(kernel: ModuleType) -
     for i in (0, 15, 16, 36):
         assert torch.equal(kernel.matmul_path(x[i : i + 1], matrix, "codes")[0], whole[i])
     assert torch.equal(kernel.matmul_path(x[5:21], matrix, "codes"), whole[5:21])
-    with pytest.raises(RuntimeError, match="int4"):
-        int8 = quant.quantize(torch.randn(8, 64), "int8")
-        kernel.matmul_path(torch.randn(2, 64), kernel.Matrix(1, int8.q, int8.d, int8.m), "codes")
 
 
 @pytest.mark.parametrize("rows", [1, 5, 12])

@@ -109,11 +109,13 @@ constexpr int64_t kVnniRows = 5;
 // repacking plus a few VNNI rows, their products next to nothing); without AMX, VNNI for
 // every row count.
 constexpr int64_t kAmxRows = 12;
-// Below this many rows int4 products on AVX512_BF16 without AMX take the codes path
-// (quant_codes.cpp: no weight widened to its value, 16 rows a vector), from it oneDNN's
-// micro-kernel, whose widening costs less per row once many rows share it
-// (docs/scale.md).
+// Below this many rows int4 (int8) products on AVX512_BF16 without AMX take the codes
+// path (quant_codes.cpp: no weight widened to its value, 16 rows a vector), from it
+// oneDNN's micro-kernel, whose widening costs less per row once many rows share it
+// (docs/scale.md). Widening int8 codes costs the codes path more and oneDNN's less: it
+// wins up to two full groups of 16 rows.
 constexpr int64_t kCodesRows = 96;
+constexpr int64_t kCodesInt8Rows = 33;
 // Weight rows per dequantized slice.
 constexpr int64_t kSliceRows = 256;
 
@@ -213,7 +215,8 @@ Path choose_path(int64_t rows, MatrixKind kind) {
     return g_bf16 && rows >= kAmxRows && amx_tiles() ? Path::kBf16 : Path::kVnni;
   }
   if (g_bf16 && rows >= (amx_tiles() ? kBf16AmxRows : kBf16Rows)) {
-    const bool codes = kind == MatrixKind::kInt4 && !amx_tiles() && rows < kCodesRows;
+    const bool codes =
+        !amx_tiles() && rows < (kind == MatrixKind::kInt4 ? kCodesRows : kCodesInt8Rows);
     return codes ? Path::kCodes : Path::kBf16;
   }
   if (rows <= kDirectRows) return Path::kDirect;
@@ -249,7 +252,6 @@ torch::Tensor run_path(const torch::Tensor& x, const Matrix& w, Path path) {
 #endif
     case Path::kCodes:
 #if defined(ZMQLLM_QUANT_BF16)
-      TORCH_CHECK(w.kind == MatrixKind::kInt4, "matmul: the codes path takes int4 weights");
       quant::matmul_rows_codes(quant::View(w), x.data_ptr<float>(), rows, y.data_ptr<float>());
       return y;
 #else

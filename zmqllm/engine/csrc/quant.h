@@ -140,8 +140,9 @@ void matmul_rows_avx512(const View& w, const float* x, int64_t rows, float* y); 
 // The same product for any row count through bfloat16 (weights and activations rounded
 // to it, float32 sums) on the matrix units: defined where ZMQLLM_QUANT_BF16 is.
 void matmul_rows_bf16(const View& w, const float* x, int64_t rows, float* y);  // quant_bf16.cpp
-// int4 only, for any row count: the codes as exact bfloat16 (128 + q) in vdpbf16ps, 16 rows
-// a vector, each block's scale applied to its sums: defined where ZMQLLM_QUANT_BF16 is.
+// The same for any row count with the codes as exact bfloat16 (int4: 128 + q; int8: q) in
+// vdpbf16ps, 16 rows a vector, each block's scale applied to its sums: defined where
+// ZMQLLM_QUANT_BF16 is.
 void matmul_rows_codes(const View& w, const float* x, int64_t rows, float* y);  // quant_codes.cpp
 // The same numbers on AMX tiles (the process must hold their state: at::cpu::init_amx):
 // defined where ZMQLLM_QUANT_AMX is.

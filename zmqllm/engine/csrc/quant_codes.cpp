@@ -1,12 +1,15 @@
-// Many rows of int4 weights on AVX512_BF16 (vdpbf16ps) without widening a weight to its
-// value. A code q (0..15) is exactly the bfloat16 128 + q (exponent of 128, q in the low
-// mantissa bits: 0x4300 | q), and a block's scale and offset apply to its sums:
+// Many rows of int4 and int8 weights on AVX512_BF16 (vdpbf16ps) without widening a
+// weight to its value: a code is exactly a bfloat16, and a block's scale and offset apply
+// to its sums. An int4 code q (0..15) is the bfloat16 128 + q (exponent of 128, q in the
+// low mantissa bits: 0x4300 | q):
 //   row . x = sum_b [ d_b * sum_j (128 + q_j) x_j + (m_b - 128 d_b) * sum_j x_j ]
+// an int8 code (-128..127, eight significant bits) is its own bfloat16 (two conversions):
+//   row . x = sum_b [ d_b * sum_j q_j x_j + m_b * sum_j x_j ]
 // with x rounded to bfloat16 (nearest even) and every sum in float32. quant_bf16.cpp
-// widens each weight to d * q + m in bfloat16 (a lookup and a 16 x 16 transpose per
-// block), about half of its time at 16 rows; here a block's codes become their bfloat16
-// pairs in three integer operations, and the scales cost two multiply-adds per 16 dot
-// products.
+// widens each weight to d * q + m in bfloat16 (a lookup or a multiply-add, and a 16 x 16
+// transpose per block), about half of its time at 16 rows; here a block's codes become
+// their bfloat16 pairs in three (int4) or five (int8) vector operations, and the scales
+// cost two multiply-adds per 16 dot products.
 //
 // Rows are the lanes: a vector holds one input pair of 16 activation rows, and a code
 // pair of one weight row is broadcast to it. So a row's sums are the same whatever the
@@ -38,8 +41,8 @@ constexpr int kCols = 8;
 constexpr int kLanes = 16;  // activation rows per vector
 constexpr int kPairs = kGroup / 2;
 
-// Block ``block`` of a weight row as 16 units of two bfloat16: 128 + q for the block's
-// inputs 2p and 2p + 1 in unit p. Byte j of a block holds codes j (low nibble) and
+// Block ``block`` of an int4 weight row as 16 units of two bfloat16: 128 + q for the
+// block's inputs 2p and 2p + 1 in unit p. Byte j of a block holds codes j (low nibble) and
 // j + 16 (high nibble), so pair p < 8 is the low nibbles of bytes 2p and 2p + 1, and pair
 // p >= 8 the high nibbles of bytes 2p - 16 and 2p - 15.
 inline __m512i code_pairs(const uint8_t* block) {
@@ -56,6 +59,17 @@ inline __m512i code_pairs(const uint8_t* block) {
   // Keep the two codes (bits 0..3, 16..19) and set 128's exponent: (A & B) | C.
   return _mm512_ternarylogic_epi32(units, _mm512_set1_epi32(0x000F000F),
                                    _mm512_set1_epi32(0x43004300), 0xEA);
+}
+
+// Block ``block`` of an int8 weight row as 16 units of two bfloat16: q for the block's
+// inputs 2p and 2p + 1 in unit p (every int8 is exact in bfloat16).
+inline __m512i code_pairs_int8(const int8_t* block) {
+  const __m512 lo = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block))));
+  const __m512 hi = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16))));
+  // Elements 0..15 from lo, 16..31 from hi: unit p is inputs 2p and 2p + 1.
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
 }
 
 // x [rows, in] as the kernel meets it, 16 rows a group (the last padded with zero rows):
@@ -92,10 +106,11 @@ void lay_rows(const float* x, int64_t rows, int64_t in, uint32_t* pairs, float* 
 }
 
 // Weight rows n0..n0 + 16 (past w.out: zeros), two panels of kCols: their scales d and
-// their offsets less 128 d (m - 128 d: 128 d is exact, so one rounding, as the two steps
-// give), [block][16] each.
+// their offsets (zeros without), [block][16] each; for int4 the offsets less 128 d
+// (m - 128 d: 128 d is exact, so one rounding, as the two steps give).
 void panel_scales(const View& w, int64_t n0, float* d, float* m) {
   scales16(w, n0, 0, w.groups, d, m);
+  if (w.kind != MatrixKind::kInt4) return;
   const __m512 k128 = _mm512_set1_ps(128.0f);
   for (int64_t b = 0; b < w.groups; ++b) {
     const __m512 db = _mm512_loadu_ps(d + b * 16);
@@ -106,9 +121,12 @@ void panel_scales(const View& w, int64_t n0, float* d, float* m) {
 // Block b of weight rows n0..n0 + kCols as codes [kCols][kPairs] units (past w.out the
 // last row's codes: their scales are zero).
 inline void widen_block(const View& w, int64_t n0, int64_t b, uint32_t* codes) {
+  const bool int8 = w.kind == MatrixKind::kInt8;
+  const int64_t at = b * (int8 ? kGroup : kPairs);  // the block's first byte in a row
   for (int c = 0; c < kCols; ++c) {
-    const int64_t n = std::min(n0 + c, w.out - 1);
-    _mm512_storeu_si512(codes + c * kPairs, code_pairs(w.q + n * w.qstride + b * kPairs));
+    const uint8_t* q = w.q + std::min(n0 + c, w.out - 1) * w.qstride + at;
+    _mm512_storeu_si512(codes + c * kPairs,
+                        int8 ? code_pairs_int8(reinterpret_cast<const int8_t*>(q)) : code_pairs(q));
   }
 }
 
@@ -146,19 +164,37 @@ struct NextScales {
     const int64_t bytes = w.half ? 2 : 4;
     const int64_t rows = std::min<int64_t>(16, w.out - n0);
     d = static_cast<const char*>(w.d) + n0 * w.groups * bytes;
-    m = static_cast<const char*>(w.m) + n0 * w.groups * bytes;
+    // Without offsets (GGUF's Q8_0) the offsets' line is the scales' own again.
+    m = w.m != nullptr ? static_cast<const char*>(w.m) + n0 * w.groups * bytes : d;
     lines = (rows * w.groups * bytes + 63) / 64;
   }
 };
 
+// The codes of the next panel's weight rows, fetched into L1 a share a block while this
+// panel computes: rows of a few hundred bytes (a small model's output layer: 576 inputs)
+// are too short for the hardware's stream prefetcher to catch on (without this its
+// product of 16 rows took 10.4 ms on one core, with it 7.5).
+struct NextCodes {
+  const char* q = nullptr;
+  int64_t lines = 0;
+  int64_t per = 0;  // lines a block
+
+  NextCodes() = default;
+  NextCodes(const View& w, int64_t n0)
+      : q(reinterpret_cast<const char*>(w.q + n0 * w.qstride)),
+        lines((std::min<int64_t>(kCols, w.out - n0) * w.qstride + 63) / 64),
+        per((lines + w.groups - 1) / w.groups) {}
+};
+
 // Group g of the rows (pairs xg, block sums sg) against weight rows n0..n0 + kCols
-// (scales d, offsets m: [block][16]) over every block, into y. Block b + 1 is widened
+// (scales d, offsets m: [block][16]) over every block, into y, fetching the next
+// scales and codes (``next``, ``ahead``) meanwhile. Block b + 1 is widened
 // before block b is multiplied, so the broadcasts read stores a block old (a fresh
 // 64-byte store does not forward to the 4-byte loads of its units). A last group of
 // fewer rows runs as a whole one: on Zen 4 256-bit vdpbf16ps issue no faster.
 void group_panel(const View& w, const uint32_t* xg, const float* sg, const float* d,
                  const float* m, int64_t n0, int64_t g, int64_t rows, float* y,
-                 const NextScales& next) {
+                 const NextScales& next, const NextCodes& ahead) {
   alignas(64) uint32_t codes[2][kCols * kPairs];
   __m512 t[kCols];
   for (int c = 0; c < kCols; ++c) t[c] = _mm512_setzero_ps();
@@ -169,6 +205,9 @@ void group_panel(const View& w, const uint32_t* xg, const float* sg, const float
     if (b < next.lines) {
       _mm_prefetch(next.d + b * 64, _MM_HINT_T0);
       _mm_prefetch(next.m + b * 64, _MM_HINT_T0);
+    }
+    for (int64_t i = b * ahead.per; i < std::min(ahead.lines, b * ahead.per + ahead.per); ++i) {
+      _mm_prefetch(ahead.q + i * 64, _MM_HINT_T0);
     }
     block_group(xg + b * kPairs * kLanes, _mm512_loadu_ps(sg + b * kLanes), codes[k], d + b * 16,
                 m + b * 16, t);
@@ -204,8 +243,13 @@ void matmul_rows_codes(const View& w, const float* xp, int64_t rows, float* yp) 
     for (int64_t p = p0; p < p1; ++p) {
       panel_scales(w, p * 16, d.data(), m.data());
       const NextScales next = p + 1 < p1 ? NextScales(w, (p + 1) * 16) : NextScales();
-      for (int64_t n0 = p * 16; n0 < std::min(p * 16 + 16, w.out); n0 += kCols) {
+      const int64_t end = std::min(p * 16 + 16, w.out);
+      for (int64_t n0 = p * 16; n0 < end; n0 += kCols) {
         const int64_t c0 = n0 - p * 16;  // the panel's first column among the 16
+        // The panel after this one in the task: the next of this task's 16 rows, else the
+        // next task's first, else none.
+        const int64_t after = n0 + kCols < end ? n0 + kCols : (p + 1 < p1 ? end : -1);
+        const NextCodes ahead = after >= 0 ? NextCodes(w, after) : NextCodes();
         // Group by group, each widening the panel's codes again (a few integer operations
         // per 16 dot products): the totals stay in registers.
         for (int64_t g = 0; g < row_groups; ++g) {
@@ -213,7 +257,7 @@ void matmul_rows_codes(const View& w, const float* xp, int64_t rows, float* yp) 
           const float* sg = xsums + g * groups * kLanes;
           const bool first = c0 == 0 && g == 0;  // fetches the next task's scales
           group_panel(w, xg, sg, d.data() + c0, m.data() + c0, n0, g, rows, yp,
-                      first ? next : NextScales());
+                      first ? next : NextScales(), g + 1 < row_groups ? NextCodes() : ahead);
         }
       }
     }
