@@ -5,11 +5,11 @@ rows through the same weights. This times one 7B layer's four products (qkv 4096
 o 4096->4096, gate+up 4096->28672, down 14336->4096; random weights) at each row count
 with every candidate, in alternating rounds: zmqllm's own int4 and int8 products as
 chosen for the row count (from 8 rows, 12 on AMX, the bfloat16 matrix-unit path where
-the build has it; on AVX512_BF16 without AMX the codes path, int4 from 8 to 95 rows and
-int8 from 8 to 32), int4 and int8 through oneDNN's bfloat16 micro-kernel at every row
-count (the path before the codes path), without the matrix
+the build has it; on AVX512_BF16 without AMX the codes path at 8-16 and 24-32 rows),
+int4 and int8 through oneDNN's bfloat16 micro-kernel and through the codes path at
+every row count (where each wins sets the codes path's rows), without the matrix
 units (16-bit activations in passes of 16 rows, dequantize + float32 GEMM from 128
-rows) and with int8 activations (VNNI from 5 rows, bfloat16 from 48 on AMX), PyTorch's
+rows) and with int8 activations (VNNI from 5 rows, bfloat16 from 12 on AMX), PyTorch's
 float32 and bfloat16 GEMMs (oneDNN: AVX512_BF16 or AMX where the CPU has them),
 int4 widened to bfloat16 on every call then the bfloat16 GEMM (the cost of widening a
 whole weight per forward), and PyTorch's own int4 and int8 weight-only CPU ops. It prints
@@ -79,19 +79,25 @@ def candidates(weights: dict[str, torch.Tensor]) -> dict[str, Callable[[torch.Te
         m8 = [kernel.Matrix(quant.KIND["int8"], t.q, t.d, t.m) for t in q8]
         found["zmqllm int4"] = lambda xs: [kernel.matmul(x, m) for x, m in zip(xs, m4, strict=True)]
         found["zmqllm int8"] = lambda xs: [kernel.matmul(x, m) for x, m in zip(xs, m8, strict=True)]
-        if kernel.bf16_built():  # the same products without the matrix units: the paths before
+        if kernel.bf16_built():  # each matrix-unit path by name, and the paths before them
             # int4 and int8 through oneDNN's bfloat16 micro-kernel at every row count (the
-            # codes path takes 8-95 and 8-32 rows on AVX512_BF16 without AMX): the path
-            # before it there.
+            # codes path takes 8-16 and 24-32 rows on AVX512_BF16 without AMX).
             found["zmqllm int4, brgemm"] = lambda xs: [
                 kernel.matmul_path(x, m, "brgemm") for x, m in zip(xs, m4, strict=True)
             ]
             found["zmqllm int8, brgemm"] = lambda xs: [
                 kernel.matmul_path(x, m, "brgemm") for x, m in zip(xs, m8, strict=True)
             ]
+            # And the codes path at every row count: where it wins sets its rows.
+            found["zmqllm int4, codes"] = lambda xs: [
+                kernel.matmul_path(x, m, "codes") for x, m in zip(xs, m4, strict=True)
+            ]
+            found["zmqllm int8, codes"] = lambda xs: [
+                kernel.matmul_path(x, m, "codes") for x, m in zip(xs, m8, strict=True)
+            ]
             found["zmqllm int4, no matrix units"] = with_units(kernel, m4, False, False)
             found["zmqllm int8, no matrix units"] = with_units(kernel, m8, False, False)
-        if kernel.vnni_built():  # int8_activations: 8-bit activations on VNNI (5-47 rows)
+        if kernel.vnni_built():  # int8_activations: VNNI at 5-11 rows on AMX, from 5 elsewhere
             found["zmqllm int4, int8 activations"] = with_units(kernel, m4, True, True)
             found["zmqllm int8, int8 activations"] = with_units(kernel, m8, True, True)
     found["torch fp32"] = lambda xs: [F.linear(x, w) for x, w in zip(xs, w32, strict=True)]

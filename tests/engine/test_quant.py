@@ -226,11 +226,11 @@ def test_bf16_path_widens_float16_scales_as_dequantize_does(kernel: ModuleType, 
 def test_matrix_units_can_be_turned_off(kernel: ModuleType) -> None:
     """Off: the 16-bit widening loop, in chunks of 16 rows, then dequantize + GEMM. On:
     the widening loop up to 7 rows (5 with AMX tiles), then bfloat16 where built (without
-    AMX the codes path from 8 rows: int4 to 95 rows, int8 to 32). With
+    AMX the codes path for int4 and int8 at 8-16 and 24-32 rows). With
     int8 activations too: VNNI from 5 rows, bfloat16 from 12 rows on AMX tiles."""
     t = quant.quantize(torch.randn(40, 64), "int4")
     matrix = kernel.Matrix(2, t.q, t.d, t.m)
-    rows = (4, 5, 6, 8, 11, 12, 300)
+    rows = (4, 5, 6, 8, 11, 12, 16, 17, 23, 24, 32, 33, 45, 48, 72, 300)
     try:
         kernel.set_matrix_units(False)
         assert kernel.matrix_units() == ""
@@ -246,24 +246,22 @@ def test_matrix_units_can_be_turned_off(kernel: ModuleType) -> None:
         assert units == (["amx" if amx else "avx512_bf16"] if kernel.bf16_built() else [])
         choices = [kernel.matmul_choice(matrix, n) for n in rows]
         if kernel.bf16_built():
-            # int4 without AMX: the codes path up to 95 rows, then oneDNN's.
+            # Without AMX: the codes path for 8-16 and 24-32 rows, else oneDNN's.
             first = 6 if amx else 8
-            many = ["bf16" if amx or n >= 96 else "codes" for n in rows]
+            codes = {8, 11, 12, 16, 24, 32}
+            many = ["codes" if n in codes and not amx else "bf16" for n in rows]
             assert choices == [
                 m if n >= first else "direct" for n, m in zip(rows, many, strict=True)
             ]
-            # int8 without AMX: the codes path up to 32 rows.
             int8 = quant.quantize(torch.randn(40, 64), "int8")
             int8_matrix = kernel.Matrix(1, int8.q, int8.d, int8.m)
-            assert [kernel.matmul_choice(int8_matrix, n) for n in (12, 32, 33)] == (
-                ["bf16"] * 3 if amx else ["codes", "codes", "bf16"]
-            )
+            assert [kernel.matmul_choice(int8_matrix, n) for n in rows] == choices
         kernel.set_matrix_units(True, vnni=True)
         if kernel.vnni_built():
             assert kernel.matrix_units().split(",")[0] == "avx512_vnni"
             many = "bf16" if amx else "vnni"
             assert [kernel.matmul_choice(matrix, n) for n in rows] == (
-                ["direct"] + ["vnni"] * 4 + [many] * 2
+                ["direct"] + ["vnni"] * 4 + [many] * 11
             )
         kernel.set_matrix_units(False, vnni=True)  # VNNI needs the units on
         assert kernel.matrix_units() == ""
@@ -294,15 +292,20 @@ def test_codes_path_gives_a_row_the_same_bits_in_any_batch(kernel: ModuleType, k
     assert torch.equal(kernel.matmul_path(x[5:21], matrix, "codes"), whole[5:21])
 
 
-@pytest.mark.parametrize("rows", [1, 5, 12])
-def test_kernel_product_of_q8_0_blocks_without_offsets(kernel: ModuleType, rows: int) -> None:
-    """GGUF's Q8_0 (a scale per block, no offset) through the same product."""
+@pytest.mark.parametrize("half", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 12, 24])
+def test_kernel_product_of_q8_0_blocks_without_offsets(
+    kernel: ModuleType, rows: int, half: bool
+) -> None:
+    """GGUF's Q8_0 (a scale per block, no offset; float16 as the file holds it, or
+    float32) through the same product."""
     g = torch.Generator().manual_seed(rows)
     q = torch.randint(-127, 128, (70, 96), generator=g, dtype=torch.int8)
-    t = QuantTensor("int8", q, torch.rand(70, 3, generator=g) / 100, torch.empty(0))
+    d = torch.rand(70, 3, generator=g) / 100
+    t = QuantTensor("int8", q, d.half().float() if half else d, torch.empty(0))
     x = torch.randn(rows, 96, generator=g)
     w = quant.dequantize(t)
-    matrix = kernel.Matrix(1, t.q, t.d, t.m)
+    matrix = kernel.Matrix(1, t.q, d.half() if half else d, t.m)
     for path in [kernel.matmul_choice(matrix, rows), *built_paths(kernel)]:
         want, tol = path_reference(path, x, w, t)
         torch.testing.assert_close(kernel.matmul_path(x, matrix, path), want, **tol, msg=path)

@@ -152,7 +152,7 @@ def load() -> ModuleType | None:
 def use_matrix_units(on: bool, int8_activations: bool = False) -> str:
     """Whether the quantized products of several rows use the CPU's matrix units in this
     process (csrc/quant_bf16.cpp and quant_amx.cpp: bfloat16 on AMX or AVX512_BF16;
-    csrc/quant_codes.cpp: int4 codes as exact bfloat16 on AVX512_BF16) and, with
+    csrc/quant_codes.cpp: int8 and int4 codes as exact bfloat16 on AVX512_BF16) and, with
     ``int8_activations``, its 8-bit dot products (csrc/quant_vnni.cpp: AVX-512 VNNI), and
     which: e.g. "avx512_vnni,amx", or "" (off, or the kernel or the units missing). Linux
     hands out AMX's tile state only on request; the kernel asks, and oneDNN falls back to

@@ -26,7 +26,7 @@ struct Matrix {
 torch::Tensor matmul(const torch::Tensor& x, const Matrix& w);
 // The same through a named path of a quantized Matrix: "direct" (up to 16 rows),
 // "chunks", "dequant", "bf16" (on our AMX kernel where the tiles are granted, else as
-// "brgemm": oneDNN's micro-kernel), "codes" (int4 on AVX512_BF16: quant_codes.cpp) or
+// "brgemm": oneDNN's micro-kernel), "codes" (int8 or int4 on AVX512_BF16: quant_codes.cpp) or
 // "vnni" (where built).
 torch::Tensor matmul_path(const torch::Tensor& x, const Matrix& w, const std::string& path);
 // The path matmul takes for ``rows`` rows.

@@ -109,13 +109,18 @@ constexpr int64_t kVnniRows = 5;
 // repacking plus a few VNNI rows, their products next to nothing); without AMX, VNNI for
 // every row count.
 constexpr int64_t kAmxRows = 12;
-// Below this many rows int4 (int8) products on AVX512_BF16 without AMX take the codes
-// path (quant_codes.cpp: no weight widened to its value, 16 rows a vector), from it
-// oneDNN's micro-kernel, whose widening costs less per row once many rows share it
-// (docs/scale.md). Widening int8 codes costs the codes path more and oneDNN's less: it
-// wins up to two full groups of 16 rows.
-constexpr int64_t kCodesRows = 96;
-constexpr int64_t kCodesInt8Rows = 33;
+// Which of the two takes a product on AVX512_BF16 without AMX: the codes path
+// (quant_codes.cpp: no weight widened to its value, 16 rows a vector) costs about the
+// same for every group of 16 rows, a last partial group as a whole one; oneDNN's
+// micro-kernel widens the weights once per call and then costs little per row. One 7B
+// layer on Zen 4 (docs/scale.md): a group ~21.5 ms, oneDNN's ~20 ms plus ~1 a row, so
+// the codes path takes 8-16 and 24-32 rows, oneDNN's the rest (int8 alike). From three
+// groups the two measured within noise of each other at best (45-48 rows), so oneDNN's.
+constexpr bool codes_wins(int64_t rows) {
+  const int64_t groups = (rows + 15) / 16;
+  // 21.5 ms a group < 20 ms + 1 ms a row, doubled.
+  return groups <= 2 && 43 * groups < 40 + 2 * rows;
+}
 // Weight rows per dequantized slice.
 constexpr int64_t kSliceRows = 256;
 
@@ -210,14 +215,12 @@ bool amx_tiles() {
   return granted;
 }
 
-Path choose_path(int64_t rows, MatrixKind kind) {
+Path choose_path(int64_t rows) {
   if (g_vnni && rows >= kVnniRows) {
     return g_bf16 && rows >= kAmxRows && amx_tiles() ? Path::kBf16 : Path::kVnni;
   }
   if (g_bf16 && rows >= (amx_tiles() ? kBf16AmxRows : kBf16Rows)) {
-    const bool codes =
-        !amx_tiles() && rows < (kind == MatrixKind::kInt4 ? kCodesRows : kCodesInt8Rows);
-    return codes ? Path::kCodes : Path::kBf16;
+    return !amx_tiles() && codes_wins(rows) ? Path::kCodes : Path::kBf16;
   }
   if (rows <= kDirectRows) return Path::kDirect;
   return rows < kGemmRows ? Path::kChunks : Path::kDequant;
@@ -300,7 +303,7 @@ std::string matrix_units() {
 std::string matmul_choice(const Matrix& w, int64_t rows) {
   if (w.kind == MatrixKind::kFloat32) return rows <= kGemvMaxRows ? "gemv" : "linear";
   static const char* names[] = {"direct", "chunks", "dequant", "bf16", "vnni", "brgemm", "codes"};
-  return names[static_cast<int>(choose_path(rows, w.kind))];
+  return names[static_cast<int>(choose_path(rows))];
 }
 
 torch::Tensor matmul(const torch::Tensor& x_, const Matrix& w) {
@@ -308,7 +311,7 @@ torch::Tensor matmul(const torch::Tensor& x_, const Matrix& w) {
   if (w.kind == MatrixKind::kFloat32) {
     return x.size(0) <= kGemvMaxRows ? gemv(x, w.q) : torch::linear(x, w.q);
   }
-  return run_path(x, w, choose_path(x.size(0), w.kind));
+  return run_path(x, w, choose_path(x.size(0)));
 }
 
 torch::Tensor matmul_path(const torch::Tensor& x_, const Matrix& w, const std::string& name) {
