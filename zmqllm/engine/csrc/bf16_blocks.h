@@ -10,6 +10,14 @@
 
 namespace quant {
 
+// An int8 block's 32 codes as float32: inputs 0..15 in lo, 16..31 in hi (exact).
+inline void int8_block_ps(const int8_t* q, __m512& lo, __m512& hi) {
+  lo = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+  hi = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
+}
+
 // Block b of a weight row as 32 bfloat16 in order (weights 0..31), rounded to nearest
 // even from d * q + m in float32, multiplied then added (no fused multiply-add) as
 // dequantize() computes it, so the two round to the same bfloat16.
@@ -32,11 +40,8 @@ inline __m512i widen_block_bf16(MatrixKind kind, const uint8_t* qrow, int64_t b,
         _mm256_srli_epi16(raw, 4), 1);
     return _mm512_permutexvar_epi16(codes, table);
   }
-  const auto* q = reinterpret_cast<const int8_t*>(qrow) + b * kGroup;
-  const __m512 lo = _mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
-  const __m512 hi = _mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
+  __m512 lo, hi;
+  int8_block_ps(reinterpret_cast<const int8_t*>(qrow) + b * kGroup, lo, hi);
   __m512 dlo = _mm512_mul_ps(lo, vd), dhi = _mm512_mul_ps(hi, vd);
   // The compiler would fuse the multiply into the add below (one rounding, not two).
   __asm__("" : "+v"(dlo), "+v"(dhi));

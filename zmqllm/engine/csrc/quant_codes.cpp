@@ -29,7 +29,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "bf16_blocks.h"   // round_rows
+#include "bf16_blocks.h"   // round_rows, int8_block_ps
 #include "lanes_avx512.h"  // transpose16
 
 namespace quant {
@@ -64,10 +64,8 @@ inline __m512i code_pairs(const uint8_t* block) {
 // Block ``block`` of an int8 weight row as 16 units of two bfloat16: q for the block's
 // inputs 2p and 2p + 1 in unit p (every int8 is exact in bfloat16).
 inline __m512i code_pairs_int8(const int8_t* block) {
-  const __m512 lo = _mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block))));
-  const __m512 hi = _mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16))));
+  __m512 lo, hi;
+  int8_block_ps(block, lo, hi);
   // The intrinsic takes its upper half first: so unit p is inputs 2p and 2p + 1.
   return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
 }
