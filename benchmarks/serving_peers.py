@@ -216,6 +216,18 @@ def runtimes(
                 zmqllm_server, model_dir, a.quant, threads, a.zmqllm_dtype, int8_activations=True
             ),
         )
+    if a.bf16_kv:
+        yield (
+            f"zmqllm[{a.quant}, bf16 KV]",
+            functools.partial(
+                zmqllm_server,
+                model_dir,
+                a.quant,
+                threads,
+                a.zmqllm_dtype,
+                worker_flags=("--kv-dtype", "bfloat16"),
+            ),
+        )
     for t in a.vllm_threads:
         yield (
             f"vLLM[{t or 'own'} thr]",
@@ -270,7 +282,7 @@ def table(runs: dict[str, list[dict[str, Any]]], a: argparse.Namespace) -> dict[
     """Print every figure as median (min-max) per runtime and zmqllm / the best vLLM
     (the highest rate, the lowest time: a ratio below 1 on a time is zmqllm ahead)."""
     names = list(runs)
-    ours = [n for n in names if n.startswith("zmqllm")]  # zmqllm, then with int8 act
+    ours = [n for n in names if n.startswith("zmqllm")]  # zmqllm, then its variants
     peers = [n for n in names if n not in ours]
     heads = "".join(f"{'/vLLM':>13}" if i else f"{'zmqllm/vLLM':>13}" for i in range(len(ours)))
     print(f"\n{'':26}" + "".join(f"{n:>24}" for n in names) + heads)
@@ -283,8 +295,8 @@ def table(runs: dict[str, list[dict[str, Any]]], a: argparse.Namespace) -> dict[
         shown = "".join(f"{r:>13.2f}" for r in ratios)
         print(f"{label:26}" + "".join(t.rjust(24) for t in texts) + shown)
         summary[label] = {**cells, "ratio_zmqllm_over_best_vllm": ratios[0]}
-        if len(ours) > 1:
-            summary[label]["ratio_int8_activations_over_best_vllm"] = ratios[1]
+        for n, r in zip(ours[1:], ratios[1:], strict=True):  # the variants: int8 act, bf16 KV
+            summary[label][f"ratio {n} over best vLLM"] = r
     return summary
 
 
@@ -358,6 +370,9 @@ def main() -> None:
     ap.add_argument("--no-vllm", action="store_true", help="zmqllm alone")
     ap.add_argument(
         "--int8-activations", action="store_true", help="zmqllm with them too, one run each"
+    )
+    ap.add_argument(
+        "--bf16-kv", action="store_true", help="zmqllm with a bfloat16 KV cache too (kv_dtype)"
     )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/serving_peers.json"))
     a = ap.parse_args()

@@ -63,7 +63,7 @@ EXPECTED: dict[str, dict[str, set[str] | None]] = {
     },
     "measure": {
         "model": {"path", "revision", "dtype", "device", "quant"},
-        "worker": {"threads", "max_memory_mb", "packed_rows", "native_attention"},
+        "worker": {"threads", "max_memory_mb", "packed_rows", "native_attention", "kv_dtype"},
         "log": {"level", "format"},
     },
     "plan": {

@@ -237,6 +237,7 @@ def test_section_must_be_a_table(tmp_path: Path) -> None:
         ("[worker]\nprefill_chunk = 0\n", "prefill_chunk"),
         ("[worker]\nbusy_prefill_chunk = 0\n", "busy_prefill_chunk"),
         ('[worker]\nwire_dtype = "int8"\n', "wire_dtype"),
+        ('[worker]\nkv_dtype = "float16"\n', "kv_dtype"),
         ('[worker]\nspeculative = "ngram"\n', "speculative"),
         ('[worker]\nspeculative = "draft"\ndraft_model = ""\n', "draft_model"),
         ("[worker]\nmax_draft_tokens = 0\n", "max_draft_tokens"),

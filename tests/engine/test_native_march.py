@@ -49,10 +49,14 @@ def test_the_target_is_this_cpu_unless_one_is_named(monkeypatch: pytest.MonkeyPa
 )
 def test_an_avx2_only_build_passes_the_kernel_tests() -> None:
     """The int4/int8 products, attention and fused steps of an x86-64-v3 build against
-    their references (tests/engine/test_quant.py, test_native.py), in a child process
+    their references (tests/engine/test_quant.py, test_native.py, test_decode_attention.py,
+    test_kv_dtype.py), in a child process
     that builds it (once per source, like any build: 2-3 minutes on 2 cores)."""
     env = {**os.environ, native.MARCH_ENV: AVX2_ONLY}
-    tests = ["tests/engine/test_quant.py", "tests/engine/test_native.py"]
+    tests = [
+        f"tests/engine/test_{name}.py"
+        for name in ("quant", "native", "decode_attention", "kv_dtype")
+    ]
     args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "torch", *tests]
     done = subprocess.run(
         [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=1200

@@ -112,14 +112,6 @@ def built_paths(kernel: ModuleType) -> list[str]:
     return bf16 + (["vnni"] if kernel.vnni_built() else [])
 
 
-@pytest.fixture(scope="module")
-def kernel() -> ModuleType:
-    module = native.load()
-    if module is None:
-        pytest.skip("the compiled kernels cannot be built here")
-    return module
-
-
 def _q4_exact(out: int, cols: int, seed: int) -> torch.Tensor:
     """A weight every block of which is d * q + m with q in 0..15 using 0 and 15:
     what a Q4_1 file dequantizes to."""

@@ -27,7 +27,7 @@ PROMPTS = [
 TEXT = Path(__file__).parents[1] / "data" / "agreement.txt"
 
 
-def _hf_greedy(model: object, prompt: list[int], n: int) -> list[int]:
+def hf_greedy(model: object, prompt: list[int], n: int) -> list[int]:
     ids = torch.tensor([prompt])
     out = model.generate(  # type: ignore[attr-defined]
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
@@ -81,7 +81,7 @@ def test_int4_greedy_equals_hf_float32(
     for text in PROMPTS:
         ids = tok.encode_chat([{"role": "user", "content": text}])
         ours = list(gen.generate(ids, 32))
-        assert ours == _hf_greedy(ref_model, ids, 32), text
+        assert ours == hf_greedy(ref_model, ids, 32), text
 
 
 def test_int4_batched_on_the_matrix_units_greedy_equals_hf_float32(
@@ -98,7 +98,7 @@ def test_int4_batched_on_the_matrix_units_greedy_equals_hf_float32(
     ref_model = transformers.MistralForCausalLM.from_pretrained(default_model_dir).eval()
     prompts = [tok.encode_chat([{"role": "user", "content": t}]) for t in PROMPTS]
     steps = 24
-    want = [_hf_greedy(ref_model, ids, steps) for ids in prompts]
+    want = [hf_greedy(ref_model, ids, steps) for ids in prompts]
     gen = Generator(default_model_dir, [(0, 15), (15, 30)], quant="int4")
     names = [f"s{i}" for i in range(12)]
     own = [prompts[i % 3] for i in range(12)]

@@ -113,7 +113,10 @@ ROLES: dict[str, tuple[Take, ...]] = {
     # `zmqllm measure`: what a worker's probe depends on (launch/split.py, worker/self_measure.py).
     "measure": (
         Take("model", skip=("name",)),
-        Take("worker", only=("threads", "max_memory_mb", "packed_rows", "native_attention")),
+        Take(
+            "worker",
+            only=("threads", "max_memory_mb", "packed_rows", "native_attention", "kv_dtype"),
+        ),
         LOG,
     ),
     # `zmqllm plan`: the model and what the stages' probes run with.

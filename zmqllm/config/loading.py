@@ -25,6 +25,7 @@ from zmqllm.config.layers import check_layer_spec
 from zmqllm.config.names import NAME_RULE, is_name
 from zmqllm.config.settings import (
     DTYPES,
+    KV_DTYPE_CHOICES,
     MAX_DRAFT_TOKENS,
     PLACEMENT_STRATEGIES,
     QUANTS,
@@ -189,6 +190,8 @@ def _check_worker(s: WorkerSettings, where: str) -> WorkerSettings:
     _check_positive(s, ("max_kv_tokens",), where, minimum=0)
     if s.peer not in ("auto", "off") and not s.peer.startswith("tcp://"):
         raise _fail("peer", where, "auto, off or tcp://HOST:PORT", s.peer)
+    if s.kv_dtype not in KV_DTYPE_CHOICES:
+        raise _fail("kv_dtype", where, f"one of {', '.join(KV_DTYPE_CHOICES)}", s.kv_dtype)
     if s.wire_dtype not in WIRE_DTYPE_CHOICES:
         raise _fail("wire_dtype", where, f"one of {', '.join(WIRE_DTYPE_CHOICES)}", s.wire_dtype)
     if s.speculative not in SPECULATIVE_CHOICES:

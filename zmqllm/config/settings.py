@@ -41,6 +41,7 @@ __all__ = [
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTS = ("none", "int8", "int4")  # engine/quant.py
 WIRE_DTYPE_CHOICES = ("auto", *DTYPES)  # "auto": activations travel in the model's dtype
+KV_DTYPE_CHOICES = ("auto", "float32", "bfloat16")  # "auto": the model's dtype
 # engine/prompt_lookup.py (lookup) and engine/draft.py (a draft model).
 SPECULATIVE_CHOICES = ("auto", "off", "lookup", "draft")
 MAX_DRAFT_TOKENS = 16  # bus/messages.py's, the most proposals a STEP carries
@@ -280,6 +281,16 @@ class WorkerSettings:
         256,
         "prompt tokens per forward while other sessions are decoding (at most prefill_chunk)",
         metavar="TOKENS",
+    )
+    # At many streams batched decode attention reads every session's whole KV each step:
+    # bfloat16 halves those bytes (as vLLM's CPU backend keeps its cache); off by default
+    # because it rounds every key and value once (docs/configuration.md, "kv_dtype").
+    kv_dtype: str = setting(
+        "auto",
+        'dtype of the KV cache: "auto" = the model\'s dtype; bfloat16 with a float32 model '
+        "halves the cache's bytes (twice the sessions or context in the same memory) and "
+        "what batched decode attention reads, at the cost of rounding keys and values",
+        choices=KV_DTYPE_CHOICES,
     )
     # Multi-turn chat resends the conversation each turn: kept, its KV is not recomputed.
     prefix_cache: bool = setting(

@@ -112,7 +112,10 @@ class DecoderLayer(nn.Module):
             ck, cv = seg.cache.k[local], seg.cache.v[local]  # [KVH, max_len, D]
             ck[:, past : past + n].copy_(k[off : off + n].transpose(0, 1))
             cv[:, past : past + n].copy_(v[off : off + n].transpose(0, 1))
-            out = _attend(q[off : off + n], ck[:, lo : past + n], cv[:, lo : past + n], mask)
+            keys, values = ck[:, lo : past + n], cv[:, lo : past + n]
+            if keys.dtype != q.dtype:  # a bfloat16 cache of a float32 model (kv_dtype)
+                keys, values = keys.to(q.dtype), values.to(q.dtype)
+            out = _attend(q[off : off + n], keys, values, mask)
             if single:
                 attn = out  # one session: no gather buffer
             else:

@@ -18,7 +18,7 @@ from zmqllm.engine import native
 from zmqllm.engine.cache import CachePool
 from zmqllm.engine.decoder_layer import Segment
 from zmqllm.engine.gguf_weights import GGUFShardReader, gguf_matches, gguf_source
-from zmqllm.engine.model import MistralShard
+from zmqllm.engine.model import TORCH_DTYPES, MistralShard
 from zmqllm.engine.sampling import sample
 from zmqllm.engine.weights import load_shard_tensors, shard_tensor_groups
 from zmqllm.log import get_logger
@@ -27,14 +27,12 @@ from zmqllm.models.model_args import ModelArgs
 
 log = get_logger("zmqllm.engine")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def torch_dtype(name: str) -> torch.dtype:
     try:
-        return DTYPES[name]
+        return TORCH_DTYPES[name]
     except KeyError:
-        raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}") from None
+        raise ValueError(f"dtype {name!r} is not one of {', '.join(TORCH_DTYPES)}") from None
 
 
 def load_shard(
@@ -113,10 +111,12 @@ class Generator:
         device: str = "cpu",
         compiled: bool = True,
         quant: str = "none",
+        kv_dtype: str = "auto",
     ) -> None:
         """``compiled``: use the compiled kernels (engine.native) where they load:
         the fast single-stream path; False keeps PyTorch's ops throughout.
-        ``quant``: "none", "int8" or "int4" (see load_shard)."""
+        ``quant``: "none", "int8" or "int4" (see load_shard); ``kv_dtype``: the caches'
+        (MistralShard.use_kv_dtype)."""
         self.directory = Path(directory)
         self.args = ModelArgs.from_dir(self.directory)
         bounds = bounds or [(0, self.args.num_layers)]
@@ -126,8 +126,9 @@ class Generator:
         kernel = native.load() if compiled else None
         for shard in self.shards:
             shard.use_kernel(kernel)
+            shard.use_kv_dtype(kv_dtype)
         self.pools = [
-            CachePool(self.args, sh.num_local_layers, sh.dtype, device) for sh in self.shards
+            CachePool(self.args, sh.num_local_layers, sh.kv_dtype, device) for sh in self.shards
         ]
 
     def forward(self, sessions: Sequence[str], inputs: Sequence[Sequence[int]]) -> torch.Tensor:

@@ -143,12 +143,13 @@ def plan_stage(
     available: tuple[int, str] | None = None,
     gguf: bool = False,
     max_sessions: int = 64,
+    kv_dtype: str | None = None,
 ) -> StagePlan:
     """The stage's figures against the memory given to it (see module doc);
     ``available``: what the device has free, where it is not this machine's memory;
     ``gguf``: the weights come as a GGUF file's blocks. ``kv_tokens`` 0: as many as the
     memory holds after the weights, the runtime and a margin, at most ``max_sessions``
-    sessions of the whole context."""
+    sessions of the whole context. ``kv_dtype``: the caches' (None: ``dtype``)."""
     weights = weight_bytes(args, start, end, dtype, quant, gguf)
     packed_bytes = 0
     if packed and quant == "none" and dtype == "float32":
@@ -160,7 +161,7 @@ def plan_stage(
         given, source = max_memory_mb << 20, "max_memory_mb"
     else:
         given, source = available or memory_available()
-    per_token = args.kv_bytes_per_token(end - start, ITEMSIZE[dtype])
+    per_token = args.kv_bytes_per_token(end - start, ITEMSIZE[kv_dtype or dtype])
     if kv_tokens:
         return StagePlan((start, end), weights, packed_bytes, per_token, kv_tokens, given, source)
     margin = max(KV_MARGIN_MIN, int(given * KV_MARGIN_FRACTION))

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zmqllm.config.settings import MAX_DRAFT_TOKENS, QUANTS
+from zmqllm.config.settings import KV_DTYPE_CHOICES, MAX_DRAFT_TOKENS, QUANTS
 from zmqllm.engine import linear, quant
 from zmqllm.engine.decoder_layer import LINEAR_NAMES, DecoderLayer, ForwardPlan, RMSNorm, Segment
 from zmqllm.engine.linear import CPU_MM_MAX_ROWS_HEAD, Linear, QuantLinear
@@ -32,6 +32,7 @@ from zmqllm.models.model_args import ModelArgs
 
 # The most rows of one segment that attend in the compiled decode kernel: a decode step
 # with the most proposals a step may carry; longer segments (prompt chunks) take SDPA.
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KERNEL_ROWS = 1 + MAX_DRAFT_TOKENS
 
 __all__ = ["MistralShard"]
@@ -81,6 +82,7 @@ class MistralShard(nn.Module):
         self.is_first = start == 0
         self.is_last = end == args.num_layers
         self.dtype = dtype
+        self.kv_dtype = dtype  # of the KV caches its stage allocates: see use_kv_dtype
         self.device = torch.device(device)
         self.embed: torch.Tensor | QuantTensor | None = None  # [vocab, hidden]
         self.lm_head: torch.Tensor | QuantTensor | None = None  # [vocab, hidden]
@@ -100,6 +102,14 @@ class MistralShard(nn.Module):
         # batched products are faster).
         self._decode_layers: tuple[list[torch.Tensor], list[object]] | None = None
         self._decode_layers_rows = 1
+
+    def use_kv_dtype(self, name: str) -> torch.dtype:
+        """Keys and values cached in ``name`` ("auto": the model's dtype; "float32" or
+        "bfloat16"); attention computes in the model's dtype either way."""
+        if name not in KV_DTYPE_CHOICES:
+            raise ValueError(f"kv dtype {name!r} is not one of {', '.join(KV_DTYPE_CHOICES)}")
+        self.kv_dtype = self.dtype if name == "auto" else TORCH_DTYPES[name]
+        return self.kv_dtype
 
     def _cpu_float32(self) -> bool:
         """The compiled kernel and the packed weights exist for float32 on the CPU only."""

@@ -91,13 +91,13 @@ class Stage:
         self.pool = CachePool(
             shard.args,
             shard.num_local_layers,
-            shard.dtype,
+            shard.kv_dtype,
             shard.device,
             max_sessions,
             max_kv_tokens,
         )
         self.max_memory = max_memory_mb << 20
-        itemsize = torch.empty((), dtype=shard.dtype).element_size()
+        itemsize = torch.empty((), dtype=shard.kv_dtype).element_size()
         self._kv_bytes_per_token = shard.args.kv_bytes_per_token(shard.num_local_layers, itemsize)
         # What the stage holds before any session (weights, packed copies, the runtime):
         # measured once; sessions then count by the KV bytes they reserve.

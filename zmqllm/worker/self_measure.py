@@ -114,6 +114,7 @@ def _probe_shard(cfg: Config, args: ModelArgs, layers: int, last: bool) -> Mistr
         shard.load(ends, strict=False)
     if w.native_attention:
         shard.use_kernel(native.load())
+    shard.use_kv_dtype(w.kv_dtype)
     if w.packed_rows >= PACK_MIN_ROWS:
         shard.pack(w.packed_rows)
     return shard
@@ -127,7 +128,7 @@ def probe_ms(cfg: Config, args: ModelArgs) -> tuple[float, float]:
     itemsize = 4 if m.dtype == "float32" else 2
     layers = 1 if args.layer_params * itemsize > ONE_LAYER_BYTES else 2
     shard = _probe_shard(cfg, args, layers, last=False)
-    pool = CachePool(shard.args, layers, shard.dtype, m.device, max_sessions=ROWS)
+    pool = CachePool(shard.args, layers, shard.kv_dtype, m.device, max_sessions=ROWS)
     names = [f"probe-{i}" for i in range(ROWS)]
     room = min(args.max_position_embeddings, CONTEXT + 2 * (WARM + MAX_REPS))
     most = max(MIN_REPS, (room - CONTEXT) // 2 - WARM)  # forwards per row count

@@ -85,6 +85,7 @@ def load_stage(cfg: Config) -> Loaded:
         available=_device_free(m.device),
         gguf=gguf_serves(directory, args, start, end, m.quant),
         max_sessions=w.max_sessions,
+        kv_dtype=m.dtype if w.kv_dtype == "auto" else w.kv_dtype,
     )
     if not plan.fits():
         raise StageDoesNotFit(plan.refusal())
@@ -92,6 +93,7 @@ def load_stage(cfg: Config) -> Loaded:
     t0 = time.perf_counter()
     shard = load_shard(directory, start, end, m.dtype, m.device, args, m.quant)
     kernel = shard.use_kernel(native.load()) if w.native_attention else False
+    shard.use_kv_dtype(w.kv_dtype)
     if draft is not None and kernel:
         draft.use_kernel(native.load())
     units = native.use_matrix_units(w.matrix_units, w.int8_activations) if kernel else ""
@@ -132,6 +134,7 @@ def load_stage(cfg: Config) -> Loaded:
         memory_given_mib=plan.given_bytes >> 20,
         memory_given_from=plan.given_from,
         dtype=cfg.model.dtype,
+        kv_dtype=str(shard.kv_dtype).removeprefix("torch."),
         device=cfg.model.device,
         quant=cfg.model.quant,
         weights_from=shard.weights_from,

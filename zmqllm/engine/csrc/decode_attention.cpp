@@ -8,6 +8,9 @@
 // a kv head are read against that head's keys in one pass.
 #include "ops.h"
 
+#include "attention_avx512.h"
+#include "exp_bounded.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -35,75 +38,34 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// exp(x), branch-free so the compiler vectorizes the loops that call it (the softmax's,
-// silu's). Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial for
-// exp(r), then 2^n built in the exponent bits; about 1 ulp, like the vectorized exp
-// PyTorch's kernels use. x is held to [-87, 88]: below, exp is under 2^-125 (nothing
-// next to a softmax's largest 1, or to silu's 1 + exp); above, 2^n would overflow the
-// exponent (silu(x) = x / (1 + exp(-x)) below x = -88 is then x * 6e-39 where it is
-// smaller still: under 1e-36 either way).
-inline float exp_bounded(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
+// float32 to bfloat16's bits, rounded to nearest even as PyTorch's conversion rounds
+// (a cache row written here and one copied in by a prompt's forward agree).
+inline uint16_t bf16_bits(float f) {
+  if (std::isnan(f)) return 0x7FC0;
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
-
-#if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-#define ZMQLLM_AVX512_ATTENTION 1
-#include <immintrin.h>
-
-// Heads of 64 (the default model's): a query, a key or a value row is four 512-bit
-// vectors, held in registers instead of re-read through a generic loop.
-constexpr int64_t kWide = 64;
-
-// s[j] = scale * q . k_j for the len keys from kc (rows kWide apart); the largest.
-inline float scores64(const float* qr, const float* kc, int64_t len, float scale, float* s) {
-  const __m512 q0 = _mm512_loadu_ps(qr), q1 = _mm512_loadu_ps(qr + 16);
-  const __m512 q2 = _mm512_loadu_ps(qr + 32), q3 = _mm512_loadu_ps(qr + 48);
-  float mx = -INFINITY;
-  for (int64_t j = 0; j < len; ++j) {
-    const float* k = kc + j * kWide;
-    // Two chains, summed at the end: a key's four products need not wait on each other.
-    __m512 a = _mm512_mul_ps(q0, _mm512_loadu_ps(k));
-    __m512 b = _mm512_mul_ps(q1, _mm512_loadu_ps(k + 16));
-    a = _mm512_fmadd_ps(q2, _mm512_loadu_ps(k + 32), a);
-    b = _mm512_fmadd_ps(q3, _mm512_loadu_ps(k + 48), b);
-    s[j] = _mm512_reduce_add_ps(_mm512_add_ps(a, b)) * scale;
-    mx = std::max(mx, s[j]);
+// A new key or value row of D numbers into the cache at dst (float32, or bfloat16).
+inline void store_row(void* dst, const float* src, int64_t D, bool bf16) {
+  if (!bf16) {
+    std::memcpy(dst, src, D * sizeof(float));
+    return;
   }
-  return mx;
+  uint16_t* d = static_cast<uint16_t*>(dst);
+  for (int64_t j = 0; j < D; ++j) d[j] = bf16_bits(src[j]);
 }
 
-// out = sum_j p[j] * v_j over the len value rows from vc (rows kWide apart).
-inline void weighted_values64(const float* p, const float* vc, int64_t len, float* out) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-  __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-  for (int64_t j = 0; j < len; ++j) {
-    const float* v = vc + j * kWide;
-    const __m512 w = _mm512_set1_ps(p[j]);
-    a0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v), a0);
-    a1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16), a1);
-    a2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 32), a2);
-    a3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 48), a3);
+// n bfloat16 numbers widened (exactly) into buf; returns its data.
+inline const float* widen_rows(const uint16_t* src, int64_t n, std::vector<float>& buf) {
+  buf.resize(n);
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t u = static_cast<uint32_t>(src[j]) << 16;
+    std::memcpy(buf.data() + j, &u, sizeof u);
   }
-  _mm512_storeu_ps(out, a0);
-  _mm512_storeu_ps(out + 16, a1);
-  _mm512_storeu_ps(out + 32, a2);
-  _mm512_storeu_ps(out + 48, a3);
+  return buf.data();
 }
-#endif
 
 }  // namespace
 
@@ -115,12 +77,16 @@ DecodeBatch::DecodeBatch(std::vector<torch::Tensor> k, std::vector<torch::Tensor
   const size_t n = rows.size();
   TORCH_CHECK(kcache.size() == n && vcache.size() == n && pos.size() == n && lo.size() == n,
               "DecodeBatch: one cache pair, row, position and window start per session");
+  const auto dtype = n > 0 ? kcache[0].scalar_type() : torch::kFloat32;
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16,
+              "DecodeBatch: caches must be float32 or bfloat16");
+  bf16 = dtype == torch::kBFloat16;
   for (size_t i = 0; i < n; ++i) {
     TORCH_CHECK(kcache[i].dim() == 4 && kcache[i].sizes() == vcache[i].sizes(),
                 "DecodeBatch: caches are [layers, kv heads, max_len, head dim]");
-    TORCH_CHECK(kcache[i].scalar_type() == torch::kFloat32 && kcache[i].is_contiguous() &&
-                    vcache[i].scalar_type() == torch::kFloat32 && vcache[i].is_contiguous(),
-                "DecodeBatch: caches must be contiguous float32");
+    TORCH_CHECK(kcache[i].scalar_type() == dtype && kcache[i].is_contiguous() &&
+                    vcache[i].scalar_type() == dtype && vcache[i].is_contiguous(),
+                "DecodeBatch: caches must be contiguous, all float32 or all bfloat16");
     TORCH_CHECK(0 <= lo[i] && lo[i] <= pos[i] && pos[i] < kcache[i].size(2),
                 "DecodeBatch: position outside the cache");
   }
@@ -161,13 +127,15 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_new, t
   const float* vn_p = v_new.data_ptr<float>();
 
   // This forward's key/value rows go in first: every query head of a kv head reads them.
+  const bool bf16 = batch.bf16;
+  const int64_t size = bf16 ? 2 : 4;  // bytes of a cached number
   for (int64_t it = 0; it < n * KVH; ++it) {
     const int64_t i = it / KVH, kh = it % KVH;
-    const int64_t block = (layer * KVH + kh) * kcache[i].size(2) * D;
-    std::memcpy(kcache[i].data_ptr<float>() + block + pos[i] * D,
-                kn_p + rows[i] * k_new.stride(0) + kh * k_new.stride(1), D * sizeof(float));
-    std::memcpy(vcache[i].data_ptr<float>() + block + pos[i] * D,
-                vn_p + rows[i] * v_new.stride(0) + kh * v_new.stride(1), D * sizeof(float));
+    const int64_t at = ((layer * KVH + kh) * kcache[i].size(2) + pos[i]) * D * size;
+    store_row(static_cast<char*>(kcache[i].data_ptr()) + at,
+              kn_p + rows[i] * k_new.stride(0) + kh * k_new.stride(1), D, bf16);
+    store_row(static_cast<char*>(vcache[i].data_ptr()) + at,
+              vn_p + rows[i] * v_new.stride(0) + kh * v_new.stride(1), D, bf16);
   }
   // One task per (session, kv head), its G query heads reading the keys while they
   // are in cache; with fewer such tasks than twice the threads (a single stream: 3
@@ -175,29 +143,38 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_new, t
   const int64_t per = n * KVH >= 2 * at::get_num_threads() ? G : 1;
   const int64_t units = n * KVH * (G / per);
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    std::vector<float> scores, kwide, vwide;
     std::vector<float> acc(G * D);
     for (int64_t u = begin; u < end; ++u) {
       const int64_t head0 = (u % (H / per)) * per;  // first query head of this task
       const int64_t i = u / (H / per), kh = head0 / G, row = rows[i];
-      const int64_t max_len = kcache[i].size(2);
-      // This layer's, this head's [max_len, D] block of the session's cache.
-      const int64_t block = (layer * KVH + kh) * max_len * D;
-      const float* kc = kcache[i].data_ptr<float>() + block;
-      const float* vc = vcache[i].data_ptr<float>() + block;
       const int64_t first = lo[i], len = pos[i] + 1 - first;
+      // This layer's, this head's rows [first, pos] of the session's [max_len, D] cache.
+      const int64_t at = ((layer * KVH + kh) * kcache[i].size(2) + first) * D * size;
+      const void* kc = static_cast<const char*>(kcache[i].data_ptr()) + at;
+      const void* vc = static_cast<const char*>(vcache[i].data_ptr()) + at;
+      const float* q0 = q_p + row * q.stride(0) + head0 * q.stride(1);
+      float* out0 = out_p + row * H * D + head0 * D;
+#if defined(ZMQLLM_ATTENTION_AVX512)
+      scores.resize(attend_avx512_scratch(len, per));
+      if (attend_avx512(q0, q.stride(1), kc, vc, bf16, len, D, per, fscale, scores.data(),
+                        out0)) {
+        continue;
+      }
+#endif
+      const float* kr = static_cast<const float*>(kc);
+      const float* vr = static_cast<const float*>(vc);
+      if (bf16) {  // the generic loops read float32: widen this task's rows first
+        kr = widen_rows(static_cast<const uint16_t*>(kc), len * D, kwide);
+        vr = widen_rows(static_cast<const uint16_t*>(vc), len * D, vwide);
+      }
       scores.resize(per * len);
       for (int64_t g = 0; g < per; ++g) {
-        const float* qr = q_p + row * q.stride(0) + (head0 + g) * q.stride(1);
+        const float* qr = q0 + g * q.stride(1);
         float* s = scores.data() + g * len;
         float mx = -INFINITY;
-#if defined(ZMQLLM_AVX512_ATTENTION)
-        if (D == kWide) {
-          mx = scores64(qr, kc + first * D, len, fscale, s);
-        } else
-#endif
         for (int64_t j = 0; j < len; ++j) {
-          s[j] = dot(qr, kc + (first + j) * D, D) * fscale;
+          s[j] = dot(qr, kr + j * D, D) * fscale;
           mx = std::max(mx, s[j]);
         }
         for (int64_t j = 0; j < len; ++j) s[j] = exp_bounded(s[j] - mx);
@@ -206,25 +183,15 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_new, t
         const float inv = 1.f / sum;
         for (int64_t j = 0; j < len; ++j) s[j] *= inv;
       }
-#if defined(ZMQLLM_AVX512_ATTENTION)
-      if (D == kWide) {
-        for (int64_t g = 0; g < per; ++g) {
-          weighted_values64(scores.data() + g * len, vc + first * D, len,
-                            out_p + row * H * D + (head0 + g) * D);
-        }
-        continue;
-      }
-#endif
       std::fill(acc.begin(), acc.begin() + per * D, 0.f);
       for (int64_t j = 0; j < len; ++j) {
-        const float* vr = vc + (first + j) * D;
         for (int64_t g = 0; g < per; ++g) {
           const float p = scores[g * len + j];
           float* a = acc.data() + g * D;
-          for (int64_t d = 0; d < D; ++d) a[d] += p * vr[d];
+          for (int64_t d = 0; d < D; ++d) a[d] += p * vr[j * D + d];
         }
       }
-      std::memcpy(out_p + row * H * D + head0 * D, acc.data(), per * D * sizeof(float));
+      std::memcpy(out0, acc.data(), per * D * sizeof(float));
     }
   });
 }

@@ -11,12 +11,14 @@
 #include "matrix.h"  // Matrix, matmul, dequantize (quant.cpp)
 
 // The decode sessions of one forward, built once and used by every layer.
-// kcache, vcache: per session [num_layers, KVH, max_len, D], contiguous float32;
+// kcache, vcache: per session [num_layers, KVH, max_len, D], contiguous, all float32 or
+// all bfloat16 (bf16);
 // rows[i]: the row of session i in the flat batch; pos[i]: where its token goes
 // in the cache (its past length); lo[i]: the first key it sees (sliding window).
 struct DecodeBatch {
   std::vector<torch::Tensor> kcache, vcache;
   std::vector<int64_t> rows, pos, lo;
+  bool bf16 = false;
 
   DecodeBatch(std::vector<torch::Tensor> k, std::vector<torch::Tensor> v, std::vector<int64_t> r,
               std::vector<int64_t> p, std::vector<int64_t> l);  // decode_attention.cpp
