@@ -89,3 +89,13 @@ def test_generate_rejects_bad_input(tiny_model_dir: Path) -> None:
     assert empty.returncode == 2 and "empty" in empty.stderr
     bad = zmqllm("generate", "--model", str(tiny_model_dir), "--top-p", "0", "hi")
     assert bad.returncode == 2 and "top_p" in bad.stderr
+
+
+def test_a_worker_refuses_a_kv_dtype_it_cannot_keep_before_loading(tiny_model_dir: Path) -> None:
+    """bfloat16 caches under a float16 model: exit 2 naming kv_dtype, no broker needed
+    (nothing was loaded or connected)."""
+    done = zmqllm(
+        "worker", "--model", str(tiny_model_dir), "--dtype", "float16", "--kv-dtype", "bfloat16",
+        "--broker", "tcp://127.0.0.1:9",
+    )  # fmt: skip
+    assert done.returncode == 2 and "kv_dtype" in done.stderr, done.stderr

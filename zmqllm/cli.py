@@ -16,7 +16,7 @@ from pathlib import Path
 from zmqllm.bus.keys_cli import add_keys_command
 from zmqllm.client.ticket_cli import add_ticket_command
 from zmqllm.config.flags import add_setting_flags, apply_flags
-from zmqllm.config.loading import load_config
+from zmqllm.config.loading import kv_dtype_of, load_config
 from zmqllm.config.paths import default_model_dir, resolve_model_path, worker_served_name
 from zmqllm.config.settings import QUANTS, Config, ConfigError
 from zmqllm.launch.split import add_plan_command
@@ -228,6 +228,7 @@ def cmd_worker(ns: argparse.Namespace) -> int:
 
         return serve_remote(cfg)
     worker_served_name(cfg)  # a name the bus cannot carry is told before the model loads
+    kv_dtype_of(cfg.worker.kv_dtype, cfg.model.dtype)  # and a cache dtype it cannot keep
     for key, value in WORKER_THREAD_ENV.items():
         os.environ.setdefault(key, value)  # before torch (and its OpenMP) loads
     from zmqllm.engine.draft import DraftModelError

@@ -34,7 +34,8 @@ def _new_rows(n: int, kv_heads: int, head_dim: int, g: torch.Generator) -> torch
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim"), [(9, 3, 16), (9, 3, 24), (9, 3, 64), (8, 2, 128)]
+    ("heads", "kv_heads", "head_dim"),
+    [(9, 3, 16), (9, 3, 24), (8, 2, 48), (9, 3, 64), (8, 2, 80), (8, 2, 128), (18, 1, 64)],
 )
 @pytest.mark.parametrize(("past", "lo"), [(0, 0), (37, 0), (300, 290)])
 def test_decode_attention_matches_softmax_attention(
@@ -50,7 +51,8 @@ def test_decode_attention_matches_softmax_attention(
     one: the kernel writes the new rows into the caches (bfloat16 ones rounded as
     PyTorch rounds) and equals softmax(q K^T / sqrt(D)) V over the cached numbers.
     Heads of a multiple of 16 numbers up to 128 take the AVX-512 path where the CPU
-    has it (the default model's 64, Mistral 7B's 128), others the generic loops."""
+    has it (the default model's 64, Mistral 7B's 128), others the generic loops; a
+    group of 18 query heads goes in two passes."""
     g = torch.Generator().manual_seed(head_dim + past)
     caches = _caches(4, kv_heads, head_dim, cache_dtype, g)
     q = torch.randn(2, heads, head_dim, generator=g)
@@ -75,13 +77,14 @@ def test_decode_attention_matches_softmax_attention(
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 2, 128), (18, 1, 64)])
 def test_a_head_gets_the_same_bits_alone_and_in_a_crowd(
-    kernel: ModuleType,
-    cache_dtype: torch.dtype,
+    kernel: ModuleType, cache_dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
 ) -> None:
     """One session alone splits its query heads into one task each (to use both
-    threads); among many, each kv head's group is one task: the same numbers either way."""
-    heads, kv_heads, head_dim, past = 8, 2, 128, 200
+    threads); among many, each kv head's group is one task (18 heads: in two passes):
+    the same numbers either way."""
+    past = 200
     g = torch.Generator().manual_seed(7)
     kc, vc = (
         _caches(8, kv_heads, head_dim, cache_dtype, g),

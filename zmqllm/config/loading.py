@@ -135,6 +135,25 @@ def _check_layers(key: str, value: str, where: str) -> None:
         raise ConfigError(f"{key} {where}: {err}") from None
 
 
+def kv_dtype_of(kv_dtype: str, dtype: str) -> str:
+    """The dtype a stage's KV caches take: ``[worker] kv_dtype`` under a model of ``dtype``.
+    "auto" is the model's own; bfloat16 under a float32 model halves the cache; anything
+    else (a float32 cache under a 16-bit model doubles it for nothing, bfloat16 under
+    float16 drops mantissa bits the model computes with) is refused."""
+    if kv_dtype not in KV_DTYPE_CHOICES:
+        raise ConfigError(
+            f"kv_dtype must be one of {', '.join(KV_DTYPE_CHOICES)}, not {kv_dtype!r}"
+        )
+    if kv_dtype in ("auto", dtype):
+        return dtype
+    if kv_dtype == "bfloat16" and dtype == "float32":
+        return kv_dtype
+    raise ConfigError(
+        f'kv_dtype {kv_dtype} under a {dtype} model: use "auto" (its own dtype), or '
+        "bfloat16 under a float32 model"
+    )
+
+
 def _check_model(s: ModelSettings, where: str) -> ModelSettings:
     if not s.path:
         raise _fail("path", where, 'a directory, a repo id, "default" or "tiny"', s.path)

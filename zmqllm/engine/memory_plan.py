@@ -182,11 +182,17 @@ def plan_stage(
 
 
 def range_costs(
-    args: ModelArgs, dtype: str, quant: str, packed: bool = False, gguf: bool = False
+    args: ModelArgs,
+    dtype: str,
+    quant: str,
+    packed: bool = False,
+    gguf: bool = False,
+    kv_dtype: str | None = None,
 ) -> tuple[int, int, int, int]:
     """Bytes a stage needs per layer (weights, packed copy, and the KV of a minimal
     budget), for the embedding (stage 0), for the head (the last stage), and for the
-    runtime with its margin: the terms of config/weighted_split.fits."""
+    runtime with its margin: the terms of config/weighted_split.fits. ``kv_dtype``: the
+    caches' (None: ``dtype``)."""
     deep = dataclasses.replace(args, num_layers=3)
     layer = weight_bytes(deep, 1, 2, dtype, quant, gguf)
     first = weight_bytes(deep, 0, 1, dtype, quant, gguf) - layer
@@ -194,7 +200,7 @@ def range_costs(
     if packed and quant == "none" and dtype == "float32":
         layer += layer_matmul_weights(args) * 4
         last += args.vocab_size * args.hidden_size * 4
-    kv = args.kv_bytes_per_token(1, ITEMSIZE[dtype]) * min(
+    kv = args.kv_bytes_per_token(1, ITEMSIZE[kv_dtype or dtype]) * min(
         MIN_KV_TOKENS, args.max_position_embeddings
     )
     return layer + kv, first, last, RUNTIME_BYTES + KV_MARGIN_MIN

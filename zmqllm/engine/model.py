@@ -23,16 +23,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zmqllm.config.settings import KV_DTYPE_CHOICES, MAX_DRAFT_TOKENS, QUANTS
+from zmqllm.config.loading import kv_dtype_of
+from zmqllm.config.settings import MAX_DRAFT_TOKENS, QUANTS
 from zmqllm.engine import linear, quant
 from zmqllm.engine.decoder_layer import LINEAR_NAMES, DecoderLayer, ForwardPlan, RMSNorm, Segment
 from zmqllm.engine.linear import CPU_MM_MAX_ROWS_HEAD, Linear, QuantLinear
 from zmqllm.engine.quant import QuantTensor
 from zmqllm.models.model_args import ModelArgs
 
+# The dtypes a shard computes in or caches its keys and values in, by their config names.
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 # The most rows of one segment that attend in the compiled decode kernel: a decode step
 # with the most proposals a step may carry; longer segments (prompt chunks) take SDPA.
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KERNEL_ROWS = 1 + MAX_DRAFT_TOKENS
 
 __all__ = ["MistralShard"]
@@ -104,11 +107,11 @@ class MistralShard(nn.Module):
         self._decode_layers_rows = 1
 
     def use_kv_dtype(self, name: str) -> torch.dtype:
-        """Keys and values cached in ``name`` ("auto": the model's dtype; "float32" or
-        "bfloat16"); attention computes in the model's dtype either way."""
-        if name not in KV_DTYPE_CHOICES:
-            raise ValueError(f"kv dtype {name!r} is not one of {', '.join(KV_DTYPE_CHOICES)}")
-        self.kv_dtype = self.dtype if name == "auto" else TORCH_DTYPES[name]
+        """Keys and values cached in ``name`` (config.loading.kv_dtype_of: "auto" is the
+        model's dtype, "bfloat16" halves a float32 model's cache; others refused with
+        ConfigError); attention computes in the model's dtype either way."""
+        own = next(n for n, t in TORCH_DTYPES.items() if t is self.dtype)
+        self.kv_dtype = TORCH_DTYPES[kv_dtype_of(name, own)]
         return self.kv_dtype
 
     def _cpu_float32(self) -> bool:

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from zmqllm.config.loading import kv_dtype_of
 from zmqllm.config.machine import memory_available
 from zmqllm.config.settings import Config
 from zmqllm.config.weighted_split import ROWS, Figures
@@ -180,7 +181,8 @@ def measure(cfg: Config, directory: Path) -> Figures:
     else:
         memory = memory_available()[0]
     packed = w.packed_rows >= PACK_MIN_ROWS and m.device == "cpu"
-    layer, first, last, runtime = range_costs(args, m.dtype, m.quant, packed)
+    kv = kv_dtype_of(w.kv_dtype, m.dtype)
+    layer, first, last, runtime = range_costs(args, m.dtype, m.quant, packed, kv_dtype=kv)
     return Figures(
         ms_1=round(ms_1, 4),
         ms_16=round(ms_16, 4),

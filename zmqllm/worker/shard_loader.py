@@ -17,6 +17,7 @@ import torch
 from zmqllm.bus.messages import Register
 from zmqllm.bus.protocol import MAX_HEADER_BYTES
 from zmqllm.config.layers import parse_layers
+from zmqllm.config.loading import kv_dtype_of
 from zmqllm.config.machine import rss_bytes
 from zmqllm.config.paths import resolve_model_path, worker_served_name
 from zmqllm.config.settings import Config
@@ -85,7 +86,7 @@ def load_stage(cfg: Config) -> Loaded:
         available=_device_free(m.device),
         gguf=gguf_serves(directory, args, start, end, m.quant),
         max_sessions=w.max_sessions,
-        kv_dtype=m.dtype if w.kv_dtype == "auto" else w.kv_dtype,
+        kv_dtype=kv_dtype_of(w.kv_dtype, m.dtype),
     )
     if not plan.fits():
         raise StageDoesNotFit(plan.refusal())
@@ -93,7 +94,7 @@ def load_stage(cfg: Config) -> Loaded:
     t0 = time.perf_counter()
     shard = load_shard(directory, start, end, m.dtype, m.device, args, m.quant)
     kernel = shard.use_kernel(native.load()) if w.native_attention else False
-    shard.use_kv_dtype(w.kv_dtype)
+    shard.use_kv_dtype(w.kv_dtype)  # as planned above
     if draft is not None and kernel:
         draft.use_kernel(native.load())
     units = native.use_matrix_units(w.matrix_units, w.int8_activations) if kernel else ""

@@ -19,6 +19,10 @@
 
 namespace {
 
+// Heads one pass of attend takes (its per-head maxima and sums live on the stack); a
+// larger group (3 in the default model, 4 in Mistral 7B) goes in passes of this many.
+constexpr int64_t kMaxGroup = 16;
+
 // 16 cached floats as a vector: float32 as they are, bfloat16 (its bits, uint16_t) widened
 // exactly by moving them to the top half of float32's.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -111,7 +115,7 @@ void attend(const float* q, int64_t q_stride, const T* kc, const T* vc, int64_t 
   // bfloat16 keys (16 rows) and values (kBlock rows) widened: 16 KB, in L1.
   constexpr int64_t kBlock = 4096 / D;
   alignas(64) float wide[kBlock * D];
-  float mx[kAttentionMaxGroup];
+  float mx[kMaxGroup];
   std::fill(mx, mx + group, -INFINITY);
   for (int64_t j0 = 0; j0 < len; j0 += 16) {
     const int64_t n = std::min<int64_t>(16, len - j0);
@@ -125,7 +129,7 @@ void attend(const float* q, int64_t q_stride, const T* kc, const T* vc, int64_t 
       mx[g] = std::max(mx[g], _mm512_mask_reduce_max_ps(live, sc));
     }
   }
-  float inv[kAttentionMaxGroup];
+  float inv[kMaxGroup];
   for (int64_t g = 0; g < group; ++g) {
     float* sg = s + g * padded;
     const float m = mx[g];
@@ -162,29 +166,33 @@ void attend(const float* q, int64_t q_stride, const T* kc, const T* vc, int64_t 
 bool attend_avx512(const float* q, int64_t q_stride, const void* kc, const void* vc,
                    bool bf16, int64_t len, int64_t D, int64_t group, float scale,
                    float* scratch, float* out) {
-  if (D % 16 != 0 || group < 1 || group > kAttentionMaxGroup) return false;
-  switch (D / 16) {
-#define ZMQLLM_ATTEND(nv)                                            \
-  case nv:                                                           \
-    if (bf16) {                                                       \
-      attend<nv>(q, q_stride, static_cast<const uint16_t*>(kc),          \
-                 static_cast<const uint16_t*>(vc), len, group, scale, scratch, out); \
-    } else {                                                           \
-      attend<nv>(q, q_stride, static_cast<const float*>(kc),             \
-                 static_cast<const float*>(vc), len, group, scale, scratch, out); \
-    }                                                                  \
-    return true;
-    ZMQLLM_ATTEND(1)
-    ZMQLLM_ATTEND(2)
-    ZMQLLM_ATTEND(3)
-    ZMQLLM_ATTEND(4)
-    ZMQLLM_ATTEND(5)
-    ZMQLLM_ATTEND(6)
-    ZMQLLM_ATTEND(7)
-    ZMQLLM_ATTEND(8)
+  if (D % 16 != 0 || D < 16 || D > 128 || group < 1) return false;
+  for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
+    const int64_t g = std::min(kMaxGroup, group - g0);
+    const float* qg = q + g0 * q_stride;
+    float* og = out + g0 * D;
+    switch (D / 16) {
+#define ZMQLLM_ATTEND(nv)                                                                \
+  case nv:                                                                               \
+    if (bf16) {                                                                          \
+      attend<nv>(qg, q_stride, static_cast<const uint16_t*>(kc),                         \
+                 static_cast<const uint16_t*>(vc), len, g, scale, scratch, og);          \
+    } else {                                                                             \
+      attend<nv>(qg, q_stride, static_cast<const float*>(kc), static_cast<const float*>(vc), \
+                 len, g, scale, scratch, og);                                            \
+    }                                                                                    \
+    break;
+      ZMQLLM_ATTEND(1)
+      ZMQLLM_ATTEND(2)
+      ZMQLLM_ATTEND(3)
+      ZMQLLM_ATTEND(4)
+      ZMQLLM_ATTEND(5)
+      ZMQLLM_ATTEND(6)
+      ZMQLLM_ATTEND(7)
+      ZMQLLM_ATTEND(8)
 #undef ZMQLLM_ATTEND
-    default:
-      return false;
+    }
   }
+  return true;
 }
 #endif

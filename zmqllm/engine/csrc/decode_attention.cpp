@@ -1,4 +1,5 @@
-// Decode attention of many sessions in one call (CPU, float32).
+// Decode attention of many sessions in one call (CPU; float32 math over float32 or
+// bfloat16 caches).
 //
 // Each session brings one new token (a decode step) and owns its own KV cache
 // tensor [num_layers, KVH, max_len, D]. In Python that is a loop of ~10 small
@@ -12,6 +13,7 @@
 #include "exp_bounded.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <cmath>
@@ -38,23 +40,16 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// float32 to bfloat16's bits, rounded to nearest even as PyTorch's conversion rounds
-// (a cache row written here and one copied in by a prompt's forward agree).
-inline uint16_t bf16_bits(float f) {
-  if (std::isnan(f)) return 0x7FC0;
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-
-// A new key or value row of D numbers into the cache at dst (float32, or bfloat16).
+// A new key or value row of D numbers into the cache at dst (float32, or bfloat16
+// rounded by PyTorch's own conversion, so that a row written here and one copied in by
+// a prompt's forward agree).
 inline void store_row(void* dst, const float* src, int64_t D, bool bf16) {
   if (!bf16) {
     std::memcpy(dst, src, D * sizeof(float));
     return;
   }
-  uint16_t* d = static_cast<uint16_t*>(dst);
-  for (int64_t j = 0; j < D; ++j) d[j] = bf16_bits(src[j]);
+  c10::BFloat16* d = static_cast<c10::BFloat16*>(dst);
+  for (int64_t j = 0; j < D; ++j) d[j] = c10::BFloat16(src[j]);
 }
 
 // n bfloat16 numbers widened (exactly) into buf; returns its data.
