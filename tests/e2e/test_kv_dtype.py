@@ -9,31 +9,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from testbed.cluster import Cluster
 from tests.e2e.test_cluster import PROMPTS, post_chat
-from zmqllm.launch.child_process import ChildProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 
 
-@dataclass
-class KVCluster(Cluster):
-    """A Cluster whose workers cache keys and values in bfloat16."""
-
-    def _start(self, name: str, args: list[str]) -> ChildProcess:
-        if args[0] == "worker":
-            args = [*args, "--kv-dtype", "bfloat16"]
-        return super()._start(name, args)
-
-
 @pytest.fixture(scope="module")
-def kv_cluster(tmp_path_factory: pytest.TempPathFactory, e2e_model: Path) -> Iterator[KVCluster]:
-    c = KVCluster(tmp_path_factory.mktemp("kv"), e2e_model)
+def kv_cluster(tmp_path_factory: pytest.TempPathFactory, e2e_model: Path) -> Iterator[Cluster]:
+    flags = ("--kv-dtype", "bfloat16")
+    c = Cluster(tmp_path_factory.mktemp("kv"), e2e_model, worker_flags=flags)
     try:
         c.start_all(("0:2", "2:4"))
         yield c
@@ -41,7 +30,7 @@ def kv_cluster(tmp_path_factory: pytest.TempPathFactory, e2e_model: Path) -> Ite
         c.stop()
 
 
-def test_bfloat16_caches_serve_the_engine_s_text(kv_cluster: KVCluster, e2e_model: Path) -> None:
+def test_bfloat16_caches_serve_the_engine_s_text(kv_cluster: Cluster, e2e_model: Path) -> None:
     from tests.e2e.expected import sent_text
     from zmqllm.engine.generator import Generator
     from zmqllm.models.tokenizer import Tokenizer

@@ -53,12 +53,8 @@ inline void store_row(void* dst, const float* src, int64_t D, bool bf16) {
 }
 
 // n bfloat16 numbers widened (exactly) into buf; returns its data.
-inline const float* widen_rows(const uint16_t* src, int64_t n, std::vector<float>& buf) {
-  buf.resize(n);
-  for (int64_t j = 0; j < n; ++j) {
-    const uint32_t u = static_cast<uint32_t>(src[j]) << 16;
-    std::memcpy(buf.data() + j, &u, sizeof u);
-  }
+inline const float* widen_rows(const c10::BFloat16* src, int64_t n, std::vector<float>& buf) {
+  buf.assign(src, src + n);
   return buf.data();
 }
 
@@ -160,8 +156,8 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_new, t
       const float* kr = static_cast<const float*>(kc);
       const float* vr = static_cast<const float*>(vc);
       if (bf16) {  // the generic loops read float32: widen this task's rows first
-        kr = widen_rows(static_cast<const uint16_t*>(kc), len * D, kwide);
-        vr = widen_rows(static_cast<const uint16_t*>(vc), len * D, vwide);
+        kr = widen_rows(static_cast<const c10::BFloat16*>(kc), len * D, kwide);
+        vr = widen_rows(static_cast<const c10::BFloat16*>(vc), len * D, vwide);
       }
       scores.resize(per * len);
       for (int64_t g = 0; g < per; ++g) {
